@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import resource
 import sys
 import threading
 import time
@@ -45,13 +46,17 @@ log = get_logger(__name__)
 
 GiB = 2**30
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+POPULATE_STEP_BYTES = 2 * 2**20
+"""Populate and fill go 2 MiB (one huge page) at a time inside a chunk: the page the kernel
+just zeroed is still in cache when preadv overwrites it, so memory sees one write, not two."""
 _EHWPOISON = getattr(errno, "EHWPOISON", 133)  # populate hit a poisoned page
 
 
 @dataclass
 class LoadStats:
     """What a load did. ``seconds``: wall time from reservation to the last byte;
-    ``populate_s`` / ``read_s``: time summed over threads in each step; ``populate``:
+    ``populate_s`` / ``read_s``: time summed over threads in each step; ``cpu_s``: process
+    CPU time (user + system) spent meanwhile; ``populate``:
     'madvise' or 'touch'; ``anon_huge_bytes``: growth of this process's AnonHugePages
     during the load (THP-backed anonymous memory)."""
 
@@ -65,6 +70,13 @@ class LoadStats:
     read_s: float = 0.0
     anon_huge_bytes: int = 0
     read_calls: int = 0
+    cpu_s: float = 0.0
+
+    @property
+    def concurrency(self) -> float:
+        """Process CPU seconds (user + system) per wall second during the load: above 1 only
+        when several load threads ran at the same time (the GIL was released)."""
+        return self.cpu_s / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def gbps(self) -> float:
@@ -84,6 +96,28 @@ class _Chunk:
     @property
     def read_bytes(self) -> int:
         return sum(r[2] for r in self.reads)
+
+    def steps(self, step: int):
+        """Yield (lo, hi, reads) for each ``step``-byte piece of the chunk, with the reads cut
+        at the piece's bounds: populate a piece, fill it while its zeroed lines are in cache."""
+        reads, j = self.reads, 0
+        for lo in range(self.start, self.end, step):
+            hi = min(lo + step, self.end)
+            out = []
+            while j < len(reads):
+                shard, file_off, n, arena_off = reads[j]
+                a, b = max(lo, arena_off), min(hi, arena_off + n)
+                if a < b:
+                    out.append((shard, file_off + a - arena_off, b - a, a))
+                if arena_off + n > hi:
+                    break
+                j += 1
+            yield lo, hi, out
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def effective_threads(threads: int, n_chunks: int | None = None) -> int:
@@ -159,15 +193,26 @@ def plan_chunks(catalog, layout: Layout, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     return chunks
 
 
+def _policy_call():
+    """moe_service.numa's mbind (raises NumaError) once branch ``numa`` is merged; until then
+    the minimal ctypes call in moe_service.memory (raises OSError)."""
+    try:
+        from moe_service.numa import mbind
+    except ImportError:
+        return memory.mbind
+    return mbind
+
+
 def bind_regions(arena: np.ndarray, layout: Layout, mbind=None) -> int:
     """Set each region's memory policy on its arena range, before anything touches it.
 
     ``bind`` -> MPOL_BIND to its node, ``interleave`` -> MPOL_INTERLEAVE over its nodes,
-    ``local`` -> no call. ``mbind`` (default :func:`moe_service.memory.mbind`) is called as
-    ``mbind(address, nbytes, mode, nodes)``. Returns the number of calls made. Raises
-    NumaError naming the region and nodes when the kernel refuses.
+    ``local`` -> no call. Replica regions are bound too (the arena is reserved whole here).
+    ``mbind`` (default: moe_service.numa.mbind) is called as ``mbind(address, nbytes, mode,
+    nodes)``. Returns the number of calls made. Raises NumaError naming the region and nodes
+    when the kernel refuses.
     """
-    mbind = memory.mbind if mbind is None else mbind
+    mbind = _policy_call() if mbind is None else mbind
     base = memory.address_of(arena)
     calls = 0
     for r in layout.regions:
@@ -181,10 +226,10 @@ def bind_regions(arena: np.ndarray, layout: Layout, mbind=None) -> int:
             raise StageError(f"fastload: region {r.name} has unknown policy {r.policy!r}")
         try:
             mbind(base + r.arena_offset, r.nbytes, mode, nodes)
-        except OSError as e:
+        except (OSError, NumaError) as e:
             raise NumaError(
                 f"fastload: mbind of region {r.name} ({r.nbytes} bytes, {r.policy} to node(s) {list(nodes)}) "
-                f"failed: {os.strerror(e.errno or 0)}"
+                f"failed: {e}"
             ) from e
         calls += 1
     return calls
@@ -202,6 +247,7 @@ class _Loader:
         threads: int,
         populate: str,
         max_read_bytes: int,
+        step_bytes: int = 0,
     ):
         self.catalog = catalog
         self.arena = arena
@@ -210,6 +256,7 @@ class _Loader:
         self.threads = threads
         self.populate = populate  # 'madvise', 'touch' or 'none' (memory already populated)
         self.max_read_bytes = max_read_bytes
+        self.step_bytes = step_bytes
         self.next_chunk = itertools.count()
         self.done_bytes = [0] * threads
         self.populate_s = [0.0] * threads
@@ -254,24 +301,26 @@ class _Loader:
                 if i >= len(self.chunks):
                     break
                 c = self.chunks[i]
-                t0 = time.perf_counter()
-                self._populate(c)
-                t1 = time.perf_counter()
-                for shard, file_off, n, arena_off in c.reads:
-                    fd = fds.get(shard)
-                    if fd is None:
-                        fd = fds[shard] = os.open(self.catalog.shards[shard].path, os.O_RDONLY | os.O_CLOEXEC)
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    self.read_calls[w] += memory.pread_full(
-                        fd,
-                        view[arena_off : arena_off + n],
-                        file_off,
-                        path=self.catalog.shards[shard].path,
-                        max_call_bytes=self.max_read_bytes,
-                        on_read=counter,
-                    )
-                self.populate_s[w] += t1 - t0
-                self.read_s[w] += time.perf_counter() - t1
+                for lo, hi, reads in c.steps(self.step_bytes):
+                    t0 = time.perf_counter()
+                    self._populate(c.region, lo, hi)
+                    t1 = time.perf_counter()
+                    for shard, file_off, n, arena_off in reads:
+                        fd = fds.get(shard)
+                        if fd is None:
+                            path = self.catalog.shards[shard].path
+                            fd = fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                        self.read_calls[w] += memory.pread_full(
+                            fd,
+                            view[arena_off : arena_off + n],
+                            file_off,
+                            path=self.catalog.shards[shard].path,
+                            max_call_bytes=self.max_read_bytes,
+                            on_read=counter,
+                        )
+                    self.populate_s[w] += t1 - t0
+                    self.read_s[w] += time.perf_counter() - t1
         except BaseException as e:
             with self._lock:
                 self.errors.append(e)
@@ -285,27 +334,25 @@ class _Loader:
                 if self._alive == 0:
                     self.finished.set()
 
-    def _populate(self, c: _Chunk) -> None:
-        n = c.end - c.start
+    def _populate(self, r: Region, lo: int, hi: int) -> None:
         if self.populate == "madvise":
             while True:
                 try:
-                    memory.madvise(self.base + c.start, n, memory.MADV_POPULATE_WRITE)
+                    memory.madvise(self.base + lo, hi - lo, memory.MADV_POPULATE_WRITE)
                     return
                 except OSError as e:
                     if e.errno in (errno.EINTR, errno.EAGAIN):
                         continue
                     if e.errno in (errno.ENOMEM, errno.EFAULT, _EHWPOISON):
-                        r = c.region
                         raise CapacityError(
                             f"fastload: populating region {r.name} ({r.policy}, node(s) {list(r.nodes) or 'any'}) "
                             f"failed with {errno.errorcode.get(e.errno, e.errno)} at region bytes "
-                            f"{c.start - r.arena_offset}..{c.end - r.arena_offset} of {r.nbytes} "
+                            f"{lo - r.arena_offset}..{hi - r.arena_offset} of {r.nbytes} "
                             f"({r.used_bytes} used): the memory is not there"
                         ) from None
                     raise StageError(f"fastload: madvise(MADV_POPULATE_WRITE) failed: {e}") from e
         elif self.populate == "touch":
-            self.arena[c.start : c.end : PAGE_BYTES] = 0  # one write per 4 KiB page: faults it in
+            self.arena[lo:hi:PAGE_BYTES] = 0  # one write per 4 KiB page: faults it in
 
 
 def fastload(
@@ -322,6 +369,7 @@ def fastload(
     should_stop=None,
     mbind=None,
     progress_bar: bool | None = None,
+    populate_step_bytes: int = POPULATE_STEP_BYTES,
 ) -> tuple[np.ndarray, WeightStore, LoadStats]:
     """Load every primary region of ``layout`` from ``catalog``'s files into a new arena.
 
@@ -334,6 +382,8 @@ def fastload(
     ``should_stop()`` is polled at the same times and may raise to abort the load (the arena
     is freed). ``mbind(address, nbytes, mode, nodes)`` replaces the policy call (tests).
     ``progress_bar``: a tqdm bar on stderr (default: when stderr is a TTY).
+    ``populate_step_bytes``: populate and fill alternate in pieces of this size inside a
+    chunk (default 2 MiB; 0: populate the whole chunk, then read it).
 
     Raises ModelFileError (a shard shorter than the layout needs, or the file ending during
     a read), CapacityError (address space refused, or populate got ENOMEM/EFAULT: naming
@@ -356,6 +406,7 @@ def fastload(
     elif mode not in ("madvise", "touch"):
         raise ValueError(f"populate must be 'auto', 'madvise' or 'touch' (got {populate!r})")
 
+    cpu0 = _cpu_s()
     t_start = time.perf_counter()
     huge0 = memory.anon_huge_bytes()
     arena = memory.reserve_arena(layout.arena_bytes)
@@ -381,7 +432,13 @@ def fastload(
             thp=memory.thp_mode() if hugepages else "off",
         )
         loader = _Loader(
-            catalog, arena, chunks, threads=n_threads, populate=mode, max_read_bytes=max_read_bytes
+            catalog,
+            arena,
+            chunks,
+            threads=n_threads,
+            populate=mode,
+            max_read_bytes=max_read_bytes,
+            step_bytes=populate_step_bytes or chunk_bytes,
         )
         bar = _progress_bar(total, progress_bar)
         last = {"t": t_start, "bar": 0}
@@ -418,6 +475,7 @@ def fastload(
             populate_s=sum(loader.populate_s),
             read_s=sum(loader.read_s),
             anon_huge_bytes=max(0, memory.anon_huge_bytes() - huge0),
+            cpu_s=_cpu_s() - cpu0,
             read_calls=sum(loader.read_calls),
         )
     except BaseException:
@@ -434,12 +492,19 @@ def fastload(
         anon_huge_bytes=stats.anon_huge_bytes,
         populate_s=round(stats.populate_s, 3),
         read_s=round(stats.read_s, 3),
+        concurrency=round(stats.concurrency, 2),
     )
     return arena, WeightStore(arena, layout, catalog), stats
 
 
 def reread(
-    catalog, layout: Layout, arena: np.ndarray, *, threads: int = 16, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    catalog,
+    layout: Layout,
+    arena: np.ndarray,
+    *,
+    threads: int = 16,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    step_bytes: int = POPULATE_STEP_BYTES,
 ) -> LoadStats:
     """Read the model again into an arena that :func:`fastload` already filled: the same
     parallel preads, with no reservation, no policy calls and no page faults. Its rate is
@@ -447,8 +512,15 @@ def reread(
     chunks = plan_chunks(catalog, layout, chunk_bytes)
     n_threads = effective_threads(threads, len(chunks))
     loader = _Loader(
-        catalog, arena, chunks, threads=n_threads, populate="none", max_read_bytes=memory.PREAD_MAX_BYTES
+        catalog,
+        arena,
+        chunks,
+        threads=n_threads,
+        populate="none",
+        max_read_bytes=memory.PREAD_MAX_BYTES,
+        step_bytes=step_bytes or chunk_bytes,
     )
+    cpu0 = _cpu_s()
     t0 = time.perf_counter()
     loader.run(lambda: None, 1.0)
     seconds = time.perf_counter() - t0
@@ -461,6 +533,7 @@ def reread(
         False,
         read_s=sum(loader.read_s),
         read_calls=sum(loader.read_calls),
+        cpu_s=_cpu_s() - cpu0,
     )
 
 
