@@ -256,6 +256,7 @@ def run_bench(model: Path, *, threads: int = 16, repeats: int = 5, cold_repeats:
         for k in ("fastload", "single_thread", "ceiling", "ceiling_1t", "llamacpp"):
             out[f"{k}_s"] = round(med[k], 4) if med.get(k) else None
             out[f"{k}_gbps"] = _gbps(nbytes, med.get(k))
+            out[f"{k}_best_gbps"] = _gbps(nbytes, min(runs[k])) if runs.get(k) else None
         f, c, c1, lc = out["fastload_gbps"], out["ceiling_gbps"], out["ceiling_1t_gbps"], out["llamacpp_gbps"]
         out["ratio_vs_llamacpp"] = round(f / lc, 2) if f and lc else None
         out["ratio_vs_ceiling"] = round(f / c, 3) if f and c else None

@@ -8,11 +8,13 @@
               interleave -> mbind(MPOL_INTERLEAVE, nodes), local -> nothing
     chunks    each primary region cut into chunk_bytes pieces (2 MiB aligned, never crossing
               a region), each with the file ranges (Extents) that land in it
-    workers   N threads (threads, capped by usable CPUs), each taking the next chunk:
+    workers   N threads (threads, capped by usable CPUs), each taking the next chunk and
+              going through it 2 MiB (one huge page) at a time:
                 populate  madvise(MADV_POPULATE_WRITE) (or touch one byte per 4 KiB page
-                          where the kernel lacks it): the pages appear on the bound node
-                fill      preadv from the shard file straight into the arena, looping over
-                          short reads and the 0x7ffff000-byte per-call limit
+                          where the kernel lacks it): the page appears on the bound node
+                fill      preadv from the shard file straight into it while the zeroed
+                          page is still in cache, looping over short reads and the
+                          0x7ffff000-byte per-call limit
     progress  every progress_interval_s: log fastload_progress, STATUS "fastload 45% 6.1/13.5 GiB 3.2 GB/s"
 
 Both populate (ctypes) and preadv release the GIL, so Python threads run them in parallel.
@@ -56,9 +58,9 @@ _EHWPOISON = getattr(errno, "EHWPOISON", 133)  # populate hit a poisoned page
 class LoadStats:
     """What a load did. ``seconds``: wall time from reservation to the last byte;
     ``populate_s`` / ``read_s``: time summed over threads in each step; ``cpu_s``: process
-    CPU time (user + system) spent meanwhile; ``populate``:
-    'madvise' or 'touch'; ``anon_huge_bytes``: growth of this process's AnonHugePages
-    during the load (THP-backed anonymous memory)."""
+    CPU time (user + system) spent meanwhile; ``populate``: 'madvise' or 'touch' ('none'
+    for :func:`reread`); ``anon_huge_bytes``: growth of this process's AnonHugePages during
+    the load (THP-backed anonymous memory)."""
 
     bytes_loaded: int
     seconds: float
@@ -89,9 +91,8 @@ class _Chunk:
     region: Region
     start: int  # arena offsets: [start, end) is populated
     end: int
-    reads: list[tuple[int, int, int, int]] = field(
-        default_factory=list
-    )  # (shard, file_off, nbytes, arena_off)
+    # (shard, file_offset, nbytes, arena_offset), sorted by arena_offset
+    reads: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def read_bytes(self) -> int:
