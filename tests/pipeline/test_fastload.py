@@ -246,6 +246,7 @@ def test_arena_is_anonymous_memory_backed_by_huge_pages(tmp_path):
         memory.free_arena(arena)
 
 
+@pytest.mark.slow  # 2.2 GB of memory populated and compared: ~13 s on a quiet 2-core VM
 def test_tensor_over_2gib_of_a_sparse_file(tmp_path):
     """One >2 GiB tensor (a hole with random patches across the 2 GiB mark), one whole
     chunk read in one go with the per-call cap forced small: the loop and 64-bit offsets."""
