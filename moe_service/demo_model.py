@@ -36,14 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_service.errors import ModelFileError
+from moe_service.log import get_logger
 from moe_service.paths import demo_model_path
-
-try:  # the lead's log.py; structlog directly until it lands
-    from moe_service.log import get_logger
-except ImportError:  # pragma: no cover - depends on merge order
-    import structlog
-
-    get_logger = structlog.get_logger
 
 log = get_logger(__name__)
 
