@@ -210,7 +210,7 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float32)
+    return b.contiguous().view(torch.float32).clone()  # never a view of the caller's bytes
 
 
 def _f16_values(b: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,12 @@ def test_block_table_matches_gguf():
     for type_id, (block, size) in tq.BLOCK_SIZES.items():
         assert GGML_QUANT_SIZES[GGMLQuantizationType(type_id)] == (block, size)
         assert GGMLQuantizationType(type_id).name == tq.TYPE_NAMES[type_id]
+
+
+def test_output_never_aliases_the_input_bytes():
+    """F32 on the CPU device could be a mere view of the arena; it must be a copy."""
+    raw = random_tensor("F32", 2, 8)
+    arena = torch.from_numpy(raw.reshape(-1).copy())
+    got = tq.dequantize(arena, tq.F32, (2, 8))
+    arena.zero_()
+    assert torch.equal(got, torch.from_numpy(raw.view(np.float32)))
