@@ -5,10 +5,12 @@
                   at 256 MiB and 1 GiB (--h2d-mib)
     2. logits     GPU path (dense part on the GPU, weights dequantized there by torch_quant)
                   against the CPU path (quantized kernels in place) on the demo model and on a
-                  small synthetic MoE: relative L2 of the logits, top-1 agreement, greedy chain
-    3. prefill    tok/s of one 4096-token prompt (--prompt-tokens) on a synthetic MoE with
-                  Qwen3-30B-A3B layer shapes (4 layers): experts on the CPU vs offloaded to the
-                  GPU (engine.offload), plus the logits difference between the two
+                  small synthetic MoE (moe_service.synth tiny-qwen3moe, Q4_K experts):
+                  relative L2 of the logits, top-1 agreement, greedy chain
+    3. prefill    tok/s of one 4096-token prompt (--prompt-tokens) on the synthetic
+                  qwen3-30b-a3b preset (Qwen3-30B-A3B layer shapes, 4 layers, Q4_K experts):
+                  experts on the CPU vs offloaded to the GPU (engine.offload), plus the logits
+                  difference between the two
 
 Prints one table (``--json``: one JSON object). Exit status: 0 all checks passed, 1 a check
 failed, 2 no CUDA device (the script never skips silently: without CUDA it fails, unless
@@ -225,96 +227,6 @@ def check_h2d(report: Report, device: torch.device, sizes_mib: list[int], reps: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Synthetic MoE GGUF (random blocks with sane scales: fast to write at real layer shapes)
-
-
-def _blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int) -> np.ndarray:
-    """uint8 [rows, row_bytes] of ``qtype`` blocks whose values have std ~ 1/sqrt(cols) and
-    mean ~ 0 (so activations neither vanish nor blow up across layers)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    nb = rows * cols // block
-    target = 1.0 / np.sqrt(cols)
-    b = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
-
-    def f16(v):
-        return np.full(nb, v, np.float16).view(np.uint8).reshape(nb, 2)
-
-    if qtype == 8:  # Q8_0: d * int8 (uniform in [-128, 127]: std ~ 74)
-        b[:, 0:2] = f16(target / 74)
-    elif qtype == 2:  # Q4_0: d * (q - 8), std(q) ~ 4.6
-        b[:, 0:2] = f16(target / 4.6)
-    elif qtype == 12:  # Q4_K: scales = mins = 8 for every sub-block; x = 8d*q - 8dmin, dmin = 7.5 d
-        d = target / (8 * 4.6)
-        b[:, 0:2], b[:, 2:4] = f16(d), f16(7.5 * d)
-        b[:, 4:8], b[:, 8:12], b[:, 12:16] = 0x08, 0x08, 0x88
-    elif qtype == 14:  # Q6_K: sc = 1, x = d * (q - 32), std(q) ~ 18.5
-        b[:, 192:208] = 1
-        b[:, 208:210] = f16(target / 18.5)
-    else:
-        raise ValueError(f"synthetic blocks for ggml type {qtype} are not written here (use 2, 8, 12 or 14)")
-    return b.reshape(rows, -1)
-
-
-def write_synthetic_moe(
-    path: Path, *, arch: str = "qwen3moe", n_layer: int = 2, n_embd: int = 256, n_head: int = 4,
-    n_head_kv: int = 2, head_dim: int = 64, n_expert: int = 8, n_expert_used: int = 2, n_ff_exp: int = 256,
-    n_vocab: int = 512, n_ctx: int = 8192, expert_type: int = 12, dense_type: int = 8, seed: int = 0,
-) -> Path:
-    """Write a random-weight MoE GGUF (``llama`` or ``qwen3moe``) that the engine and llama.cpp load."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    rng = np.random.default_rng(seed)
-    H, E, FF = n_embd, n_expert, n_ff_exp  # noqa: N806
-    w = GGUFWriter(str(path), arch)
-    w.add_block_count(n_layer)
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(FF)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1e6)
-    w.add_expert_count(E)
-    w.add_expert_used_count(n_expert_used)
-    if arch != "llama":
-        w.add_expert_feed_forward_length(FF)
-    w.add_token_list([f"t{i}" for i in range(n_vocab)])
-    dq, eq = GGMLQuantizationType(dense_type), GGMLQuantizationType(expert_type)
-
-    def mat(rows, cols, q=dense_type):
-        return _blocks(rng, q, rows, cols)
-
-    ones = np.ones(H, np.float32)
-    w.add_tensor("token_embd.weight", mat(n_vocab, H), raw_dtype=dq)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", ones)
-        w.add_tensor(p + "attn_q.weight", mat(n_head * head_dim, H), raw_dtype=dq)
-        w.add_tensor(p + "attn_k.weight", mat(n_head_kv * head_dim, H), raw_dtype=dq)
-        w.add_tensor(p + "attn_v.weight", mat(n_head_kv * head_dim, H), raw_dtype=dq)
-        w.add_tensor(p + "attn_output.weight", mat(H, n_head * head_dim), raw_dtype=dq)
-        if arch == "qwen3moe":
-            w.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, np.float32))
-            w.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, np.float32))
-        w.add_tensor(p + "ffn_norm.weight", ones)
-        w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32))
-        w.add_tensor(p + "ffn_gate_exps.weight", mat(E * FF, H, expert_type).reshape(E, FF, -1), raw_dtype=eq)
-        w.add_tensor(p + "ffn_up_exps.weight", mat(E * FF, H, expert_type).reshape(E, FF, -1), raw_dtype=eq)
-        w.add_tensor(p + "ffn_down_exps.weight", mat(E * H, FF, expert_type).reshape(E, H, -1), raw_dtype=eq)
-    w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", mat(n_vocab, H), raw_dtype=dq)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(path)
-
-
-# ---------------------------------------------------------------------------------------------
 # The engine pieces (branches load, kernels/ops and oracle provide them)
 
 
@@ -333,6 +245,10 @@ def _engine():
     except ImportError as e:
         raise ImportError(f"moe_service.engine.ops (the CPU kernels, branch kernels/ops) is missing: {e}") from e
     return GGUFModel, WeightStore, CpuOps, Model, ExpertOffload
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -394,11 +310,12 @@ def check_logits(report: Report, device: torch.device, workdir: Path, dry_run: b
         compare_paths(report, "demo", demo, device, prompt, tol_rel_l2=3e-2, n_greedy=4 if dry_run else 8)
     except Exception as e:
         report.fail("logits", "demo model", e)
-    # a small synthetic qwen3moe with K-quant experts
+    # a small synthetic qwen3moe with K-quant experts (moe_service.synth)
     try:
-        path = write_synthetic_moe(workdir / "synth-small.gguf", arch="qwen3moe", n_layer=2, n_embd=256, n_head=4,
-                                   n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=512)
-        prompt = list(range(3, 3 + (16 if dry_run else 64)))
+        from moe_service.synth import write_synthetic
+
+        path = write_synthetic(workdir / "synth-small.gguf", "tiny-qwen3moe", expert_type="Q4_K")
+        prompt = list(range(300, 300 + (16 if dry_run else 64)))
         compare_paths(report, "synthetic", path, device, prompt, tol_rel_l2=3e-2, n_greedy=4)
     except Exception as e:
         report.fail("logits", "synthetic MoE", e)
@@ -411,32 +328,32 @@ def check_logits(report: Report, device: torch.device, workdir: Path, dry_run: b
 def check_prefill(report: Report, device: torch.device, workdir: Path, prompt_tokens: int, n_layer: int,
                   dry_run: bool) -> None:
     GGUFModel, WeightStore, CpuOps, Model, ExpertOffload = _engine()  # noqa: N806
-    shapes = (dict(n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=4, n_ff_exp=256,
-                   n_vocab=1024) if dry_run else
-              dict(n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768,
-                   n_vocab=32768))  # Qwen3-30B-A3B layer shapes, few layers
+    from moe_service.synth import resolve_preset, write_synthetic
+
+    # Qwen3-30B-A3B's layer shapes (128 experts of 768, top-8, hidden 2048), few layers
+    preset = resolve_preset("tiny-qwen3moe" if dry_run else "qwen3-30b-a3b", n_layer=n_layer, expert_type="Q4_K")
     t0 = time.perf_counter()
-    path = write_synthetic_moe(workdir / "synth-prefill.gguf", arch="qwen3moe", n_layer=n_layer,
-                               n_ctx=prompt_tokens + 64, **shapes)
+    path = write_synthetic(workdir / "synth-prefill.gguf", preset)
     catalog = GGUFModel.open(path)
     weights = WeightStore.load_simple(catalog)
-    report.add("prefill", "synthetic model", f"{catalog.total_bytes / GiB:.2f} GiB",
-               detail=f"qwen3moe, {n_layer} layers, {shapes['n_expert']} experts of {shapes['n_ff_exp']}, "
-               f"top-{shapes['n_expert_used']}, hidden {shapes['n_embd']}, Q4_K experts; built in "
-               f"{time.perf_counter() - t0:.1f} s")
+    report.add("prefill", "synthetic model", _size(catalog.total_bytes),
+               detail=f"{preset.name}: {preset.arch}, {n_layer} layers, {preset.n_expert} experts of "
+               f"{preset.n_ff_exp}, top-{preset.n_expert_used}, hidden {preset.n_embd}, {preset.expert_type} "
+               f"experts; written and loaded in {time.perf_counter() - t0:.1f} s")
     ops = CpuOps()
     model = Model(catalog, weights, ops, device=str(device), dense="torch", n_seq=1, n_ctx=prompt_tokens + 64)
     offload = ExpertOffload.for_model(model, min_batch_tokens=min(2048, prompt_tokens))
     staging = offload.reserve()
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, shapes["n_vocab"], prompt_tokens)]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, preset.n_vocab, prompt_tokens)]
 
-    def run(with_offload: bool) -> tuple[float, torch.Tensor]:
+    def run(with_offload: bool, tokens: list[int] = prompt) -> tuple[float, torch.Tensor]:
         model.offload = offload if with_offload else None
+        offload.forget()  # a real model has far more layers than two buffers: nothing stays staged
         s = model.kv.alloc()
         try:
             sync(device)
             t = time.perf_counter()
-            logits = model.step([(s, prompt)])
+            logits = model.step([(s, tokens)])
             sync(device)
             return time.perf_counter() - t, logits
         finally:
@@ -444,15 +361,21 @@ def check_prefill(report: Report, device: torch.device, workdir: Path, prompt_to
 
     results = {}
     for mode in (False, True):
-        run(mode)  # warm: kernel compilation, cuBLAS handles, first-touch of staging
-        secs, logits = min((run(mode) for _ in range(2)), key=lambda r: r[0])
+        if mode:
+            run(True)  # warm: cuBLAS handles, staging buffers touched, allocator pools grown
+            before = (offload.stats.copied_bytes, offload.stats.copy_calls)
+            secs, logits = min((run(True) for _ in range(2)), key=lambda r: r[0])
+            per_run = ((offload.stats.copied_bytes - before[0]) // 2, (offload.stats.copy_calls - before[1]) // 2)
+        else:  # the CPU path is the slow one: warm its kernels on a short prompt, time once
+            run(False, prompt[:256])
+            secs, logits = run(False)
         results[mode] = (secs, logits)
         report.add("prefill", f"{prompt_tokens} tokens, experts on {'GPU (offload)' if mode else 'CPU'}",
                    f"{prompt_tokens / secs:,.0f} tok/s", numbers={"tok_s": prompt_tokens / secs, "seconds": secs})
     speedup = results[False][0] / results[True][0]
     report.add("prefill", "offload speedup", f"{speedup:.2f}x", numbers={"speedup": speedup},
-               detail=f"{offload.stats.copied_bytes / GiB:.2f} GiB copied H2D in {offload.stats.copy_calls} calls, "
-               f"staging {staging / GiB:.2f} GiB, compute {offload.compute_dtype}")
+               detail=f"per prompt {_size(per_run[0])} copied H2D in {per_run[1]} calls, "
+               f"staging {_size(staging)}, compute {offload.compute_dtype}")
     err = rel_l2(results[True][1], results[False][1])
     report.add("prefill", "rel L2 offload vs CPU experts", f"{err:.2e}", "PASS" if err < 5e-2 else "FAIL",
                "tolerance 5e-2 (bfloat16 GEMMs vs 8-bit activations on the CPU)", rel_l2=err)

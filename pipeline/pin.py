@@ -82,20 +82,27 @@ class CudaRuntime(Protocol):
     def cudaGetDevice(self) -> tuple[int, int]: ...
 
 
-def _loaded_cudart_paths() -> list[str]:
-    """Paths of the libcudart shared objects mapped into this process (/proc/self/maps)."""
-    paths: list[str] = []
+def _loaded_cudart_paths(maps: str = "/proc/self/maps") -> list[str]:
+    """Shared objects mapped into this process that may hold torch's CUDA runtime: every
+    ``libcudart.so*`` (pip wheels of torch load nvidia-cuda-runtime's), then
+    ``libtorch_cuda.so`` (builds that link the runtime statically into it)."""
+    cudart: list[str] = []
+    torch_cuda: list[str] = []
     try:
-        with open("/proc/self/maps") as f:
+        with open(maps) as f:
             for line in f:
                 parts = line.split(None, 5)
-                if len(parts) == 6:
-                    path = parts[5].strip()
-                    if os.path.basename(path).startswith("libcudart.so") and path not in paths:
-                        paths.append(path)
+                if len(parts) < 6:
+                    continue
+                path = parts[5].strip()
+                base = os.path.basename(path)
+                if base.startswith("libcudart.so") and path not in cudart:
+                    cudart.append(path)
+                elif base.startswith("libtorch_cuda.so") and path not in torch_cuda:
+                    torch_cuda.append(path)
     except OSError:
         pass
-    return paths
+    return cudart + torch_cuda
 
 
 class TorchCudart:
@@ -117,16 +124,21 @@ class TorchCudart:
             raise PinError(f"cannot pin: {reason}")
         self._rt = torch.cuda.cudart()  # initialises CUDA; maps libcudart
         lib = None
-        for path in _loaded_cudart_paths():
+        candidates = _loaded_cudart_paths()
+        for path in candidates:
             try:
-                lib = ctypes.CDLL(path)
-                break
-            except OSError:
+                candidate = ctypes.CDLL(path)
+                candidate.cudaGetLastError  # noqa: B018  (raises AttributeError when absent)
+                candidate.cudaDeviceGetAttribute  # noqa: B018
+            except (OSError, AttributeError):
                 continue
+            lib = candidate
+            break
         if lib is None:
             raise PinError(
-                "cannot pin: torch's CUDA runtime library (libcudart.so*) is not mapped into the "
-                "process, so cudaGetLastError/cudaDeviceGetAttribute cannot be called on it"
+                "cannot pin: no library mapped into the process exports torch's CUDA runtime "
+                f"(looked at {', '.join(candidates) or 'no libcudart.so* or libtorch_cuda.so'}), so "
+                "cudaGetLastError/cudaDeviceGetAttribute cannot be called on it"
             )
         lib.cudaGetLastError.restype = ctypes.c_int
         lib.cudaGetLastError.argtypes = []

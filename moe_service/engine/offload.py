@@ -230,6 +230,11 @@ class ExpertOffload:
             return False
         return tag[1] is None or set(int(e) for e in experts) <= tag[1]
 
+    def forget(self) -> None:
+        """Treat both staging buffers as empty: every layer is copied again (benchmarks that
+        must not profit from a model short enough to stay staged between prompts)."""
+        self.tags = [None, None]
+
     def start_step(self) -> None:
         """Begin copying the first MoE layer of a big batch now (before its attention runs)."""
         if self.plans and self.prefetch and not self._has(0, 0, np.arange(0)):

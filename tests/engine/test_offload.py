@@ -172,6 +172,9 @@ def test_two_layers_double_buffering_prefetch_and_reuse():
     off.moe(l0.es, torch.from_numpy(h), ids, w)
     off.moe(l1.es, torch.from_numpy(h), ids, w)
     assert off.stats.copied_bytes == copied
+    off.forget()  # unless told to forget them
+    off.moe(l0.es, torch.from_numpy(h), ids, w)
+    assert off.stats.copied_bytes == 2 * copied  # layer 3 copied again, layer 5 prefetched again
     assert off.reserve() == 2 * off.buffer_bytes
 
 

@@ -383,3 +383,19 @@ def test_preflight_on_this_machine_uses_the_real_probes():
 def test_torch_cudart_refuses_cleanly_without_cuda():
     with pytest.raises(PinError, match="cannot pin: torch"):
         pin_mod.TorchCudart()
+
+
+def test_the_runtime_library_is_found_in_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /venv/lib/python3.11/site-packages/torch/lib/libtorch_cuda.so\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+        "7f04-7f05 r--p 00001000 08:01 2 /venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+        "7f06-7f07 rw-p 00000000 00:00 0 \n"
+        "7f08-7f09 r-xp 00000000 08:01 3 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+    )
+    assert pin_mod._loaded_cudart_paths(str(maps)) == [
+        "/venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12",
+        "/venv/lib/python3.11/site-packages/torch/lib/libtorch_cuda.so",
+    ]
+    assert pin_mod._loaded_cudart_paths(str(tmp_path / "absent")) == []
