@@ -311,7 +311,8 @@ def pin_chunks(
     total_bytes, seconds)`` after each. Returns the :class:`PinnedRegions`. On a failed call,
     or when ``check_shutdown`` raises, the chunks registered so far are unregistered in reverse
     order and the CUDA error is cleared; a failed call raises PinError naming the region,
-    offset, size, flags and the CUDA error (name and text).
+    offset, size, flags and the CUDA error (name and text), with the same as attributes
+    ``chunk`` (:class:`PinChunk`), ``flags`` and ``cuda_error`` (the cudaError_t number).
     """
     pinned = PinnedRegions(rt, base_address, flags)
     total = sum(c.nbytes for c in chunks)
@@ -327,12 +328,14 @@ def pin_chunks(
                 what = _cuda_error(rt, err)
                 _clear_error(rt)
                 registered = len(pinned.chunks)
-                raise PinError(
+                error = PinError(
                     f"cudaHostRegister failed for region {c.region!r} ({c.role}) at region offset "
                     f"{c.region_offset} (address {ptr:#x}), {c.nbytes} bytes ({_gib(c.nbytes)}), "
                     f"flags {flags} ({flags_name(flags)}), chunk {i + 1} of {len(chunks)}: {what}; "
                     f"the {registered} chunk(s) registered before it were unregistered"
                 )
+                error.chunk, error.flags, error.cuda_error = c, flags, err
+                raise error
             pinned.chunks.append(c)
             done += c.nbytes
             if on_progress is not None:

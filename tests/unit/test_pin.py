@@ -176,6 +176,7 @@ def test_failure_on_call_3_unregisters_2_and_1_clears_the_error_and_names_everyt
                  "already mapped", "chunk 3 of", "2 chunk(s) registered before it were unregistered"):
         assert part in msg, part
     assert ei.value.exit_code == 5
+    assert (ei.value.chunk, ei.value.flags, ei.value.cuda_error) == (third, 0, 712)
 
 
 def test_a_shutdown_between_chunks_unregisters_what_was_registered():
