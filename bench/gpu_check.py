@@ -230,8 +230,17 @@ def check_h2d(report: Report, device: torch.device, sizes_mib: list[int], reps: 
 # The engine pieces (branches load, kernels/ops and oracle provide them)
 
 
+def make_cpu_ops():
+    """The CPU kernel backend as the warmup stage builds it (every usable core, fused MoE)."""
+    from moe_service.engine.ops import CpuOps
+    from moe_service.numa import Topology
+
+    return CpuOps(Topology.read(), threads=0, fused_moe=True)
+
+
 def _engine():
-    """(GGUFModel, WeightStore, CpuOps, Model, ExpertOffload) or ImportError naming what is missing."""
+    """(GGUFModel, WeightStore, make_cpu_ops, Model, ExpertOffload) or ImportError naming what
+    is missing."""
     from moe_service.engine.model import Model
     from moe_service.engine.offload import ExpertOffload
     from moe_service.weights import WeightStore
@@ -241,10 +250,11 @@ def _engine():
     except ImportError as e:
         raise ImportError(f"moe_service.gguf_model (the catalog, branch load) is missing: {e}") from e
     try:
-        from moe_service.engine.ops import CpuOps
+        import moe_service.engine.ops  # noqa: F401
+        import moe_service.numa  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"moe_service.engine.ops (the CPU kernels, branch kernels/ops) is missing: {e}") from e
-    return GGUFModel, WeightStore, CpuOps, Model, ExpertOffload
+        raise ImportError(f"the CPU kernels (moe_service.engine.ops, moe_service.numa) are missing: {e}") from e
+    return GGUFModel, WeightStore, make_cpu_ops, Model, ExpertOffload
 
 
 def _size(nbytes: int) -> str:

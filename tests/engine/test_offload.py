@@ -249,10 +249,11 @@ def test_model_ffn_offload_matches_the_cpu_fused_moe():
     is on main. The CPU kernels quantize activations to 8 bits (as llama.cpp), the offload
     does not: agreement to ~1% relative."""
     ops_mod = pytest.importorskip("moe_service.engine.ops")
+    numa = pytest.importorskip("moe_service.numa")
     layer = SynthLayer(E=8)
     off = ExpertOffload(layer.arena, [layer.es], "cpu", min_batch_tokens=16)
     m, lw = _bare_model(layer, off)
-    m.ops = ops_mod.CpuOps()
+    m.ops = ops_mod.CpuOps(numa.Topology.read(), threads=0, fused_moe=True)  # as the warmup stage builds it
     h = torch.from_numpy(np.random.default_rng(8).standard_normal((16, 64)).astype(np.float32))
     ids, w = m.route(lw, h)
     cpu = m.ops.moe(layer.arena, np.ascontiguousarray(h.numpy()), ids, w, layer.es)

@@ -56,13 +56,22 @@ class ReferenceOps:
         return out
 
 
+def _cpu_kernels():
+    """The CPU kernel backend as the warmup stage builds it (moe_service.engine.ops.CpuOps)."""
+    from moe_service.engine.ops import CpuOps
+    from moe_service.numa import Topology
+
+    return CpuOps(Topology.read(), threads=0, fused_moe=True)
+
+
 def _ops_choices():
     yield pytest.param(ReferenceOps, id="reference-ops")
     try:
-        from moe_service.engine.ops import CpuOps
+        import moe_service.engine.ops  # noqa: F401
+        import moe_service.numa  # noqa: F401
     except ImportError:
         return
-    yield pytest.param(CpuOps, id="cpu-kernels")
+    yield pytest.param(_cpu_kernels, id="cpu-kernels")
 
 
 @pytest.fixture(scope="module")
