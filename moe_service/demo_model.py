@@ -37,7 +37,7 @@ import numpy as np
 
 from moe_service.errors import ModelFileError
 from moe_service.log import get_logger
-from moe_service.paths import demo_model_path
+from moe_service.paths import demo_model_path, fsync_dir
 
 log = get_logger(__name__)
 
@@ -186,6 +186,7 @@ def build_demo_model(out: Path | None = None, force: bool = False, source: Path 
         os.fsync(fout.fileno())
         writer.close()
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)

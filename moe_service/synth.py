@@ -3,10 +3,11 @@
 They are benchmark inputs (Qwen3-30B-A3B expert shapes at 4 layers) and oracle inputs
 (llama.cpp loads them, tests/fixtures/golden holds its outputs). The same (preset, n_layer,
 expert_type, seed) always gives a byte-identical file: every random byte comes from
-``PCG64(SeedSequence([seed, crc32(tensor name), chunk]))`` raw 64-bit outputs (a stream numpy
-guarantees across versions, NEP 19), turned into weights with integer arithmetic and single
-IEEE float casts only (no transcendental functions, no reductions), so no numpy version or
-CPU changes a byte. Fixtures record the sha256 of each file; tests regenerate and compare.
+``PCG64(SeedSequence([seed, crc32(tensor name), chunk]))`` raw 64-bit outputs (numpy keeps
+bit generators' raw streams and SeedSequence stable across versions; Generator methods such
+as ``normal`` carry no such promise, so none is used), turned into weights with integer
+arithmetic and single correctly-rounded float operations only (no transcendental functions,
+no reductions), so no numpy version or CPU changes a byte. Fixtures record the sha256 of each file; tests regenerate and compare.
 
 Architectures (llama.cpp tensor names, ggml shapes {ne0, ne1, ne2}; H hidden, E experts,
 I expert width, V vocab, Dh head dim, Nh / Nkv heads):
@@ -62,6 +63,7 @@ import numpy as np
 
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
+from moe_service.paths import fsync_dir
 
 log = get_logger(__name__)
 
@@ -562,6 +564,7 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
         os.fsync(fout.fileno())
         writer.close()
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
