@@ -569,24 +569,39 @@ def move_pages(addrs: Sequence[int] | np.ndarray, nodes: Sequence[int] | np.ndar
     return status
 
 
-def sample_addresses(addr: int, nbytes: int, step_bytes: int = SAMPLE_STEP_BYTES) -> np.ndarray:
-    """uint64 addresses of the pages sampled in ``[addr, addr + nbytes)``: the page holding
-    ``addr``, then one every ``step_bytes`` (at least one page when nbytes > 0)."""
+def sample_addresses(addr: int, nbytes: int, step_bytes: int = SAMPLE_STEP_BYTES,
+                     seed: int | None = None) -> np.ndarray:
+    """uint64 addresses of the pages sampled in ``[addr, addr + nbytes)``: one page in each
+    ``step_bytes`` window starting at the page holding ``addr`` (at least one page when
+    nbytes > 0).
+
+    ``seed=None`` takes the first page of each window. With a seed the page inside each window
+    is drawn at random (reproducibly): interleaved 4 KiB pages go round-robin, so a fixed
+    2 MiB stride (512 pages) would see one node only on 2, 4 or 8 nodes.
+    """
     if nbytes <= 0:
         return np.zeros(0, dtype=np.uint64)
     start = addr - addr % PAGE_BYTES
-    n = (addr + nbytes - start + step_bytes - 1) // step_bytes
-    return (start + np.arange(n, dtype=np.uint64) * np.uint64(step_bytes)).astype(np.uint64)
+    end = addr + nbytes
+    n = (end - start + step_bytes - 1) // step_bytes
+    base = start + np.arange(n, dtype=np.uint64) * np.uint64(step_bytes)
+    if seed is not None and step_bytes > PAGE_BYTES:
+        pages = np.random.default_rng(seed).integers(0, step_bytes // PAGE_BYTES, size=n, dtype=np.uint64)
+        cand = base + pages * np.uint64(PAGE_BYTES)
+        base = np.where(cand < end, cand, base)  # the last window may be short
+    return base.astype(np.uint64)
 
 
-def page_nodes(addr: int, nbytes: int, step_bytes: int = SAMPLE_STEP_BYTES) -> tuple[np.ndarray, np.ndarray]:
+def page_nodes(addr: int, nbytes: int, step_bytes: int = SAMPLE_STEP_BYTES,
+               seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Which node each sampled page of ``[addr, addr + nbytes)`` is on, without touching it.
 
     Returns (addresses uint64 [S], status int32 [S]): status >= 0 is the node, -ENOENT an
     absent page (never touched), other negatives errno values. One 4 KiB page per
-    ``step_bytes`` (2 MiB: one sample per transparent huge page). Raises NumaError.
+    ``step_bytes`` window (2 MiB: one sample per transparent huge page); ``seed``: see
+    :func:`sample_addresses`. Raises NumaError.
     """
-    addrs = sample_addresses(addr, nbytes, step_bytes)
+    addrs = sample_addresses(addr, nbytes, step_bytes, seed)
     return addrs, move_pages(addrs)
 
 
