@@ -1,0 +1,1 @@
+"""Importing this module registers every stage that exists (see pipeline.spec.STAGES)."""
