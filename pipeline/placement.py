@@ -30,13 +30,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import structlog
-
 from moe_service import numa
 from moe_service.errors import NumaError, StageError
 from moe_service.layout import Layout, Region
+from moe_service.log import get_logger
+from pipeline.spec import Stage, register_stage
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _POLICY_MODE = {"bind": numa.MPOL_BIND, "interleave": numa.MPOL_INTERLEAVE}
 
@@ -99,6 +99,7 @@ class ResidencyReport:
     migrated: list[str] = field(default_factory=list)
     before: list[RegionResidency] = field(default_factory=list)
     seconds: float = 0.0
+    note: str = ""
 
     def bytes_per_node(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -123,6 +124,7 @@ class ResidencyReport:
 
     def to_dict(self) -> dict:
         return {
+            "note": self.note,
             "bytes_per_node": {str(k): v for k, v in self.bytes_per_node().items()},
             "on_plan_fraction": self.on_plan_fraction(),
             "migrated": list(self.migrated),
@@ -259,3 +261,64 @@ def status_line(report: ResidencyReport) -> str:
     moved = f", migrated {len(report.migrated)} region(s)" if report.migrated else ""
     return f"placement: {100 * report.on_plan_fraction():.1f}% of sampled pages on plan{moved}; {bpn}"
 
+
+
+def placement_settings(config) -> dict:
+    cfg = getattr(config, "placement", None)
+
+    def get(name, default):
+        value = getattr(cfg, name, default) if cfg is not None else default
+        return default if value is None else value
+
+    return {
+        "migrate": bool(get("migrate", True)),
+        "strict": bool(get("strict", True)),
+        "step_bytes": int(get("sample_stride_bytes", numa.SAMPLE_STEP_BYTES)),
+        "interleave_tolerance": float(get("interleave_tolerance", 0.10)),
+    }
+
+
+def single_node_reason(layout: Layout | None, topology) -> str | None:
+    """Why there is nothing to place (one-node host, one-node plan, only local regions), or None."""
+    if topology is not None and not topology.is_multi_node:
+        return f"one NUMA node on this host (node {topology.node_ids[0]})"
+    if layout is not None and len(layout.nodes) <= 1:
+        return f"the plan uses one node ({list(layout.nodes)})"
+    if layout is not None and all(r.policy == "local" for r in layout.primary_regions()):
+        return f"policy {layout.policy!r} binds nothing"
+    return None
+
+
+@register_stage
+class PlacementStage(Stage):
+    """Verifies the residency of every primary region fastload filled (``ctx.arena``,
+    ``ctx.layout``), migrates stray pages and re-verifies; sets ``ctx.residency`` (a
+    :class:`ResidencyReport`; on a one-node host an empty report whose ``note`` says why).
+    Settings: ``[placement]`` verify, migrate, strict, sample_stride_bytes, interleave_tolerance."""
+
+    name = "placement"
+    requires = ("fastload",)
+    summary = "verify every region's pages are on their planned node(s), migrate strays; sets ctx.residency"
+
+    def skip_reason(self, ctx) -> str | None:
+        cfg = getattr(ctx.config, "placement", None)
+        if cfg is not None and not getattr(cfg, "verify", True):
+            return "placement.verify = false"
+        return None
+
+    def run(self, ctx) -> None:
+        if ctx.arena is None or ctx.layout is None:
+            raise StageError("placement: there is no loaded arena to check (fastload did not fill ctx.arena)")
+        reason = single_node_reason(ctx.layout, ctx.topology)
+        if reason:
+            ctx.residency = ResidencyReport(note=f"nothing to place: {reason}")
+            log.info("placement_nothing_to_place", stage=self.name, reason=reason)
+            ctx.status(f"placement: nothing to place ({reason})")
+            return
+        s = placement_settings(ctx.config)
+        ctx.status(f"placement: checking {len(ctx.layout.primary_regions())} regions")
+        report = place(ctx.arena, ctx.layout, migrate=s["migrate"], strict=s["strict"], step_bytes=s["step_bytes"],
+                       interleave_tolerance=s["interleave_tolerance"], stage=self.name)
+        ctx.residency = report
+        log_residency(report, self.name)
+        ctx.status(status_line(report))

@@ -61,6 +61,15 @@ def _cfg(obj, name: str, default):
     return default if value is None else value
 
 
+def _sections(numa_cfg, replication_cfg=None):
+    """Accept either the ``numa``/``replication`` sections or the whole Settings object
+    (anything with a ``numa`` attribute) as ``numa_cfg``."""
+    if numa_cfg is not None and hasattr(numa_cfg, "numa"):
+        settings = numa_cfg
+        return settings.numa, replication_cfg if replication_cfg is not None else getattr(settings, "replication", None)
+    return numa_cfg, replication_cfg
+
+
 def expert_home(e: int, n_expert: int, n_nodes: int) -> int:
     """Index (into the plan's node list) of expert ``e``'s home under ``expert_shard``:
     ``e * n_nodes // n_expert``, so each node holds one contiguous run of experts."""
@@ -200,8 +209,10 @@ def plan(catalog, topology: Topology, numa_cfg=None, replication_cfg=None, gpu_n
     node: dense tensors are bound there instead of interleaved. ``strict``: raise
     CapacityError when a node cannot hold its share (else the caller reads
     :func:`check_capacity`). Raises ConfigError for an unknown policy, bad node list or too
-    many replicas.
+    many replicas. ``numa_cfg`` may also be the whole Settings (then ``replication_cfg`` defaults
+    to its ``replication`` section).
     """
+    numa_cfg, replication_cfg = _sections(numa_cfg, replication_cfg)
     policy = str(_cfg(numa_cfg, "policy", "expert_shard"))
     if policy not in POLICIES:
         raise ConfigError(f"numa.policy: unknown policy {policy!r} (choose one of {', '.join(POLICIES)})")
@@ -406,6 +417,7 @@ def check_capacity(layout: Layout, topology: Topology, numa_cfg=None) -> list[st
     """One sentence per node (and for the whole host) that cannot hold its share of ``layout``,
     with needed vs available bytes; [] when everything fits. Available = the node's MemFree +
     reclaimable (see NodeInfo) less ``numa.node_reserve_gib``."""
+    numa_cfg, _ = _sections(numa_cfg)
     reserve = int(float(_cfg(numa_cfg, "node_reserve_gib", DEFAULT_NODE_RESERVE_GIB)) * GIB)
     problems = []
     for node, need in sorted(node_need_bytes(layout).items()):

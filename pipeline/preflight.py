@@ -33,14 +33,13 @@ import resource
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-import structlog
-
 from moe_service.errors import CapacityError, PreflightError
 from moe_service.layout import Layout
+from moe_service.log import get_logger
 from moe_service.numa import Topology
 from pipeline.plan import DEFAULT_NODE_RESERVE_GIB, GIB, node_need_bytes
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Status = Literal["ok", "warn", "fail"]
 DEFAULT_CPU_FLAGS = ("avx2", "fma", "f16c")
