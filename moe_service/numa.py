@@ -546,8 +546,9 @@ def move_pages(addrs: Sequence[int] | np.ndarray, nodes: Sequence[int] | np.ndar
     ``addrs``: page addresses (any address inside the page). ``nodes``: target node per page,
     or None to only ask where each page is. ``flags``: MPOL_MF_MOVE (pages mapped only by us)
     or MPOL_MF_MOVE_ALL. Returns int32 [len(addrs)] status: the node holding each page after
-    the call, or a negative errno (-ENOENT: page not present, -EFAULT: not mapped, -EBUSY /
-    -ENOMEM: could not move). Raises NumaError when the call itself fails.
+    the call, or a negative errno (-ENOENT: page not present (-EFAULT on kernels before about
+    6.4 for never-touched anonymous pages), -EFAULT: not mapped, -EBUSY / -ENOMEM: could not
+    move). Raises NumaError when the call itself fails.
     """
     a = np.ascontiguousarray(np.asarray(addrs, dtype=np.uint64))
     tgt = None if nodes is None else np.ascontiguousarray(np.asarray(nodes, dtype=np.int32))
@@ -596,8 +597,8 @@ def page_nodes(addr: int, nbytes: int, step_bytes: int = SAMPLE_STEP_BYTES,
                seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Which node each sampled page of ``[addr, addr + nbytes)`` is on, without touching it.
 
-    Returns (addresses uint64 [S], status int32 [S]): status >= 0 is the node, -ENOENT an
-    absent page (never touched), other negatives errno values. One 4 KiB page per
+    Returns (addresses uint64 [S], status int32 [S]): status >= 0 is the node, -ENOENT (or
+    -EFAULT on older kernels) an absent page (never touched), other negatives errno values. One 4 KiB page per
     ``step_bytes`` window (2 MiB: one sample per transparent huge page); ``seed``: see
     :func:`sample_addresses`. Raises NumaError.
     """
@@ -606,9 +607,14 @@ def page_nodes(addr: int, nbytes: int, step_bytes: int = SAMPLE_STEP_BYTES,
 
 
 def status_counts(status: np.ndarray) -> tuple[dict[int, int], int, int]:
-    """({node: samples}, absent samples (-ENOENT), other errors) of a move_pages status array."""
+    """({node: samples}, absent samples, other errors) of a move_pages status array.
+
+    Absent = never touched: -ENOENT on recent kernels, -EFAULT on older ones (6.1 answers a
+    missing anonymous page with -EFAULT through FOLL_DUMP); callers query mapped ranges only,
+    so -EFAULT cannot mean "not mapped" here.
+    """
     nodes, counts = np.unique(status[status >= 0], return_counts=True)
-    absent = int(np.count_nonzero(status == -errno_mod.ENOENT))
+    absent = int(np.count_nonzero((status == -errno_mod.ENOENT) | (status == -errno_mod.EFAULT)))
     other = int(np.count_nonzero(status < 0)) - absent
     return {int(n): int(c) for n, c in zip(nodes, counts, strict=True)}, absent, other
 

@@ -11,11 +11,12 @@ checks its own)::
              interleave:  every sample on one of the region's nodes; spread reported
              local:       reported only
     repair   mbind(region, same policy, MPOL_MF_MOVE): the kernel migrates every page of
-             the range that breaks the policy (not only the sampled ones), then re-sample
+             the range that breaks the policy (not only the sampled ones), then re-sample;
+             up to 3 passes (a page that is busy at that moment is skipped silently)
     report   residency table (bytes per node per region) -> log event placement_residency,
              STATUS line, ctx.residency for /metrics
 
-A sample that is absent (-ENOENT) in a region fastload filled means a page was never written:
+A sample that is absent (-ENOENT; -EFAULT on older kernels) in a region fastload filled means a page was never written:
 reported, and an error under ``placement.strict``. On a one-node host (or a one-node plan)
 the stage records that there is nothing to place and does nothing else.
 
@@ -37,6 +38,9 @@ from moe_service.log import get_logger
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
+
+MIGRATE_ATTEMPTS = 3
+"""mbind(MPOL_MF_MOVE) passes over a region with strays before placement gives up on it."""
 
 _POLICY_MODE = {"bind": numa.MPOL_BIND, "interleave": numa.MPOL_INTERLEAVE}
 
@@ -201,12 +205,22 @@ def place(arena, layout: Layout, regions: list[Region] | None = None, *, migrate
             log.warning("placement_strays", stage=stage, region=region.name, policy=region.policy,
                         nodes=list(region.nodes), stray_samples=res.stray, samples=res.samples,
                         found=res.node_samples)
-            migrate_region(arena, region)
             report.migrated.append(region.name)
-            report.regions[i] = region_residency(arena_address(arena), region, step_bytes)
+            for attempt in range(1, MIGRATE_ATTEMPTS + 1):
+                migrate_region(arena, region)
+                report.regions[i] = region_residency(arena_address(arena), region, step_bytes)
+                if not report.regions[i].stray:
+                    break
+                # a page busy at that moment (on a per-CPU LRU list, under I/O) is skipped by the
+                # kernel without an error: the next pass usually takes it
+                log.info("placement_migrate_again", stage=stage, region=region.name, attempt=attempt,
+                         stray_samples=report.regions[i].stray)
     report.seconds = time.monotonic() - t0
     for res in report.regions:
-        if res.policy == "interleave" and res.interleave_imbalance() > interleave_tolerance:
+        # with 2 MiB pages a node's share of a region is off by up to one page: judge only
+        # regions big enough for that to stay inside the tolerance
+        judged = res.used_bytes * interleave_tolerance >= len(res.planned_nodes) * numa.SAMPLE_STEP_BYTES
+        if res.policy == "interleave" and judged and res.interleave_imbalance() > interleave_tolerance:
             log.warning("placement_interleave_uneven", stage=stage, region=res.name,
                         share={str(k): round(v, 3) for k, v in res.share().items()},
                         tolerance=interleave_tolerance)

@@ -189,7 +189,7 @@ class ReplicationStage(Stage):
     chunk_bytes; ``[placement]`` migrate, strict, sample_stride_bytes."""
 
     name = "replication"
-    requires = ("fastload",)
+    requires = ("placement",)
     summary = "copy expert replicas / mirror copies node to node, verify their residency"
 
     def skip_reason(self, ctx) -> str | None:
