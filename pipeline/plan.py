@@ -5,7 +5,8 @@ catalog (sizes, offsets), the NUMA :class:`~moe_service.numa.Topology` and the c
 returns a :class:`~moe_service.layout.Layout`. Policies (``numa.policy``)::
 
     expert_shard  expert e of each layer -> node e * N // E (a node's experts are contiguous in
-                  the file: one extent per (tensor, node)); one bind region per node;
+                  the file: one extent per (tensor, node)), or e % N with
+                  numa.expert_homes = "round_robin"; one bind region per node;
                   dense tensors interleaved over all nodes, or bound to the GPU's node
                   | experts node0 | experts node1 | ... | dense | replicas node0 | replicas node1 |
     interleave    one region holding every tensor, pages interleaved over all nodes
@@ -26,7 +27,8 @@ raises :class:`~moe_service.errors.CapacityError` naming the node and both numbe
 :func:`plan_summary` / :func:`format_plan` give ``moe-service plan`` its JSON and its table.
 
 Config read (attributes of ``numa_cfg`` / ``replication_cfg``; pydantic models or any object):
-``numa.policy`` (str, default "expert_shard"), ``numa.nodes`` (list[int], default [] = every
+``numa.policy`` (str, default "expert_shard"), ``numa.expert_homes`` (str, default
+"contiguous"), ``numa.nodes`` (list[int], default [] = every
 memory node with CPUs this process may use), ``numa.node_reserve_gib`` (float, default 1.0),
 ``replication.replicas`` (int, default 0).
 """
@@ -83,6 +85,21 @@ def home_ranges(n_expert: int, n_nodes: int) -> list[tuple[int, int]]:
         # smallest e with e * n_nodes // n_expert >= i  <=>  e >= ceil(i * n_expert / n_nodes)
         bounds[i] = min(n_expert, -(-i * n_expert // n_nodes))
     return [(bounds[i], bounds[i + 1]) for i in range(n_nodes)]
+
+
+HOME_RULES = ("contiguous", "round_robin")
+
+
+def home_members(n_expert: int, n_nodes: int, rule: str = "contiguous") -> list[list[int]]:
+    """Experts homed on each node index, ascending: ``contiguous`` (e * N // E, the
+    expert_shard default: one run of the file per node) or ``round_robin`` (e % N: spreads
+    each group of consecutive experts over every node, which balances group-limited routers
+    better; see bench/placement.py). Raises ConfigError for another rule."""
+    if rule == "contiguous":
+        return [list(range(lo, hi)) for lo, hi in home_ranges(n_expert, n_nodes)]
+    if rule == "round_robin":
+        return [list(range(i, n_expert, n_nodes)) for i in range(n_nodes)]
+    raise ConfigError(f"numa.expert_homes: unknown rule {rule!r} (choose one of {', '.join(HOME_RULES)})")
 
 
 def replica_chunks(home: int, candidates: Iterable[int], k: int, topology: Topology,
@@ -241,7 +258,9 @@ def plan(catalog, topology: Topology, numa_cfg=None, replication_cfg=None, gpu_n
     elif policy == "mirror":
         layout = _plan_mirror(catalog, nodes)
     else:
-        layout = _plan_expert_shard(catalog, topology, nodes, replicas, gpu_node)
+        homes_rule = str(_cfg(numa_cfg, "expert_homes", "contiguous"))
+        home_members(1, 1, homes_rule)  # validates the rule name
+        layout = _plan_expert_shard(catalog, topology, nodes, replicas, gpu_node, homes_rule)
     if replicas and layout.replicas != replicas:
         warnings.append(f"replication.replicas={replicas} ignored: policy {policy!r} on {len(nodes)} node(s) "
                         "has no per-node expert homes to replicate")
@@ -341,7 +360,7 @@ def _plan_mirror(catalog, nodes: tuple[int, ...]) -> Layout:
 
 
 def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], replicas: int,
-                       gpu_node: int | None) -> Layout:
+                       gpu_node: int | None, homes_rule: str = "contiguous") -> Layout:
     n_nodes = len(nodes)
     expert_names = _expert_names(catalog)
     node_b = {n: _RegionBuilder(f"experts.node{n}", "primary", "bind", (n,)) for n in nodes}
@@ -354,15 +373,16 @@ def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], repl
         if t.name not in expert_names:
             off = dense.add_file(t.shard, t.file_offset, t.nbytes)
             slots.tensors[t.name] = [(dense, off)]
-    # expert tensors in file order, each split into one contiguous run per node
+    # expert tensors in file order; each node's experts in expert order (contiguous homes: one
+    # run of the file per (tensor, node), merged into one extent)
     order = {name: i for i, name in enumerate(catalog.tensors)}
     ets = sorted((et for kinds in catalog.expert_layers.values() for et in kinds.values()),
                  key=lambda et: order.get(et.tensor.name, 0))
     for et in ets:
         per = slots.experts.setdefault((et.layer, et.kind), [[] for _ in range(et.n_expert)])
-        for i, (lo, hi) in enumerate(home_ranges(et.n_expert, n_nodes)):
+        for i, members in enumerate(home_members(et.n_expert, n_nodes, homes_rule)):
             b = node_b[nodes[i]]
-            for e in range(lo, hi):
+            for e in members:
                 shard, file_offset, nbytes = et.slab(e)
                 per[e].append((b, b.add_file(shard, file_offset, nbytes), nodes[i]))
     primaries = [node_b[n] for n in nodes if node_b[n].off > 0] + ([dense] if dense.off > 0 else [])
@@ -373,17 +393,17 @@ def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], repl
         rep_b = {n: _RegionBuilder(f"replicas.node{n}", "replica", "bind", (n,)) for n in nodes}
         candidates = [n for n in nodes if topology.node(n).cpus] or list(nodes)
         load: dict[int, int] = {}
-        chunk_cache: dict[tuple[int, int, int], list] = {}
+        chunk_cache: dict[tuple[int, int], list] = {}
         for et in ets:
             per = slots.experts[(et.layer, et.kind)]
-            for i, (lo, hi) in enumerate(home_ranges(et.n_expert, n_nodes)):
-                key = (nodes[i], lo, hi)
+            for i, members in enumerate(home_members(et.n_expert, n_nodes, homes_rule)):
+                key = (nodes[i], et.n_expert)
                 if key not in chunk_cache:
-                    chunk_cache[key] = replica_chunks(nodes[i], candidates, replicas, topology, lo, hi, load)
+                    chunk_cache[key] = replica_chunks(nodes[i], candidates, replicas, topology, 0, len(members), load)
                 for c_lo, c_hi, targets in chunk_cache[key]:
                     for tgt in targets:
                         rb = rep_b[tgt]
-                        for e in range(c_lo, c_hi):
+                        for e in members[c_lo:c_hi]:
                             b0, off0, _ = per[e][0]
                             src = b0.region.arena_offset + off0
                             per[e].append((rb, rb.add_copy(src, et.slab_bytes), tgt))

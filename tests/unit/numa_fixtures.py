@@ -184,6 +184,7 @@ class Cfg:
     """Stand-in for the config sections the planner reads (numa, replication)."""
 
     policy: str = "expert_shard"
+    expert_homes: str = "contiguous"
     nodes: list[int] = field(default_factory=list)
     node_reserve_gib: float = 0.0
     replicas: int = 0

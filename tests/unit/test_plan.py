@@ -219,3 +219,17 @@ def test_format_plan(tmp_path):
     assert s["primary_experts_per_node"] == {"0": 8, "1": 8, "2": 8, "3": 8}
     text = format_plan(s)
     assert "fits: yes" in text and "experts.node3" in text and "replicas.node0" in text
+
+
+def test_round_robin_homes(tmp_path):
+    topo = four_nodes(tmp_path)
+    cat = fake_catalog(n_layers=2, n_expert=32, slab_bytes=4096)
+    layout = plan(cat, topo, Cfg(expert_homes="round_robin"), Cfg(replicas=1))
+    check_consistent(layout, cat)
+    p = layout.experts[(0, "up")]
+    assert p.nodes[:, 0].tolist() == [e % 4 for e in range(32)]
+    assert all(p.nodes[e, 1] in ({2, 3} if e % 4 < 2 else {0, 1}) for e in range(32))
+    node0 = next(r for r in layout.regions if r.name == "experts.node0")
+    assert len(node0.extents) == 2 * 3 * 8  # one slab per extent: a node's experts are not adjacent in the file
+    with pytest.raises(ConfigError, match="numa.expert_homes"):
+        plan(cat, topo, Cfg(expert_homes="striped"), Cfg())
