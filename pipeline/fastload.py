@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moe_service import memory
+from moe_service import memory, numa
 from moe_service.errors import CapacityError, ModelFileError, NumaError, StageError
 from moe_service.layout import PAGE_BYTES, REGION_ALIGN_BYTES, Layout, Region, align_up
 from moe_service.log import get_logger
@@ -194,35 +194,25 @@ def plan_chunks(catalog, layout: Layout, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     return chunks
 
 
-def _policy_call():
-    """moe_service.numa's mbind (raises NumaError) once branch ``numa`` is merged; until then
-    the minimal ctypes call in moe_service.memory (raises OSError)."""
-    try:
-        from moe_service.numa import mbind
-    except ImportError:
-        return memory.mbind
-    return mbind
-
-
 def bind_regions(arena: np.ndarray, layout: Layout, mbind=None) -> int:
     """Set each region's memory policy on its arena range, before anything touches it.
 
     ``bind`` -> MPOL_BIND to its node, ``interleave`` -> MPOL_INTERLEAVE over its nodes,
     ``local`` -> no call. Replica regions are bound too (the arena is reserved whole here).
-    ``mbind`` (default: moe_service.numa.mbind) is called as ``mbind(address, nbytes, mode,
-    nodes)``. Returns the number of calls made. Raises NumaError naming the region and nodes
+    ``mbind`` (default :func:`moe_service.numa.mbind`) is called as ``mbind(address, nbytes,
+    mode, nodes)``. Returns the number of calls made. Raises NumaError naming the region and nodes
     when the kernel refuses.
     """
-    mbind = _policy_call() if mbind is None else mbind
+    mbind = numa.mbind if mbind is None else mbind
     base = memory.address_of(arena)
     calls = 0
     for r in layout.regions:
         if r.policy == "local" or r.nbytes == 0:
             continue
         if r.policy == "bind":
-            mode, nodes = memory.MPOL_BIND, tuple(r.nodes[:1])
+            mode, nodes = numa.MPOL_BIND, tuple(r.nodes[:1])
         elif r.policy == "interleave":
-            mode, nodes = memory.MPOL_INTERLEAVE, tuple(r.nodes or layout.nodes)
+            mode, nodes = numa.MPOL_INTERLEAVE, tuple(r.nodes or layout.nodes)
         else:
             raise StageError(f"fastload: region {r.name} has unknown policy {r.policy!r}")
         try:

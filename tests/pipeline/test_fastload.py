@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from moe_service import memory
+from moe_service import memory, numa
 from moe_service.config import load_config
 from moe_service.errors import CapacityError, Interrupted, ModelFileError
 from moe_service.gguf_model import GGUFModel
@@ -33,7 +33,6 @@ from moe_service.layout import (
 from pipeline.context import PipelineContext
 from pipeline.fastload import (
     FastloadStage,
-    _policy_call,
     effective_threads,
     fastload,
     plan_chunks,
@@ -44,15 +43,6 @@ from tests.gguf_factory import write_moe_gguf, write_sparse_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
-
-
-def policy_at(address: int) -> tuple[int, list[int]]:
-    """(mode, nodes) of the memory policy at ``address`` (get_mempolicy, MPOL_F_ADDR)."""
-    try:
-        from moe_service.numa import get_mempolicy
-    except ImportError:
-        return memory.get_mempolicy_at(address)
-    return get_mempolicy(address)
 
 
 def file_bytes(catalog, shard: int, offset: int, nbytes: int) -> bytes:
@@ -144,7 +134,7 @@ def test_hand_built_layout_binds_before_first_touch(split_model, monkeypatch):
         events.append(("madvise", advice, addr, n))
         real_madvise(addr, n, advice)
 
-    real_mbind = _policy_call()
+    real_mbind = numa.mbind
 
     def spy_mbind(addr, n, mode, nodes):
         events.append(("mbind", mode, addr, n, nodes))
@@ -156,9 +146,9 @@ def test_hand_built_layout_binds_before_first_touch(split_model, monkeypatch):
         base = memory.address_of(arena)
         binds = [e for e in events if e[0] == "mbind"]
         assert binds == [
-            ("mbind", memory.MPOL_BIND, base + r.arena_offset, r.nbytes, (0,))
+            ("mbind", numa.MPOL_BIND, base + r.arena_offset, r.nbytes, (0,))
             if r.policy == "bind"
-            else ("mbind", memory.MPOL_INTERLEAVE, base + r.arena_offset, r.nbytes, (0,))
+            else ("mbind", numa.MPOL_INTERLEAVE, base + r.arena_offset, r.nbytes, (0,))
             for r in layout.regions
         ]
         first_populate = next(
@@ -167,9 +157,9 @@ def test_hand_built_layout_binds_before_first_touch(split_model, monkeypatch):
         assert max(i for i, e in enumerate(events) if e[0] == "mbind") < first_populate
         # the kernel holds the policies we asked for
         experts_r, dense_r, replica_r = layout.regions
-        assert policy_at(base + experts_r.arena_offset) == (memory.MPOL_BIND, [0])
-        assert policy_at(base + dense_r.arena_offset) == (memory.MPOL_INTERLEAVE, [0])
-        assert policy_at(base + replica_r.arena_offset) == (memory.MPOL_BIND, [0])
+        assert numa.get_mempolicy(base + experts_r.arena_offset) == (numa.MPOL_BIND, [0])
+        assert numa.get_mempolicy(base + dense_r.arena_offset) == (numa.MPOL_INTERLEAVE, [0])
+        assert numa.get_mempolicy(base + replica_r.arena_offset) == (numa.MPOL_BIND, [0])
         # bytes: every slab at its scattered place, every dense tensor
         for (layer, kind), p in layout.experts.items():
             et = m.expert_tensor(layer, kind)
@@ -358,7 +348,7 @@ def test_peak_rss_is_the_bytes_loaded_and_no_more(tmp_path):
     write_sparse_gguf(tmp_path / "r.gguf", 384 * MiB)
     script = textwrap.dedent(f"""
         import json
-        from moe_service import memory
+        from moe_service import memory, numa
         from moe_service.gguf_model import GGUFModel
         from moe_service.layout import plain_layout
         from pipeline.fastload import fastload
