@@ -8,8 +8,10 @@
               interleave -> mbind(MPOL_INTERLEAVE, nodes), local -> nothing
     chunks    each primary region cut into chunk_bytes pieces (2 MiB aligned, never crossing
               a region), each with the file ranges (Extents) that land in it
-    workers   N threads (threads, capped by usable CPUs), each taking the next chunk and
-              going through it 2 MiB (one huge page) at a time:
+    workers   N threads (threads, capped by usable CPUs), each taking the next chunk,
+              asking the kernel to read its file ranges ahead (fadvise WILLNEED: a cold page
+              cache fills while the worker works) and going through it 2 MiB (one huge page)
+              at a time:
                 populate  madvise(MADV_POPULATE_WRITE) (or touch one byte per 4 KiB page
                           where the kernel lacks it): the page appears on the bound node
                 fill      preadv from the shard file straight into it while the zeroed
@@ -114,6 +116,16 @@ class _Chunk:
                     break
                 j += 1
             yield lo, hi, out
+
+    def file_ranges(self) -> list[tuple[int, int, int]]:
+        """(shard, file_offset, nbytes) of the chunk's reads, contiguous ones merged."""
+        out: list[list[int]] = []
+        for shard, file_off, n, _ in sorted(self.reads, key=lambda r: (r[0], r[1])):
+            if out and out[-1][0] == shard and out[-1][1] + out[-1][2] == file_off:
+                out[-1][2] += n
+            else:
+                out.append([shard, file_off, n])
+        return [tuple(r) for r in out]
 
 
 def _cpu_s() -> float:
@@ -239,6 +251,7 @@ class _Loader:
         populate: str,
         max_read_bytes: int,
         step_bytes: int = 0,
+        prefetch: bool = False,
     ):
         self.catalog = catalog
         self.arena = arena
@@ -248,6 +261,7 @@ class _Loader:
         self.populate = populate  # 'madvise', 'touch' or 'none' (memory already populated)
         self.max_read_bytes = max_read_bytes
         self.step_bytes = step_bytes
+        self.prefetch = prefetch
         self.next_chunk = itertools.count()
         self.done_bytes = [0] * threads
         self.populate_s = [0.0] * threads
@@ -292,18 +306,16 @@ class _Loader:
                 if i >= len(self.chunks):
                     break
                 c = self.chunks[i]
+                if self.prefetch:
+                    for shard, file_off, n in c.file_ranges():
+                        os.posix_fadvise(self._fd(fds, shard), file_off, n, os.POSIX_FADV_WILLNEED)
                 for lo, hi, reads in c.steps(self.step_bytes):
                     t0 = time.perf_counter()
                     self._populate(c.region, lo, hi)
                     t1 = time.perf_counter()
                     for shard, file_off, n, arena_off in reads:
-                        fd = fds.get(shard)
-                        if fd is None:
-                            path = self.catalog.shards[shard].path
-                            fd = fds[shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                         self.read_calls[w] += memory.pread_full(
-                            fd,
+                            self._fd(fds, shard),
                             view[arena_off : arena_off + n],
                             file_off,
                             path=self.catalog.shards[shard].path,
@@ -324,6 +336,14 @@ class _Loader:
                 self._alive -= 1
                 if self._alive == 0:
                     self.finished.set()
+
+    def _fd(self, fds: dict[int, int], shard: int) -> int:
+        """This worker's descriptor of ``shard`` (each worker has its own: own readahead state)."""
+        fd = fds.get(shard)
+        if fd is None:
+            fd = fds[shard] = os.open(self.catalog.shards[shard].path, os.O_RDONLY | os.O_CLOEXEC)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd
 
     def _populate(self, r: Region, lo: int, hi: int) -> None:
         if self.populate == "madvise":
@@ -361,6 +381,7 @@ def fastload(
     mbind=None,
     progress_bar: bool | None = None,
     populate_step_bytes: int = POPULATE_STEP_BYTES,
+    prefetch: bool = True,
 ) -> tuple[np.ndarray, WeightStore, LoadStats]:
     """Load every primary region of ``layout`` from ``catalog``'s files into a new arena.
 
@@ -374,7 +395,10 @@ def fastload(
     is freed). ``mbind(address, nbytes, mode, nodes)`` replaces the policy call (tests).
     ``progress_bar``: a tqdm bar on stderr (default: when stderr is a TTY).
     ``populate_step_bytes``: populate and fill alternate in pieces of this size inside a
-    chunk (default 2 MiB; 0: populate the whole chunk, then read it).
+    chunk (default 2 MiB; 0: populate the whole chunk, then read it). ``prefetch``:
+    posix_fadvise(WILLNEED) over a chunk's file ranges when a worker starts it, so a cold
+    page cache is filled while the worker populates and copies (~0.1 ms per 64 MiB when the
+    file is already cached; measured 1.5-2.3 GB/s instead of 0.5-1.3 GB/s cold here).
 
     Raises ModelFileError (a shard shorter than the layout needs, or the file ending during
     a read), CapacityError (address space refused, or populate got ENOMEM/EFAULT: naming
@@ -430,6 +454,7 @@ def fastload(
             populate=mode,
             max_read_bytes=max_read_bytes,
             step_bytes=populate_step_bytes or chunk_bytes,
+            prefetch=prefetch,
         )
         bar = _progress_bar(total, progress_bar)
         last = {"t": t_start, "bar": 0}
