@@ -316,6 +316,10 @@ def test_chunks_are_2mib_aligned_within_regions(split_model):
         )
         assert c.end - c.start <= 4 * MiB
         assert all(c.start <= a and a + n <= c.end for _, _, n, a in c.reads)
+        ranges = c.file_ranges()  # what prefetch asks the kernel to read ahead: merged, same bytes
+        assert sum(n for _, _, n in ranges) == c.read_bytes and len(ranges) <= len(c.reads)
+        for (s1, o1, n1), (s2, o2, _) in zip(ranges, ranges[1:], strict=False):
+            assert s1 < s2 or o1 + n1 < o2
     assert sum(c.read_bytes for c in chunks) == split_model.total_bytes
 
 
