@@ -8,10 +8,11 @@
               interleave -> mbind(MPOL_INTERLEAVE, nodes), local -> nothing
     chunks    each primary region cut into chunk_bytes pieces (2 MiB aligned, never crossing
               a region), each with the file ranges (Extents) that land in it
-    workers   N threads (threads, capped by usable CPUs), each taking the next chunk,
-              asking the kernel to read its file ranges ahead (fadvise WILLNEED: a cold page
-              cache fills while the worker works) and going through it 2 MiB (one huge page)
-              at a time:
+    prefetch  (optional, off by default) one thread walks the chunks in order a few chunks
+              ahead of the workers, asking the kernel to read their file ranges (fadvise
+              WILLNEED): a cold page cache fills as one stream while the workers work
+    workers   N threads (threads, capped by usable CPUs), each taking the next chunk and
+              going through it 2 MiB (one huge page) at a time:
                 populate  madvise(MADV_POPULATE_WRITE) (or touch one byte per 4 KiB page
                           where the kernel lacks it): the page appears on the bound node
                 fill      preadv from the shard file straight into it while the zeroed
@@ -263,6 +264,8 @@ class _Loader:
         self.step_bytes = step_bytes
         self.prefetch = prefetch
         self.next_chunk = itertools.count()
+        self.taken = 0  # chunks handed to workers so far (the prefetcher stays a window ahead)
+        self.taken_cv = threading.Condition()
         self.done_bytes = [0] * threads
         self.populate_s = [0.0] * threads
         self.read_s = [0.0] * threads
@@ -278,6 +281,8 @@ class _Loader:
             threading.Thread(target=self._work, args=(w,), name=f"fastload-{w}", daemon=True)
             for w in range(self.threads)
         ]
+        if self.prefetch:
+            workers.append(threading.Thread(target=self._prefetch, name="fastload-prefetch", daemon=True))
         for t in workers:
             t.start()
         try:
@@ -287,6 +292,9 @@ class _Loader:
             self.stop.set()
             raise
         finally:
+            self.stop.set()  # the prefetcher may still be ahead: stop it
+            with self.taken_cv:
+                self.taken_cv.notify_all()
             for t in workers:
                 t.join()
         if self.errors:
@@ -305,10 +313,11 @@ class _Loader:
                 i = next(self.next_chunk)
                 if i >= len(self.chunks):
                     break
-                c = self.chunks[i]
                 if self.prefetch:
-                    for shard, file_off, n in c.file_ranges():
-                        os.posix_fadvise(self._fd(fds, shard), file_off, n, os.POSIX_FADV_WILLNEED)
+                    with self.taken_cv:
+                        self.taken = max(self.taken, i + 1)
+                        self.taken_cv.notify_all()
+                c = self.chunks[i]
                 for lo, hi, reads in c.steps(self.step_bytes):
                     t0 = time.perf_counter()
                     self._populate(c.region, lo, hi)
@@ -336,6 +345,27 @@ class _Loader:
                 self._alive -= 1
                 if self._alive == 0:
                     self.finished.set()
+
+    def _prefetch(self) -> None:
+        """One read-ahead stream over the chunks in order, ``threads + 1`` chunks ahead of the
+        workers: posix_fadvise(WILLNEED) makes the kernel read a cold file while the workers
+        populate and copy, as one sequential stream rather than one per worker."""
+        fds: dict[int, int] = {}
+        window = self.threads + 1
+        try:
+            for i, c in enumerate(self.chunks):
+                with self.taken_cv:
+                    while not self.stop.is_set() and i >= self.taken + window:
+                        self.taken_cv.wait(0.5)
+                if self.stop.is_set():
+                    break
+                for shard, file_off, n in c.file_ranges():
+                    os.posix_fadvise(self._fd(fds, shard), file_off, n, os.POSIX_FADV_WILLNEED)
+        except OSError as e:  # read-ahead is advice: a failure only costs speed
+            log.warning("fastload_prefetch_failed", stage="fastload", error=str(e))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def _fd(self, fds: dict[int, int], shard: int) -> int:
         """This worker's descriptor of ``shard`` (each worker has its own: own readahead state)."""
@@ -381,7 +411,7 @@ def fastload(
     mbind=None,
     progress_bar: bool | None = None,
     populate_step_bytes: int = POPULATE_STEP_BYTES,
-    prefetch: bool = True,
+    prefetch: bool = False,
 ) -> tuple[np.ndarray, WeightStore, LoadStats]:
     """Load every primary region of ``layout`` from ``catalog``'s files into a new arena.
 
@@ -395,10 +425,13 @@ def fastload(
     is freed). ``mbind(address, nbytes, mode, nodes)`` replaces the policy call (tests).
     ``progress_bar``: a tqdm bar on stderr (default: when stderr is a TTY).
     ``populate_step_bytes``: populate and fill alternate in pieces of this size inside a
-    chunk (default 2 MiB; 0: populate the whole chunk, then read it). ``prefetch``:
-    posix_fadvise(WILLNEED) over a chunk's file ranges when a worker starts it, so a cold
-    page cache is filled while the worker populates and copies (~0.1 ms per 64 MiB when the
-    file is already cached; measured 1.5-2.3 GB/s instead of 0.5-1.3 GB/s cold here).
+    chunk (default 2 MiB; 0: populate the whole chunk, then read it). ``prefetch``: a
+    read-ahead thread (posix_fadvise WILLNEED, one sequential stream a few chunks ahead of
+    the workers) so a cold file is read while the workers populate and copy (~0.1 ms per
+    64 MiB when the file is already cached). Off by default: on this project's test VM
+    (virtio disk, read_ahead_kb 8192) the kernel's own read-ahead did as well or better
+    (98 MB file cold: 2.4 GB/s without, 1.4 with; 4.3 GiB: 1.9 both); it is meant for hosts
+    with a small read_ahead_kb, to be measured there with ``bench fastload``.
 
     Raises ModelFileError (a shard shorter than the layout needs, or the file ending during
     a read), CapacityError (address space refused, or populate got ENOMEM/EFAULT: naming

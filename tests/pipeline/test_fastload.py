@@ -86,6 +86,21 @@ def test_every_tensor_and_slab_equals_the_file(split_model):
         memory.free_arena(arena)
 
 
+def test_prefetch_thread_and_whole_chunk_populate_load_the_same_bytes(split_model):
+    m = split_model
+    layout = plain_layout(m)
+    for kw in ({"prefetch": True}, {"populate_step_bytes": 0}):
+        arena, store, stats = fastload(m, layout, threads=2, chunk_bytes=2 * MiB, **kw)
+        try:
+            for name, t in m.tensors.items():
+                assert store.tensor(name).tobytes() == file_bytes(m, t.shard, t.file_offset, t.nbytes), (
+                    kw,
+                    name,
+                )
+        finally:
+            memory.free_arena(arena)
+
+
 def hand_layout(m: GGUFModel) -> Layout:
     """Experts bound to node 0 in reverse expert order (slabs scattered over the file), dense
     tensors interleaved, and an empty replica region: what a plan for one node could make."""
