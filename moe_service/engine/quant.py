@@ -703,6 +703,13 @@ def quantize_partner_rows(partner, x, n_rows, n, xf, xq, xd, xs, xbs):
         quantize_partner_row(partner, x, r * n, n, xf, xq, xd, xs, xbs, r)
 
 
+@njit(**_JIT)
+def quantize_partner_rows_range(partner, x, row_lo, row_hi, n, xf, xq, xd, xs, xbs):
+    """quantize_partner_row for rows row_lo..row_hi-1 of x float32 [*, n] (worker share)."""
+    for r in range(row_lo, row_hi):
+        quantize_partner_row(partner, x, r * n, n, xf, xq, xd, xs, xbs, r)
+
+
 # ---------------------------------------------------------------------------------------
 # Vector block intrinsics: one weight block x 1 or 4 activation rows, in LLVM vector IR
 # ---------------------------------------------------------------------------------------
