@@ -102,7 +102,12 @@ M_G_ROWB = 45
 M_U_ROWB = 46
 M_D_ROWB = 47
 M_P = 48
+M_KERNELS = 49  # address of quant's kernel table
 OP_LEN = 56
+
+# A typed zero: a literal 0 argument would make numba compile a second specialization of
+# matmul_rows (Literal[int] instead of int64) and double the cold compile time.
+_ZERO = np.int64(0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,17 +160,18 @@ def _item_gateup(op, e, p0, p1, r_lo, r_hi, off_g, off_u):
     a_rows = view_i64(ld(op, M_PAIR_TOK) + 8 * p0, p1 - p0)
     o_rows = view_i64(ld(op, M_PAIR_IDX) + 8 * p0, p1 - p0)
     gf, gq, gd, gs, gb = _partner_views(op, M_XG, n_tok, h)
+    kernels = view_i64(ld(op, M_KERNELS), 64)
     if ld(op, M_FUSED) == 1:
         _q.matmul_rows(arena, off_g, ld(op, M_G_TYPE), h, ld(op, M_G_ROWB), r_lo, r_hi, gf, gq, gd, gs, gb,
-                       a_rows, o_rows, gu, 2 * i_w, 0)
+                       a_rows, o_rows, gu, 2 * i_w, _ZERO, kernels)
         _q.matmul_rows(arena, off_g, ld(op, M_G_TYPE), h, ld(op, M_G_ROWB), i_w + r_lo, i_w + r_hi, gf, gq, gd, gs,
-                       gb, a_rows, o_rows, gu, 2 * i_w, 0)
+                       gb, a_rows, o_rows, gu, 2 * i_w, _ZERO, kernels)
     else:
         uf, uq, ud, us, ub = _partner_views(op, M_XU, n_tok, h)
         _q.matmul_rows(arena, off_g, ld(op, M_G_TYPE), h, ld(op, M_G_ROWB), r_lo, r_hi, gf, gq, gd, gs, gb,
-                       a_rows, o_rows, gu, 2 * i_w, 0)
+                       a_rows, o_rows, gu, 2 * i_w, _ZERO, kernels)
         _q.matmul_rows(arena, off_u, ld(op, M_U_TYPE), h, ld(op, M_U_ROWB), r_lo, r_hi, uf, uq, ud, us, ub,
-                       a_rows, o_rows, gu, 2 * i_w, i_w)
+                       a_rows, o_rows, gu, 2 * i_w, i_w, kernels)
     kind = ld(op, M_ACT)
     alpha = bits_f32(ld(op, M_ALPHA))
     limit = bits_f32(ld(op, M_LIMIT))
@@ -205,7 +211,7 @@ def _item_down(op, e, p0, p1, r_lo, r_hi, off_d):
     rows = view_i64(ld(op, M_PAIR_IDX) + 8 * p0, p1 - p0)
     xf, xq, xd, xs, xbs = _partner_views(op, M_HQ, n_pairs, i_w)
     _q.matmul_rows(arena, off_d, ld(op, M_D_TYPE), i_w, ld(op, M_D_ROWB), r_lo, r_hi, xf, xq, xd, xs, xbs,
-                   rows, rows, y, h, 0)
+                   rows, rows, y, h, _ZERO, view_i64(ld(op, M_KERNELS), 64))
     bd = ld(op, M_BIAS_D)
     if bd >= 0:
         for p in range(p0, p1):
@@ -673,6 +679,7 @@ class MoE:
         op[M_G_ROWB] = _q.row_bytes(op[M_G_TYPE], spec.h)
         op[M_U_ROWB] = _q.row_bytes(op[M_U_TYPE], spec.h)
         op[M_D_ROWB] = _q.row_bytes(spec.types["down"], spec.i_w)
+        op[M_KERNELS] = _q.ensure_kernels(spec.types.values()).ctypes.data
         op[M_ACT] = self.act
         op[M_ALPHA] = int(f32_bits_py(self.alpha))
         op[M_LIMIT] = int(f32_bits_py(self.limit))

@@ -111,7 +111,8 @@ OP_NTENS = 5
 OP_OUT = 6  # float32 [T, OUT_STRIDE]: every tensor's outputs side by side
 OP_OUT_STRIDE = 7
 OP_ACT = 8  # + 5 * partner: xf, xq, xd, xs, xbs addresses
-OP_TENS = OP_ACT + 5 * 6  # + 8 * tensor: w_off, type, n_cols, row_bytes, out column, partner, n_rows, 0
+OP_KERNELS = OP_ACT + 5 * 6  # address of quant's kernel table
+OP_TENS = OP_KERNELS + 2  # + 8 * tensor: w_off, type, n_cols, row_bytes, out column, partner, n_rows, 0
 TENS_W = 8
 
 class WorkerError(RuntimeError):
@@ -149,7 +150,7 @@ def _matmul_item(op, t, row_lo, row_hi):
     _q.matmul_rows(view_u8(ld(op, OP_ARENA), 1), ld(op, b), ld(op, b + 1), n_cols, ld(op, b + 3), row_lo, row_hi,
                    view_f32(ld(op, a), big), view_i8(ld(op, a + 1), big), view_f32(ld(op, a + 2), big),
                    view_f32(ld(op, a + 3), big), view_i16(ld(op, a + 4), big), rows, rows,
-                   view_f32(ld(op, OP_OUT), n_tok * stride), stride, ld(op, b + 4))
+                   view_f32(ld(op, OP_OUT), n_tok * stride), stride, ld(op, b + 4), view_i64(ld(op, OP_KERNELS), 64))
 
 
 @njit(nogil=True, cache=True)
@@ -631,6 +632,8 @@ class WorkerPool:
         keep.append(rows)
         op[OP_ROWS] = rows.ctypes.data
         op[OP_NTENS] = len(refs)
+        kernels = _q.ensure_kernels({t.ggml_type for t in refs})
+        op[OP_KERNELS] = kernels.ctypes.data
         quant_items = []
         step = max(1, -(-n_tok // self.n_workers))
         for p in partners:

@@ -32,12 +32,13 @@ NUMBA_CACHE_DIR, which the service sets before numba is imported.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.core import config as _numba_config
 from numba.extending import intrinsic
@@ -55,7 +56,7 @@ __all__ = [
     "GGML_Q8_0", "GGML_Q4_K", "GGML_Q5_K", "GGML_Q6_K", "GGML_MXFP4",
     "Partner", "BlockFormat", "FORMATS", "block_format", "row_bytes",
     "Activations", "PartnerArrays", "quantize_activations", "dequantize", "matmul",
-    "matmul_rows", "dequantize_rows", "random_blocks", "check_tensor", "quantize_partner_rows", "quantize_partner_row",
+    "matmul_rows", "dequantize_rows", "random_blocks", "check_tensor", "ensure_kernels", "kernel_table", "quantize_partner_rows", "quantize_partner_row",
 ]
 
 # ---------------------------------------------------------------------------------------
@@ -1603,11 +1604,23 @@ def _row1_float(ggml_type, arena, wo, n, xf, a):
     return s
 
 
-@njit(**_JIT)
-def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, out, out_stride, out_col):
+# ---------------------------------------------------------------------------------------
+# Format kernels: compiled once each, as C-ABI functions (numba cfunc), called through an
+# address table
+# ---------------------------------------------------------------------------------------
+# numba re-optimizes a callee's whole code inside every jitted caller that links it, so the
+# big format kernels would be recompiled once per call site (matmul, the pool's items, the
+# MoE items, ...). Compiled as cfuncs and called through addresses read at run time from
+# ``kernel_table()`` (never baked into cached code), each is compiled exactly once, and only
+# for the formats a model uses (``ensure_kernels``). All share one signature:
+#   (arena u8*, w_off, row_bytes, n_cols, row_lo, row_hi, xf f32*, xq i8*, xd f32*, xs f32*,
+#    xbs i16*, a_rows i64*, o_rows i64*, n_items, out f32*, out_stride, out_col, ggml_type)
+
+
+def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """Q8_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1622,11 +1635,10 @@ def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_row
             i += 1
 
 
-@njit(**_JIT)
-def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, out, out_stride, out_col):
+def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """Q4_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1641,11 +1653,10 @@ def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_row
             i += 1
 
 
-@njit(**_JIT)
-def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, out, out_stride, out_col):
+def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """Q4_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1660,11 +1671,10 @@ def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_row
             i += 1
 
 
-@njit(**_JIT)
-def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, out, out_stride, out_col):
+def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """Q5_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1679,11 +1689,10 @@ def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_row
             i += 1
 
 
-@njit(**_JIT)
-def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, out, out_stride, out_col):
+def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """Q5_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1698,11 +1707,10 @@ def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_row
             i += 1
 
 
-@njit(**_JIT)
-def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, out, out_stride, out_col):
+def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """MXFP4 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1717,17 +1725,16 @@ def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_ro
             i += 1
 
 
-@njit(**_JIT)
-def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, out, out_stride, out_col):
+def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
     """Q6_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK_K
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
         while i + 4 <= n_items:
             v = _row4_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
+                           ld(a_rows, i + 3))
             for k in range(4):
                 st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
             i += 4
@@ -1736,12 +1743,11 @@ def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xbs, a_ro
             i += 1
 
 
-@njit(**_JIT)
-def _mm_q45_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, out, out_stride, out_col,
-              is_q5):
+def _mm_q45_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+              out, out_stride, out_col, ggml_type):
     """Q4_K / Q5_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
     nb = n_cols // QK_K
-    n_items = a_rows.shape[0]
+    is_q5 = ggml_type == GGML_Q5_K
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         i = 0
@@ -1756,62 +1762,93 @@ def _mm_q45_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xbs, a_r
             i += 1
 
 
-@njit(**_JIT_FLOAT)
-def _mm_float(ggml_type, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, a_rows, o_rows, out, out_stride,
-              out_col):
+def _mm_float(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+              out, out_stride, out_col, ggml_type):
     """F32 / F16 / BF16 rows [row_lo, row_hi) x activation rows (see matmul_rows)."""
-    n_items = a_rows.shape[0]
     for r in range(row_lo, row_hi):
         wo = w_off + r * row_bytes_
         for i in range(n_items):
             st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_float(ggml_type, arena, wo, n_cols, xf, ld(a_rows, i)))
 
 
+_P = types.CPointer
+_KERNEL_SIG = types.void(_P(types.uint8), types.int64, types.int64, types.int64, types.int64, types.int64,
+                         _P(types.float32), _P(types.int8), _P(types.float32), _P(types.float32), _P(types.int16),
+                         _P(types.int64), _P(types.int64), types.int64, _P(types.float32), types.int64, types.int64,
+                         types.int64)
+_KERNEL_PY = {GGML_Q8_0: _mm_q8_0, GGML_Q4_0: _mm_q4_0, GGML_Q4_1: _mm_q4_1, GGML_Q5_0: _mm_q5_0,
+              GGML_Q5_1: _mm_q5_1, GGML_MXFP4: _mm_mxfp4, GGML_Q6_K: _mm_q6_k, GGML_Q4_K: _mm_q45_k,
+              GGML_Q5_K: _mm_q45_k, GGML_F32: _mm_float, GGML_F16: _mm_float, GGML_BF16: _mm_float}
+_KERNEL_TABLE = np.zeros(64, np.int64)  # ggml type id -> cfunc address (0: not compiled yet)
+_KERNEL_CFUNCS: dict[object, object] = {}  # python function -> its cfunc (keeps the code alive)
+_KERNEL_LOCK = threading.Lock()
+
+
+def ensure_kernels(ggml_types) -> np.ndarray:
+    """Compile (or load from numba's cache) the kernels of these GGML types; returns the
+    address table matmul_rows reads. Thread-safe; each kernel is compiled once per process.
+    ModelFileError for an unsupported type."""
+    for t in ggml_types:
+        t = int(t)
+        if _KERNEL_TABLE[t]:
+            continue
+        block_format(t)
+        with _KERNEL_LOCK:
+            if _KERNEL_TABLE[t]:
+                continue
+            py = _KERNEL_PY[t]
+            cf = _KERNEL_CFUNCS.get(py)
+            if cf is None:
+                opts = dict(nopython=True, cache=True)
+                if py is _mm_float:
+                    opts["fastmath"] = {"reassoc", "contract", "nsz"}
+                cf = _KERNEL_CFUNCS[py] = cfunc(_KERNEL_SIG, **opts)(py)
+            _KERNEL_TABLE[t] = cf.address
+    return _KERNEL_TABLE
+
+
+def kernel_table() -> np.ndarray:
+    """The address table of the kernels compiled so far (see ensure_kernels)."""
+    return _KERNEL_TABLE
+
+
+@intrinsic
+def _call_kernel(typingctx, addr, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows,
+                 o_rows, n_items, out, out_stride, out_col, ggml_type):
+    """Call the format kernel at address ``addr`` (one of ensure_kernels' cfuncs)."""
+    sig = types.void(types.int64, *_KERNEL_SIG.args)
+
+    def codegen(context, builder, signature, args):
+        argtys = signature.args[1:]
+        fnty = ir.FunctionType(ir.VoidType(), [context.get_value_type(t) for t in argtys])
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fptr, list(args[1:]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(**_JIT)
 def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf, xq, xd, xs, xbs,
-                a_rows, o_rows, out, out_stride, out_col):
+                a_rows, o_rows, out, out_stride, out_col, kernels):
     """out[o_rows[i], out_col + r] = W[r] . act[a_rows[i]] for r in [row_lo, row_hi), all i.
 
     arena: uint8 [*], the weight tensor's row r at byte ``w_off + r * row_bytes_`` (GGUF
     blocks of ``ggml_type``, read in place, n_cols elements); xf/xq/xd/xs/xbs: activations in
     the type's partner format (PartnerArrays, rows of n_cols); a_rows/o_rows: int64 [n]
     activation row and output row of each item (arange(T) for a plain matmul; the tokens
-    routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``.
+    routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
+    kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
     Each weight row is read from memory once and dotted with the items 4 at a time (each
     block unpacked once per 4 items) while it sits in L1. The caller validates types,
-    offsets and shapes; an unsupported type writes nothing.
+    offsets and shapes; a type whose kernel is not compiled writes nothing.
     """
-    # The format kernels take raw pointers: no reference counting per call or per row.
-    pa = data_ptr(arena)
-    pq = data_ptr(xq)
-    pd = data_ptr(xd)
-    if ggml_type == GGML_Q8_0:
-        _mm_q8_0(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xs), a_rows, o_rows, out, out_stride,
-                 out_col)
-    elif ggml_type == GGML_Q4_K or ggml_type == GGML_Q5_K:
-        _mm_q45_k(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xbs), a_rows, o_rows, out,
-                  out_stride, out_col, ggml_type == GGML_Q5_K)
-    elif ggml_type == GGML_Q6_K:
-        _mm_q6_k(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xbs), a_rows, o_rows, out,
-                 out_stride, out_col)
-    elif ggml_type == GGML_Q4_1:
-        _mm_q4_1(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xs), a_rows, o_rows, out, out_stride,
-                 out_col)
-    elif ggml_type == GGML_Q4_0:
-        _mm_q4_0(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xs), a_rows, o_rows, out, out_stride,
-                 out_col)
-    elif ggml_type == GGML_MXFP4:
-        _mm_mxfp4(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xs), a_rows, o_rows, out, out_stride,
-                  out_col)
-    elif ggml_type == GGML_Q5_0:
-        _mm_q5_0(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xs), a_rows, o_rows, out, out_stride,
-                 out_col)
-    elif ggml_type == GGML_Q5_1:
-        _mm_q5_1(pa, w_off, row_bytes_, n_cols, row_lo, row_hi, pq, pd, data_ptr(xs), a_rows, o_rows, out, out_stride,
-                 out_col)
-    elif ggml_type == GGML_F32 or ggml_type == GGML_F16 or ggml_type == GGML_BF16:
-        _mm_float(ggml_type, pa, w_off, row_bytes_, n_cols, row_lo, row_hi, data_ptr(xf), a_rows, o_rows, out,
-                  out_stride, out_col)
+    addr = ld(kernels, ggml_type)
+    if addr == 0:
+        return
+    _call_kernel(addr, data_ptr(arena), w_off, row_bytes_, n_cols, row_lo, row_hi, data_ptr(xf), data_ptr(xq),
+                 data_ptr(xd), data_ptr(xs), data_ptr(xbs), data_ptr(a_rows), data_ptr(o_rows), a_rows.shape[0],
+                 data_ptr(out), out_stride, out_col, ggml_type)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1956,5 +1993,5 @@ def matmul(arena: np.ndarray, offset: int, ggml_type: int, n_rows: int, n_cols: 
         raise ValueError(f"row range [{row_lo}, {hi}) is outside [0, {n_rows})")
     rows = np.arange(act.n_tok, dtype=np.int64)
     matmul_rows(arena, int(offset), int(ggml_type), int(n_cols), rb, int(row_lo), int(hi), pa.xf, pa.xq, pa.xd,
-                pa.xs, pa.xbs, rows, rows, out.reshape(-1), n_rows, 0)
+                pa.xs, pa.xbs, rows, rows, out.reshape(-1), n_rows, 0, ensure_kernels([ggml_type]))
     return out

@@ -235,7 +235,7 @@ def test_matmul_rows_items_and_row_range(tid, rng):
     o_rows = np.array([0, 3, 1, 2, 5, 4], dtype=np.int64)
     out = np.full((6, 20), np.nan, np.float32)
     q.matmul_rows(arena, 64, tid, n_cols, q.row_bytes(tid, n_cols), 3, 10, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs,
-                  a_rows, o_rows, out.reshape(-1), 20, 5)
+                  a_rows, o_rows, out.reshape(-1), 20, 5, q.ensure_kernels([tid]))
     for a, o in zip(a_rows, o_rows, strict=True):
         assert np.array_equal(out[o, 5 + 3:5 + 10], full[a, 3:10])
     assert np.isnan(out[:, :8]).all() and np.isnan(out[:, 15:]).all()
