@@ -541,6 +541,18 @@ class _Scratch:
     partners: tuple
     arrays: list
     op: np.ndarray
+    spec: object = None
+
+
+def _as_2d(a, dtype) -> np.ndarray:
+    if isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 2 and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(np.atleast_2d(a), dtype=dtype)
+
+
+def _check_ids(ids: np.ndarray, n_expert: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise ValueError(f"expert ids must be in [0, {n_expert}) (got {ids.min()}..{ids.max()})")
 
 
 class MoE:
@@ -572,19 +584,22 @@ class MoE:
         fused=False runs the single-threaded reference path (the kill switch).
         Raises ValueError for inconsistent shapes or an expert id outside [0, E).
         """
-        x2 = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
-        ids2 = np.ascontiguousarray(np.atleast_2d(ids), dtype=np.int32)
-        w2 = np.ascontiguousarray(np.atleast_2d(weights), dtype=np.float32)
+        x2 = _as_2d(x, np.float32)
+        ids2 = _as_2d(ids, np.int32)
+        w2 = _as_2d(weights, np.float32)
         spec = _Spec.of(experts)
         if x2.shape[1] != spec.h:
             raise ValueError(f"x has {x2.shape[1]} columns, the experts' hidden size is {spec.h}")
         if ids2.shape != w2.shape or ids2.shape[0] != x2.shape[0]:
             raise ValueError(f"ids {ids2.shape}, weights {w2.shape} and x {x2.shape} disagree on [T, K]")
-        if ids2.size and (ids2.min() < 0 or ids2.max() >= spec.n_expert):
-            raise ValueError(f"expert ids must be in [0, {spec.n_expert}) (got {ids2.min()}..{ids2.max()})")
         if not fused or self.pool is None:
+            _check_ids(ids2, spec.n_expert)
             return self._reference(arena, x2, ids2, w2, spec)
-        return self._fused(arena, x2, ids2, w2, spec)
+        try:
+            return self._fused(arena, x2, ids2, w2, spec)
+        except ValueError:
+            _check_ids(ids2, spec.n_expert)  # group_pairs refused an id: say which
+            raise
 
     # -- reference (kill switch) -------------------------------------------------------------
 
@@ -638,7 +653,9 @@ class MoE:
         key = (n_tok, k_n, spec.h, spec.i_w, spec.partner_g, spec.partner_u, spec.partner_d)
         sc = self._scratch.get(key)
         if sc is not None:
-            self._fill_static(sc.op, spec)
+            if sc.spec is not spec:  # another layer: its types, biases, kernels
+                self._fill_static(sc.op, spec)
+                sc.spec = spec
             return sc
         h, i_w = spec.h, spec.i_w
         n_pairs = n_tok * k_n
@@ -659,7 +676,7 @@ class MoE:
         op[M_T] = n_tok
         op[M_K] = k_n
         op[M_P] = n_pairs
-        sc = _Scratch(n_tok, k_n, h, i_w, (spec.partner_g, spec.partner_u, spec.partner_d), arrays, op)
+        sc = _Scratch(n_tok, k_n, h, i_w, (spec.partner_g, spec.partner_u, spec.partner_d), arrays, op, spec)
         self._fill_static(op, spec)
         if len(self._scratch) > 16:
             self._scratch.clear()

@@ -924,8 +924,8 @@ _blk1_mxfp4, _blk4_mxfp4 = _blk32_pair(_unpack_mxfp4, "MXFP4")
 
 # K-quant pieces: one 64-element pair of sub-blocks (Q4_K/Q5_K, index g: unsigned 4/5-bit
 # values) or one 32-element group (Q6_K, index i: unsigned 6-bit values, the -32 offset is
-# applied by the caller through the Q8_K 16-sums) times the activation, weighted by the int
-# sub-block scales inside vpmaddwd, added into the int32 accumulators.
+# applied once per super-block through the Q8_K 16-sums, _q6k_corr*) times the activation,
+# weighted by the int sub-block scales inside vpmaddwd, added into the int32 accumulators.
 
 
 def _piece_q45k(context, builder, aryty, arena, wo, g, q5):
@@ -1011,6 +1011,72 @@ def _kpiece_pair(kind):
 _piece1_q4k, _piece4_q4k = _kpiece_pair("q4k")
 _piece1_q5k, _piece4_q5k = _kpiece_pair("q5k")
 _piece1_q6k, _piece4_q6k = _kpiece_pair("q6k")
+
+
+def _q6k_corr_codegen(nt):
+    def codegen(context, builder, sig, args):
+        iaccp, arena = args[0], args[1]
+        o = _i64(context, builder, args[2], sig.args[2])
+        xbs = args[3]
+        sc = builder.load(_byte_ptr(context, builder, sig.args[1], arena, _add(builder, o, 192), _vt(_I8, 16)))
+        sc.align = 1
+        sc16 = builder.sext(sc, _vt(_I16, 16))
+        for t in range(nt):
+            so = _i64(context, builder, args[4 + t], sig.args[4 + t])
+            boff = builder.mul(so, ir.Constant(_I64, 2))
+            bs = builder.load(_byte_ptr(context, builder, sig.args[3], xbs, boff, _vt(_I16, 16)))
+            bs.align = 1
+            corr = builder.mul(_madd(builder, sc16, bs), _cvec(_I32, [-32] * 8))
+            p = _slot(builder, iaccp, ir.Constant(_I64, t), _VI)
+            builder.store(builder.add(builder.load(p), corr), p)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _q6k_corr1(typingctx, iacc, arena, o, xbs, so):
+    """Q6_K's -32: iacc[0] += -32 * (16 int8 scales . 16 Q8_K sums at xbs[so]) in 8 lanes (the
+    values are q - 32; the kernels multiply the unsigned q and correct once per super-block,
+    in int32, as ggml's AVX2 q6_K kernel does)."""
+    sig = types.void(iacc, arena, o, xbs, so)
+    return sig, _q6k_corr_codegen(1)
+
+
+@intrinsic
+def _q6k_corr4(typingctx, iacc, arena, o, xbs, so0, so1, so2, so3):
+    """_q6k_corr1 for 4 activation rows (iacc slots 0..3)."""
+    sig = types.void(iacc, arena, o, xbs, so0, so1, so2, so3)
+    return sig, _q6k_corr_codegen(4)
+
+
+@intrinsic
+def _k4_min_dot(typingctx, m_lo, m_hi, xbs, so):
+    """sum_j min_j * (bsums[2j] + bsums[2j+1]) for the 8 packed 6-bit mins of a Q4_K/Q5_K block
+    (bytes of m_lo: mins 0-3, of m_hi: mins 4-7) and the 16 Q8_K sums at xbs[so]: one
+    vpmaddwd and a horizontal add (exact int32)."""
+    sig = types.int32(types.int64, types.int64, xbs, so)
+
+    def codegen(context, builder, signature, args):
+        lo = builder.trunc(args[0], _I32)
+        hi = builder.trunc(args[1], _I32)
+        w = builder.or_(builder.zext(lo, _I64), builder.shl(builder.zext(hi, _I64), ir.Constant(_I64, 32)))
+        m8 = builder.bitcast(w, _vt(_I8, 8))
+        m16 = builder.zext(builder.shuffle_vector(m8, m8, _cvec(_I32, [j // 2 for j in range(16)])), _vt(_I16, 16))
+        so64 = _i64(context, builder, args[3], signature.args[3])
+        bs = builder.load(_byte_ptr(context, builder, signature.args[2], args[2],
+                                    builder.mul(so64, ir.Constant(_I64, 2)), _vt(_I16, 16)))
+        bs.align = 1
+        v = _madd(builder, m16, bs)
+        n = 8
+        while n > 1:
+            h = n // 2
+            v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(h))),
+                            builder.shuffle_vector(v, v, _cvec(_I32, range(h, n))))
+            n = h
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return sig, codegen
 
 
 @intrinsic
@@ -1453,16 +1519,6 @@ def _byte(v, k):
 
 
 @njit(**_JIT_INLINE)
-def _k4_min_sum(m_lo, m_hi, xbs, so):
-    """sum_j min_j * (bsums[2j] + bsums[2j+1]) over the 8 sub-blocks (Q8_K 16-sums at xbs[so])."""
-    total = np.int32(0)
-    for j in range(4):
-        total += _byte(m_lo, j) * (np.int32(ld(xbs, so + 2 * j)) + np.int32(ld(xbs, so + 2 * j + 1)))
-        total += _byte(m_hi, j) * (np.int32(ld(xbs, so + 8 + 2 * j)) + np.int32(ld(xbs, so + 9 + 2 * j)))
-    return total
-
-
-@njit(**_JIT_INLINE)
 def _row1_q4_k(arena, wo, nb, xq, xd, xbs, a, is_q5):
     """Q4_K (or Q5_K when is_q5) row x Q8_K activation row a."""
     acc = _acc_alloc()
@@ -1487,7 +1543,7 @@ def _row1_q4_k(arena, wo, nb, xq, xd, xbs, a, is_q5):
         dd = ld_f16x2(arena, o)
         yd = ld(xd, a * nb + b)
         _flush1(acc, iacc, 0, dd[0] * yd)
-        mins += (dd[1] * yd) * np.float32(_k4_min_sum(m_lo, m_hi, xbs, (a * nb + b) * 16))
+        mins += (dd[1] * yd) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a * nb + b) * 16))
     return _acc_sum(acc, 0) - mins
 
 
@@ -1522,22 +1578,12 @@ def _row4_q4_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3, is_q5):
         y2 = ld(xd, a2 * nb + b)
         y3 = ld(xd, a3 * nb + b)
         _flush4(acc, iacc, dd[0] * y0, dd[0] * y1, dd[0] * y2, dd[0] * y3)
-        mins0 += (dd[1] * y0) * np.float32(_k4_min_sum(m_lo, m_hi, xbs, (a0 * nb + b) * 16))
-        mins1 += (dd[1] * y1) * np.float32(_k4_min_sum(m_lo, m_hi, xbs, (a1 * nb + b) * 16))
-        mins2 += (dd[1] * y2) * np.float32(_k4_min_sum(m_lo, m_hi, xbs, (a2 * nb + b) * 16))
-        mins3 += (dd[1] * y3) * np.float32(_k4_min_sum(m_lo, m_hi, xbs, (a3 * nb + b) * 16))
+        mins0 += (dd[1] * y0) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a0 * nb + b) * 16))
+        mins1 += (dd[1] * y1) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a1 * nb + b) * 16))
+        mins2 += (dd[1] * y2) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a2 * nb + b) * 16))
+        mins3 += (dd[1] * y3) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a3 * nb + b) * 16))
     return (_acc_sum(acc, 0) - mins0, _acc_sum(acc, 2) - mins1, _acc_sum(acc, 4) - mins2,
             _acc_sum(acc, 6) - mins3)
-
-
-@njit(**_JIT_INLINE)
-def _q6k_offset_sum(arena, o, xbs, so):
-    """32 * sum_j scale_j * bsums[j] over the 16 sub-blocks: the -32 of Q6_K's q - 32, applied
-    once per super-block through the Q8_K 16-sums (as ggml's AVX2 q6_K kernel does)."""
-    total = np.int32(0)
-    for j in range(16):
-        total += ld_i8(arena, o + 192 + j) * np.int32(ld(xbs, so + j))
-    return np.float32(32 * total)
 
 
 @njit(**_JIT_INLINE)
@@ -1546,16 +1592,14 @@ def _row1_q6_k(arena, wo, nb, xq, xd, xbs, a):
     acc = _acc_alloc()
     iacc = _iacc_alloc()
     _acc_clear(acc, iacc)
-    corr = np.float32(0.0)
     for b in range(nb):
         o = wo + b * 210
         xo = (a * nb + b) * QK_K
         for i in range(8):
             _piece1_q6k(iacc, arena, o, xq, xo, i, ld_i8(arena, o + 192 + 2 * i), ld_i8(arena, o + 193 + 2 * i))
-        dy = ld_f16x2(arena, o + 206)[1] * ld(xd, a * nb + b)
-        _flush1(acc, iacc, 0, dy)
-        corr += dy * _q6k_offset_sum(arena, o, xbs, (a * nb + b) * 16)
-    return _acc_sum(acc, 0) - corr
+        _q6k_corr1(iacc, arena, o, xbs, (a * nb + b) * 16)
+        _flush1(acc, iacc, 0, ld_f16x2(arena, o + 206)[1] * ld(xd, a * nb + b))
+    return _acc_sum(acc, 0)
 
 
 @njit(**_JIT_INLINE)
@@ -1564,7 +1608,6 @@ def _row4_q6_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3):
     acc = _acc_alloc()
     iacc = _iacc_alloc()
     _acc_clear(acc, iacc)
-    c0 = c1 = c2 = c3 = np.float32(0.0)
     for b in range(nb):
         o = wo + b * 210
         x0 = (a0 * nb + b) * QK_K
@@ -1574,17 +1617,12 @@ def _row4_q6_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3):
         for i in range(8):
             _piece4_q6k(iacc, arena, o, xq, x0, x1, x2, x3, i, ld_i8(arena, o + 192 + 2 * i),
                         ld_i8(arena, o + 193 + 2 * i))
+        _q6k_corr4(iacc, arena, o, xbs, (a0 * nb + b) * 16, (a1 * nb + b) * 16, (a2 * nb + b) * 16,
+                   (a3 * nb + b) * 16)
         d = ld_f16x2(arena, o + 206)[1]
-        y0 = d * ld(xd, a0 * nb + b)
-        y1 = d * ld(xd, a1 * nb + b)
-        y2 = d * ld(xd, a2 * nb + b)
-        y3 = d * ld(xd, a3 * nb + b)
-        _flush4(acc, iacc, y0, y1, y2, y3)
-        c0 += y0 * _q6k_offset_sum(arena, o, xbs, (a0 * nb + b) * 16)
-        c1 += y1 * _q6k_offset_sum(arena, o, xbs, (a1 * nb + b) * 16)
-        c2 += y2 * _q6k_offset_sum(arena, o, xbs, (a2 * nb + b) * 16)
-        c3 += y3 * _q6k_offset_sum(arena, o, xbs, (a3 * nb + b) * 16)
-    return _acc_sum(acc, 0) - c0, _acc_sum(acc, 2) - c1, _acc_sum(acc, 4) - c2, _acc_sum(acc, 6) - c3
+        _flush4(acc, iacc, d * ld(xd, a0 * nb + b), d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b),
+                d * ld(xd, a3 * nb + b))
+    return _acc_sum(acc, 0), _acc_sum(acc, 2), _acc_sum(acc, 4), _acc_sum(acc, 6)
 
 
 @njit(**_JIT_INLINE)
