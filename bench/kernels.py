@@ -74,16 +74,21 @@ def numpy_sum_gbps(gib: float = 1.0) -> float:
     return a.nbytes / best / 1e9
 
 
-def make_tensor(tid: int, n_cols: int, mib: int, rng) -> tuple[np.ndarray, int]:
-    """~mib MiB of random valid ``tid`` rows (64 distinct rows tiled: building is cheap)."""
+def make_rows(tid: int, n_rows: int, n_cols: int, rng) -> np.ndarray:
+    """n_rows random valid ``tid`` rows (64 distinct rows tiled: building is cheap)."""
     rb = q.row_bytes(tid, n_cols)
-    n_rows = max(64, (mib << 20) // rb)
     tile = q.random_blocks(rng, tid, 64, n_cols)
     arena = np.empty(n_rows * rb, np.uint8)
     for r in range(0, n_rows, 64):
         m = min(64, n_rows - r)
         arena[r * rb: (r + m) * rb] = tile[: m * rb]
-    return arena, n_rows
+    return arena
+
+
+def make_tensor(tid: int, n_cols: int, mib: int, rng) -> tuple[np.ndarray, int]:
+    """~mib MiB of random valid ``tid`` rows; returns (bytes, n_rows)."""
+    n_rows = max(64, (mib << 20) // q.row_bytes(tid, n_cols))
+    return make_rows(tid, n_rows, n_cols, rng), n_rows
 
 
 def kernel_gbps(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng, repeats: int) -> float:
@@ -125,6 +130,96 @@ def dispatch_us(pool: WorkerPool, n: int = 20000) -> float:
     for _ in range(n):
         pool.run(job)
     return (time.perf_counter() - t0) / n * 1e6
+
+
+# ---------------------------------------------------------------------------------------
+# Decode-step scenarios: the kernels and the pool on real layer shapes (no attention math,
+# norms or sampling: those are the engine's). Weights are random valid blocks in one arena.
+
+SCENARIOS = {
+    # SmolLM2-135M cut into 8 experts of 192 (all Q4_1), tied Q8_0 output head; all 8 chosen.
+    "smollm2-moe": dict(hidden=576, q_rows=576, kv_rows=192, o_cols=576, n_expert=8, width=192, top_k=8,
+                        attn_type="Q4_1", expert_type="Q4_1", head_type="Q8_0", vocab=49152, layers=30),
+    # Qwen3-30B-A3B shapes: 32 q heads x 128, 4 kv heads x 128, 128 experts of 768, top-8.
+    "qwen3-30b-a3b": dict(hidden=2048, q_rows=4096, kv_rows=512, o_cols=4096, n_expert=128, width=768, top_k=8,
+                          attn_type="Q8_0", expert_type="Q8_0", head_type="Q8_0", vocab=151936, layers=48),
+}
+
+
+def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = None, expert_type: str | None = None,
+                         steps: int = 20, rng=None) -> dict:
+    """Time decode steps (T=1): per layer one q/k/v dispatch, one o dispatch, one MoE step;
+    then the output head. Builds ``layers`` layers (default: all) and scales the per-layer
+    time to the model's layer count. Returns ms per layer, head ms, tok/s and GB/s of the
+    weight bytes a token reads."""
+    from moe_service.engine.moe import ExpertWeights, MoE
+
+    c = dict(SCENARIOS[name])
+    if expert_type:
+        c["expert_type"] = expert_type
+    rng = rng or np.random.default_rng(0)
+    n_layers = layers or c["layers"]
+    h, w_, e_n = c["hidden"], c["width"], c["n_expert"]
+    ta, te, th = (BY_NAME[c[k]] for k in ("attn_type", "expert_type", "head_type"))
+    rb = {t: q.row_bytes(t, h) for t in (ta, te, th)}
+    rb_down = q.row_bytes(te, w_)
+    rb_o = q.row_bytes(ta, c["o_cols"])
+    parts, off = [], 0
+
+    def add(t, rows, cols):
+        nonlocal off
+        o = off
+        parts.append(make_rows(t, rows, cols, rng))
+        off += rows * q.row_bytes(t, cols)
+        return o
+
+    layer_specs = []
+    for _ in range(n_layers):
+        qkv = [(add(ta, c["q_rows"], h), ta, c["q_rows"], h), (add(ta, c["kv_rows"], h), ta, c["kv_rows"], h),
+               (add(ta, c["kv_rows"], h), ta, c["kv_rows"], h)]
+        o_t = [(add(ta, h, c["o_cols"]), ta, h, c["o_cols"])]
+        g = np.array([add(te, w_, h) for _ in range(e_n)], np.int64).reshape(e_n, 1)
+        u = np.array([add(te, w_, h) for _ in range(e_n)], np.int64).reshape(e_n, 1)
+        d = np.array([add(te, h, w_) for _ in range(e_n)], np.int64).reshape(e_n, 1)
+        z = np.zeros((e_n, 1), np.int32)
+        ex = ExpertWeights(e_n, h, w_, {"gate": te, "up": te, "down": te}, {"gate": (g, z), "up": (u, z), "down": (d, z)})
+        layer_specs.append((qkv, o_t, ex))
+    head = [(add(th, c["vocab"], h), th, c["vocab"], h)]
+    arena = np.concatenate(parts)
+    parts.clear()
+    moe = MoE(pool)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    xo = rng.standard_normal((1, c["o_cols"])).astype(np.float32)
+
+    def step():
+        for qkv, o_t, ex in layer_specs:
+            pool.matmul(arena, qkv, x)
+            pool.matmul(arena, o_t, xo)
+            ids = rng.choice(e_n, c["top_k"], replace=False).astype(np.int32).reshape(1, -1)
+            wts = np.full((1, c["top_k"]), 1.0 / c["top_k"], np.float32)
+            moe.forward(arena, x, ids, wts, ex)
+
+    step()
+    t_layers = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        t_layers.append((time.perf_counter() - t0) / n_layers)
+    pool.matmul(arena, head, x)
+    t_head = []
+    for _ in range(max(3, steps // 4)):
+        t0 = time.perf_counter()
+        pool.matmul(arena, head, x)
+        t_head.append(time.perf_counter() - t0)
+    per_layer = float(np.median(t_layers))
+    head_s = float(np.median(t_head))
+    token_s = per_layer * c["layers"] + head_s
+    layer_bytes = (sum(r * rb[ta] for _, _, r, _ in layer_specs[0][0]) + h * rb_o
+                   + c["top_k"] * (2 * w_ * rb[te] + h * rb_down))
+    token_bytes = layer_bytes * c["layers"] + c["vocab"] * rb[th]
+    return {"scenario": name, "expert_type": c["expert_type"], "layers_built": n_layers,
+            "layers_model": c["layers"], "ms_per_layer": per_layer * 1e3, "head_ms": head_s * 1e3,
+            "tok_s": 1.0 / token_s, "token_mb": token_bytes / 1e6, "gbps": token_bytes / token_s / 1e9}
 
 
 _COMPILE_SNIPPET = r"""
@@ -174,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compile", action="store_true", help="skip the cold compile measurement")
+    ap.add_argument("--no-formats", action="store_true", help="skip the per-format GB/s table")
+    ap.add_argument("--scenario", action="append", default=[], choices=sorted(SCENARIOS),
+                    help="also time decode steps on these model shapes (repeatable)")
+    ap.add_argument("--scenario-layers", type=int, default=0, help="layers to build (0: all; time scales)")
+    ap.add_argument("--scenario-expert-type", default=None, help="override the scenario's expert type")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     formats = [BY_NAME[n.strip().upper()] for n in args.formats.split(",") if n.strip()]
@@ -198,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"empty dispatch round trip, {n} worker(s): {v:6.2f} us")
 
         res["kernels_gbps"] = {}
+        if args.no_formats:
+            formats = []
         header = "format  " + "".join(f"  T={t} {n}thr" for t in tokens for n in threads)
         print(f"\nGB/s of weight bytes (rows of {args.cols} columns, {args.mib} MiB tensors)")
         print(header)
@@ -217,6 +319,17 @@ def main(argv: list[str] | None = None) -> int:
             res["kernels_gbps"][name] = row
             print(line, flush=True)
             del arena
+        res["scenarios"] = []
+        for sc_name in args.scenario:
+            for n in threads:
+                pool = pools[n] if n > 1 else WorkerPool(n_threads=1, pin_caller=False)
+                r = decode_step_scenario(sc_name, pool, layers=args.scenario_layers or None,
+                                         expert_type=args.scenario_expert_type, rng=rng)
+                r["threads"] = n
+                res["scenarios"].append(r)
+                print(f"\n{sc_name} ({r['expert_type']} experts), {n} thread(s): {r['ms_per_layer']:.3f} ms/layer, "
+                      f"head {r['head_ms']:.2f} ms -> {r['tok_s']:.1f} tok/s (kernels only), "
+                      f"{r['token_mb']:.0f} MB/token = {r['gbps']:.1f} GB/s", flush=True)
     finally:
         for p in pools.values():
             p.close()

@@ -33,6 +33,7 @@ per-(token, expert) path through quant.matmul, used as the reference in tests.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -572,6 +573,7 @@ class MoE:
         self.min_chunk_rows = min_chunk_rows
         self.token_cost = token_cost
         self._scratch: dict[tuple, _Scratch] = {}
+        self._lock = threading.Lock()  # the scratch buffers serve one step at a time
 
     # -- public ----------------------------------------------------------------------------
 
@@ -596,7 +598,8 @@ class MoE:
             _check_ids(ids2, spec.n_expert)
             return self._reference(arena, x2, ids2, w2, spec)
         try:
-            return self._fused(arena, x2, ids2, w2, spec)
+            with self._lock:
+                return self._fused(arena, x2, ids2, w2, spec)
         except ValueError:
             _check_ids(ids2, spec.n_expert)  # group_pairs refused an id: say which
             raise

@@ -32,6 +32,7 @@ NUMBA_CACHE_DIR, which the service sets before numba is imported.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from enum import IntEnum
@@ -727,10 +728,30 @@ def quantize_partner_rows_range(partner, x, row_lo, row_hi, n, xf, xq, xd, xs, x
 # block once for 4 activation rows (prefill, batched decode, experts chosen by several
 # tokens). Only AVX2 instructions are required (plus SSSE3 pshufb for MXFP4).
 
+def _target_has_avx512bw() -> bool:
+    """Whether numba compiles for a CPU with AVX-512BW (the host, unless NUMBA_CPU_NAME is set).
+    MOE_SERVICE_KERNEL_ISA=avx2 forces the AVX2 code (use a separate NUMBA_CACHE_DIR: numba's
+    cache key does not include this choice)."""
+    if os.environ.get("MOE_SERVICE_KERNEL_ISA", "").lower() == "avx2":
+        return False
+    if _numba_config.CPU_NAME:
+        return "+avx512bw" in (_numba_config.CPU_FEATURES or "")
+    import llvmlite.binding as llb
+
+    return bool(llb.get_host_cpu_features().get("avx512bw", False))
+
+
+# K-quant pieces use 512-bit vpmaddubsw/vpmaddwd (64 bytes: two 32-element sub-blocks per
+# instruction) where the target has AVX-512BW; AVX2 elsewhere. Integer sums are exact, so
+# both give bit-identical results.
+_AVX512 = _target_has_avx512bw()
+_IW = 16 if _AVX512 else 8  # lanes of the K-quant int32 accumulators
+
 _ACC = types.CPointer(types.float32)   # -> [8 x <8 x float>]: two per activation row (block parity)
-_IACC = types.CPointer(types.int32)    # -> [4 x <8 x i32>]
+_IACC = types.CPointer(types.int32)    # -> [4 x <_IW x i32>]
 _VF = ir.VectorType(_F32, 8)
 _VI = ir.VectorType(_I32, 8)
+_VIW = ir.VectorType(_I32, _IW)
 
 
 def _vt(t, n):
@@ -790,6 +811,37 @@ def _madd(builder, p16, m16):
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [p16, m16])
 
 
+def _maddubs512(builder, w_u8, a_s8):
+    """512-bit vpmaddubsw: <64 x u8> . <64 x s8> -> <32 x i16> (AVX-512BW)."""
+    return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vt(_I16, 32), [w_u8, a_s8])
+
+
+def _madd512(builder, p16, m16):
+    """512-bit vpmaddwd: <32 x i16> . <32 x i16> -> <16 x i32> (AVX-512BW)."""
+    return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vt(_I32, 16), [p16, m16])
+
+
+def _concat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, _cvec(_I32, range(2 * n)))
+
+
+def _lanes16(builder, scales, per):
+    """<len(scales) * per x i16>: each scale repeated ``per`` times."""
+    parts = [_splat(builder, sc, per) for sc in scales]
+    while len(parts) > 1:
+        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _iacc_add(builder, iaccp, t, v):
+    """iacc[t] += v, v <8 x i32> or <_IW x i32> (an 8-lane v goes into the low lanes)."""
+    p = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
+    if v.type.count != _IW:
+        v = builder.shuffle_vector(v, ir.Constant(_VI, [0] * 8), _cvec(_I32, range(16)))
+    builder.store(builder.add(builder.load(p), v), p)
+
+
 def _abs8(builder, w):
     return _call(builder, "llvm.abs.v32i8", _vt(_I8, 32), [w, ir.Constant(ir.IntType(1), 0)])
 
@@ -816,7 +868,7 @@ class _Weights:
 
 
 def _slot(builder, ptr, slot, vty):
-    base = builder.bitcast(ptr, ir.ArrayType(vty, 8 if vty == _VF else 4).as_pointer())
+    base = builder.bitcast(ptr, ir.ArrayType(vty, 8 if vty.element == _F32 else 4).as_pointer())
     return builder.gep(base, [ir.Constant(_I32, 0), slot])
 
 
@@ -944,47 +996,57 @@ def _piece_q45k(context, builder, aryty, arena, wo, g, q5):
     return lo, hi
 
 
+def _q6k_group(context, builder, aryty, arena, wo, i, delta):
+    """The 32 unsigned 6-bit values of 32-element group i + delta of a Q6_K block (i even)."""
+    n = builder.lshr(i, ir.Constant(_I64, 2))
+    k = builder.add(builder.and_(i, ir.Constant(_I64, 3)), ir.Constant(_I64, delta))
+    ql_off = builder.add(wo, builder.add(builder.mul(n, ir.Constant(_I64, 64)), ir.Constant(_I64, 32 * delta)))
+    qh_off = builder.add(wo, builder.add(ir.Constant(_I64, 128), builder.mul(n, ir.Constant(_I64, 32))))
+    ql = _bytes(context, builder, aryty, arena, ql_off, 32)
+    qh = _bytes(context, builder, aryty, arena, qh_off, 32)
+    sh_l = builder.trunc(builder.mul(builder.lshr(k, ir.Constant(_I64, 1)), ir.Constant(_I64, 4)), _I8)
+    sh_h = builder.trunc(builder.mul(k, ir.Constant(_I64, 2)), _I8)
+    lo = builder.and_(builder.lshr(ql, _splat(builder, sh_l, 32)), _cvec(_I8, [15] * 32))
+    hi = builder.and_(builder.lshr(qh, _splat(builder, sh_h, 32)), _cvec(_I8, [3] * 32))
+    return builder.or_(lo, builder.shl(hi, _cvec(_I8, [4] * 32)))
+
+
 def _kpiece_codegen(kind, nt):
     def codegen(context, builder, sig, args):
         iaccp, arena, wo, xq = args[0], args[1], _i64(context, builder, args[2], sig.args[2]), args[3]
         xos = [_i64(context, builder, args[4 + t], sig.args[4 + t]) for t in range(nt)]
         j = _i64(context, builder, args[4 + nt], sig.args[4 + nt])
-        sc_a = builder.trunc(context.cast(builder, args[5 + nt], sig.args[5 + nt], types.int32), _I16)
-        sc_b = builder.trunc(context.cast(builder, args[6 + nt], sig.args[6 + nt], types.int32), _I16)
-        if kind == "q6k":
-            n = builder.lshr(j, ir.Constant(_I64, 2))
-            k = builder.and_(j, ir.Constant(_I64, 3))
-            ql_off = builder.add(wo, builder.add(builder.mul(n, ir.Constant(_I64, 64)),
-                                                 builder.mul(builder.and_(k, ir.Constant(_I64, 1)),
-                                                             ir.Constant(_I64, 32))))
-            qh_off = builder.add(wo, builder.add(ir.Constant(_I64, 128), builder.mul(n, ir.Constant(_I64, 32))))
-            ql = _bytes(context, builder, sig.args[1], arena, ql_off, 32)
-            qh = _bytes(context, builder, sig.args[1], arena, qh_off, 32)
-            sh_l = builder.trunc(builder.mul(builder.lshr(k, ir.Constant(_I64, 1)), ir.Constant(_I64, 4)), _I8)
-            sh_h = builder.trunc(builder.mul(k, ir.Constant(_I64, 2)), _I8)
-            lo = builder.and_(builder.lshr(ql, _splat(builder, sh_l, 32)), _cvec(_I8, [15] * 32))
-            hi = builder.and_(builder.lshr(qh, _splat(builder, sh_h, 32)), _cvec(_I8, [3] * 32))
-            q = builder.or_(lo, builder.shl(hi, _cvec(_I8, [4] * 32)))
-            scv = builder.shuffle_vector(_splat(builder, sc_a, 16), _splat(builder, sc_b, 16),
-                                         _cvec(_I32, list(range(8)) + list(range(16, 24))))
+        sc = [builder.trunc(context.cast(builder, args[5 + nt + m], sig.args[5 + nt + m], types.int32), _I16)
+              for m in range(4)]
+        if kind == "q6k":  # groups j and j + 1 (j even): 64 elements, 4 scales of 16
+            q0 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 0)
+            q1 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 1)
             a_off = builder.mul(j, ir.Constant(_I64, 32))
-            for t in range(nt):
-                a8 = _bytes(context, builder, sig.args[3], xq, builder.add(xos[t], a_off), 32)
-                p = _slot(builder, iaccp, ir.Constant(_I64, t), _VI)
-                builder.store(builder.add(builder.load(p), _madd(builder, _maddubs(builder, q, a8), scv)), p)
-        else:
+            if _AVX512:
+                w64 = _concat(builder, q0, q1)
+                scv = _lanes16(builder, sc, 8)
+            else:
+                sc01, sc23 = _lanes16(builder, sc[:2], 8), _lanes16(builder, sc[2:], 8)
+        else:  # Q4_K / Q5_K sub-block pair j: 64 elements, scales sc[0], sc[1]
             lo, hi = _piece_q45k(context, builder, sig.args[1], arena, wo, j, kind == "q5k")
-            sa = _splat(builder, sc_a, 16)
-            sb = _splat(builder, sc_b, 16)
             a_off = builder.mul(j, ir.Constant(_I64, 64))
-            for t in range(nt):
-                base = builder.add(xos[t], a_off)
-                a_lo = _bytes(context, builder, sig.args[3], xq, base, 32)
-                a_hi = _bytes(context, builder, sig.args[3], xq, _add(builder, base, 32), 32)
-                v = builder.add(_madd(builder, _maddubs(builder, lo, a_lo), sa),
-                                _madd(builder, _maddubs(builder, hi, a_hi), sb))
-                p = _slot(builder, iaccp, ir.Constant(_I64, t), _VI)
-                builder.store(builder.add(builder.load(p), v), p)
+            if _AVX512:
+                w64 = _concat(builder, lo, hi)
+                scv = _lanes16(builder, sc[:2], 16)
+            else:
+                q0, q1 = lo, hi
+                sc01, sc23 = _lanes16(builder, sc[:1], 16), _lanes16(builder, sc[1:2], 16)
+        for t in range(nt):
+            base = builder.add(xos[t], a_off)
+            if _AVX512:
+                a64 = _bytes(context, builder, sig.args[3], xq, base, 64)
+                v = _madd512(builder, _maddubs512(builder, w64, a64), scv)
+            else:
+                a0 = _bytes(context, builder, sig.args[3], xq, base, 32)
+                a1 = _bytes(context, builder, sig.args[3], xq, _add(builder, base, 32), 32)
+                v = builder.add(_madd(builder, _maddubs(builder, q0, a0), sc01),
+                                _madd(builder, _maddubs(builder, q1, a1), sc23))
+            _iacc_add(builder, iaccp, t, v)
         return context.get_dummy_value()
 
     return codegen
@@ -992,18 +1054,21 @@ def _kpiece_codegen(kind, nt):
 
 def _kpiece_pair(kind):
     @intrinsic
-    def piece1(typingctx, iacc, arena, wo, xq, xo, j, sc_a, sc_b):
-        sig = types.void(iacc, arena, wo, xq, xo, j, types.int32, types.int32)
+    def piece1(typingctx, iacc, arena, wo, xq, xo, j, s0, s1, s2, s3):
+        i32 = types.int32
+        sig = types.void(iacc, arena, wo, xq, xo, j, i32, i32, i32, i32)
         return sig, _kpiece_codegen(kind, 1)
 
     @intrinsic
-    def piece4(typingctx, iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, sc_a, sc_b):
-        sig = types.void(iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, types.int32, types.int32)
+    def piece4(typingctx, iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, s0, s1, s2, s3):
+        i32 = types.int32
+        sig = types.void(iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, i32, i32, i32, i32)
         return sig, _kpiece_codegen(kind, 4)
 
     piece1.__doc__ = piece4.__doc__ = (
-        f"{kind} piece j of the super-block at byte wo x activation super-block(s) at xo: iacc[t] += "
-        "sc_a * (first sub-block . x) + sc_b * (second sub-block . x), as 8 partial int32 sums."
+        f"{kind}: 64 elements of the super-block at byte wo (Q4_K/Q5_K: sub-block pair j, scales s0, "
+        "s1; Q6_K: groups j, j+1, 16-element scales s0..s3) x the activation super-block(s) at xo: "
+        "iacc[t] += scale-weighted partial int32 sums."
     )
     return piece1, piece4
 
@@ -1027,8 +1092,7 @@ def _q6k_corr_codegen(nt):
             bs = builder.load(_byte_ptr(context, builder, sig.args[3], xbs, boff, _vt(_I16, 16)))
             bs.align = 1
             corr = builder.mul(_madd(builder, sc16, bs), _cvec(_I32, [-32] * 8))
-            p = _slot(builder, iaccp, ir.Constant(_I64, t), _VI)
-            builder.store(builder.add(builder.load(p), corr), p)
+            _iacc_add(builder, iaccp, t, corr)
         return context.get_dummy_value()
 
     return codegen
@@ -1092,11 +1156,11 @@ def _acc_alloc(typingctx):
 
 @intrinsic
 def _iacc_alloc(typingctx):
-    """A stack slot of 4 x <8 x i32> accumulators (in the calling kernel's frame)."""
+    """A stack slot of 4 x <_IW x i32> accumulators (in the calling kernel's frame)."""
     sig = _IACC()
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VI, 4)), _I32.as_pointer())
+        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VIW, 4)), _I32.as_pointer())
 
     return sig, codegen
 
@@ -1110,7 +1174,7 @@ def _acc_clear(typingctx, acc, iacc):
         for t in range(8):
             builder.store(ir.Constant(_VF, [0.0] * 8), _slot(builder, args[0], ir.Constant(_I64, t), _VF))
         for t in range(4):
-            builder.store(ir.Constant(_VI, [0] * 8), _slot(builder, args[1], ir.Constant(_I64, t), _VI))
+            builder.store(ir.Constant(_VIW, [0] * _IW), _slot(builder, args[1], ir.Constant(_I64, t), _VIW))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1123,9 +1187,13 @@ def _flush_codegen(nt):
         first = 3 if nt == 1 else 2
         for t in range(nt):
             s = context.cast(builder, args[first + t], sig.args[first + t], types.float32)
-            ip = _slot(builder, iaccp, ir.Constant(_I64, t), _VI)
-            _fma_into(builder, accp, slot if nt == 1 else ir.Constant(_I64, 2 * t), builder.load(ip), s)
-            builder.store(ir.Constant(_VI, [0] * 8), ip)
+            ip = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
+            v = builder.load(ip)
+            if _IW == 16:  # fold to 8 lanes (exact: integers)
+                v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(8))),
+                                builder.shuffle_vector(v, v, _cvec(_I32, range(8, 16))))
+            _fma_into(builder, accp, slot if nt == 1 else ir.Constant(_I64, 2 * t), v, s)
+            builder.store(ir.Constant(_VIW, [0] * _IW), ip)
         return context.get_dummy_value()
 
     return codegen
@@ -1532,14 +1600,14 @@ def _row1_q4_k(arena, wo, nb, xq, xd, xbs, a, is_q5):
         xo = (a * nb + b) * QK_K
         if is_q5:
             for g in range(2):
-                _piece1_q5k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1))
+                _piece1_q5k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
             for g in range(2):
-                _piece1_q5k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1))
+                _piece1_q5k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
         else:
             for g in range(2):
-                _piece1_q4k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1))
+                _piece1_q4k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
             for g in range(2):
-                _piece1_q4k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1))
+                _piece1_q4k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
         dd = ld_f16x2(arena, o)
         yd = ld(xd, a * nb + b)
         _flush1(acc, iacc, 0, dd[0] * yd)
@@ -1564,14 +1632,18 @@ def _row4_q4_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3, is_q5):
         x3 = (a3 * nb + b) * QK_K
         if is_q5:
             for g in range(2):
-                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1))
+                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
+                            0, 0)
             for g in range(2):
-                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1))
+                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
+                            _byte(sc_hi, 2 * g + 1), 0, 0)
         else:
             for g in range(2):
-                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1))
+                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
+                            0, 0)
             for g in range(2):
-                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1))
+                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
+                            _byte(sc_hi, 2 * g + 1), 0, 0)
         dd = ld_f16x2(arena, o)
         y0 = ld(xd, a0 * nb + b)
         y1 = ld(xd, a1 * nb + b)
@@ -1595,8 +1667,9 @@ def _row1_q6_k(arena, wo, nb, xq, xd, xbs, a):
     for b in range(nb):
         o = wo + b * 210
         xo = (a * nb + b) * QK_K
-        for i in range(8):
-            _piece1_q6k(iacc, arena, o, xq, xo, i, ld_i8(arena, o + 192 + 2 * i), ld_i8(arena, o + 193 + 2 * i))
+        for i in range(0, 8, 2):
+            _piece1_q6k(iacc, arena, o, xq, xo, i, ld_i8(arena, o + 192 + 2 * i), ld_i8(arena, o + 193 + 2 * i),
+                        ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
         _q6k_corr1(iacc, arena, o, xbs, (a * nb + b) * 16)
         _flush1(acc, iacc, 0, ld_f16x2(arena, o + 206)[1] * ld(xd, a * nb + b))
     return _acc_sum(acc, 0)
@@ -1614,9 +1687,9 @@ def _row4_q6_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3):
         x1 = (a1 * nb + b) * QK_K
         x2 = (a2 * nb + b) * QK_K
         x3 = (a3 * nb + b) * QK_K
-        for i in range(8):
+        for i in range(0, 8, 2):
             _piece4_q6k(iacc, arena, o, xq, x0, x1, x2, x3, i, ld_i8(arena, o + 192 + 2 * i),
-                        ld_i8(arena, o + 193 + 2 * i))
+                        ld_i8(arena, o + 193 + 2 * i), ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
         _q6k_corr4(iacc, arena, o, xbs, (a0 * nb + b) * 16, (a1 * nb + b) * 16, (a2 * nb + b) * 16,
                    (a3 * nb + b) * 16)
         d = ld_f16x2(arena, o + 206)[1]

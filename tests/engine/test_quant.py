@@ -17,6 +17,8 @@ Tolerances (see also moe_service/engine/quant.py):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as G
@@ -266,3 +268,38 @@ def test_activations_reused_across_tensors(rng):
     assert act.encoded(q.Partner.Q8_K) is enc
     assert np.array_equal(ya, q.matmul(a, 0, q.GGML_Q4_K, 3, 256, x))
     assert np.array_equal(yb, q.matmul(b, 0, q.GGML_Q6_K, 5, 256, x))
+
+
+_ISA_SNIPPET = """
+import numpy as np, sys
+from moe_service.engine import quant as q
+assert q._AVX512 is False
+rng = np.random.default_rng(77)
+out = []
+for t in (q.GGML_Q4_K, q.GGML_Q5_K, q.GGML_Q6_K):
+    raw = q.random_blocks(rng, t, 6, 512)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    out.append(q.matmul(raw, 0, t, 6, 512, x))
+np.save(sys.argv[1], np.stack(out))
+"""
+
+
+@pytest.mark.skipif(not q._AVX512, reason="this host runs the AVX2 K-quant code already")
+def test_avx2_k_quant_path_matches_avx512(tmp_path):
+    """The K-quant kernels have a 512-bit and a 256-bit form; their int32 sums are exact, so
+    results must be bit-identical. Runs the AVX2 form in a subprocess with its own cache."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MOE_SERVICE_KERNEL_ISA="avx2", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    dst = tmp_path / "avx2.npy"
+    subprocess.run([sys.executable, "-c", _ISA_SNIPPET, str(dst)], env=env, check=True, timeout=600)
+    rng = np.random.default_rng(77)
+    mine = []
+    for t in (q.GGML_Q4_K, q.GGML_Q5_K, q.GGML_Q6_K):
+        raw = q.random_blocks(rng, t, 6, 512)
+        x = rng.standard_normal((5, 512)).astype(np.float32)
+        mine.append(q.matmul(raw, 0, t, 6, 512, x))
+    assert np.array_equal(np.load(dst), np.stack(mine))
