@@ -16,13 +16,15 @@ Python touches only the job arrays. An empty dispatch is one numba call that pub
 takes part and waits (a second call only when a worker must be woken from sleep).
 
 Memory protocol (x86-TSO plus sequentially consistent atomics, see quant.atomic_*): the
-caller writes a job into region ``seq & 1`` of the control array only after every worker
-that entered that region's previous job has left it (``ACTIVE[r] == 0``), then publishes
-it with one atomic store of SEQ. A worker announces itself in ``ACTIVE[r]`` and re-checks
+caller writes a job (header, queue bounds, zeroed counters) into region ``seq & 1`` of the
+control array only after every worker that entered that region's previous job has left it
+(``ACTIVE[r] == 0``), then publishes it with one atomic store of SEQ. A worker announces itself in ``ACTIVE[r]`` and re-checks
 SEQ before touching the job, so a late worker never runs a stale job. Items are claimed with
 an atomic fetch-add on the per (phase, node) head; a phase ends when its done count equals
 its item count; the caller returns only after the last phase is done (and, after an error,
-only after every worker has left the job), so job buffers are never touched after return.
+only after every worker has left the job). A worker that enters a finished job late reads
+only the control array (the bounds are copied there), finds every queue claimed and leaves:
+job buffers are never touched after the caller returns.
 
 Pinning: every worker thread pins itself once, at start, to exactly one CPU with
 ``os.sched_setaffinity(0, {cpu})`` (pid 0 = the calling thread). The caller thread, which
@@ -80,11 +82,14 @@ F_SLEEPERS = 3 * LINE
 F_ACTIVE = 4 * LINE  # + r * LINE: workers inside region r's job
 F_ERR_KIND = 6 * LINE  # kind of the failing item
 REGION0 = 8 * LINE
-# Per region: header line, then done[phase] lines, then head[phase][node] lines.
-R_HDR = 0  # + 0 n_phases, 1 n_nodes, 2 items addr, 3 bounds addr, 4 op addr
+# Per region: header line, done[phase] lines, head[phase][node] lines, then a copy of the
+# job's bounds (a worker that enters a finished job late reads only the control array: it
+# finds every queue claimed and never touches the caller's, possibly freed, job arrays).
+R_HDR = 0  # + 0 n_phases, 1 n_nodes, 2 items addr, 3 (unused), 4 op addr
 R_DONE = LINE
 R_HEAD = R_DONE + MAX_PHASES * LINE
-REGION_LEN = R_HEAD + MAX_PHASES * MAX_NODES * LINE
+R_BOUNDS = R_HEAD + MAX_PHASES * MAX_NODES * LINE  # [phase][node][start, end]
+REGION_LEN = R_BOUNDS + MAX_PHASES * MAX_NODES * 2
 CTRL_LEN = REGION0 + 2 * REGION_LEN
 
 ST_IDLE = 1
@@ -197,8 +202,7 @@ def _run_job(ctrl, r, slot, node):
     base = REGION0 + r * REGION_LEN
     n_phases = ld(ctrl, base + R_HDR)
     n_nodes = ld(ctrl, base + R_HDR + 1)
-    n_bounds = n_phases * n_nodes * 2
-    bounds = view_i64(ld(ctrl, base + R_HDR + 3), n_bounds)
+    bounds = ctrl[base + R_BOUNDS: base + R_BOUNDS + n_phases * n_nodes * 2]
     items = view_i64(ld(ctrl, base + R_HDR + 2), 1)
     op = view_i64(ld(ctrl, base + R_HDR + 4), 1)
     home = node % n_nodes
@@ -259,10 +263,13 @@ def _publish(ctrl, items_addr, bounds, op_addr, n_phases, n_nodes):
         st(ctrl, base + R_DONE + p * LINE, 0)
         for nd in range(n_nodes):
             st(ctrl, base + R_HEAD + (p * MAX_NODES + nd) * LINE, 0)
+    for p in range(n_phases):
+        for nd in range(n_nodes):
+            st(ctrl, base + R_BOUNDS + (p * n_nodes + nd) * 2, bounds[p, nd, 0])
+            st(ctrl, base + R_BOUNDS + (p * n_nodes + nd) * 2 + 1, bounds[p, nd, 1])
     st(ctrl, base + R_HDR, n_phases)
     st(ctrl, base + R_HDR + 1, n_nodes)
     st(ctrl, base + R_HDR + 2, items_addr)
-    st(ctrl, base + R_HDR + 3, bounds.ctypes.data)
     st(ctrl, base + R_HDR + 4, op_addr)
     atomic_store(ctrl, F_SEQ, s)
     return s, atomic_load(ctrl, F_SLEEPERS)
@@ -280,7 +287,7 @@ def _take_part_and_wait(ctrl, s, slot, node, participate):
         atomic_add(ctrl, F_ACTIVE + r * LINE, -1)
     n_phases = ld(ctrl, base + R_HDR)
     n_nodes = ld(ctrl, base + R_HDR + 1)
-    bounds = view_i64(ld(ctrl, base + R_HDR + 3), n_phases * n_nodes * 2)
+    bounds = ctrl[base + R_BOUNDS: base + R_BOUNDS + n_phases * n_nodes * 2]
     last = n_phases - 1
     total = ld(bounds, (last * n_nodes + n_nodes - 1) * 2 + 1) - ld(bounds, last * n_nodes * 2)
     while atomic_load(ctrl, base + R_DONE + last * LINE) < total:
