@@ -19,15 +19,24 @@ of products scaled by the two block scales, so results agree closely with llama.
 F32 / F16 / BF16 weights are dotted against the activation rounded to the weight's own
 precision (ggml's vec_dot_type for those types), accumulating in float32.
 
-Performance notes (the point of this module): the inner loops are flat loops over the 16
-or 32 elements of a block with int32 accumulators and no per-element branches; all loads
-go through the ``ld*`` intrinsics below (no negative-index wraparound), and numba's SLP
-vectorizer is switched on for this process (numba ships with it off), which turns each
-block into ``vpmovsxbw`` + ``vpmaddwd`` vector code. bench/kernels.py measures GB/s of
-weight bytes per format against the machine's read bandwidth.
+Performance (the point of this module; bench/kernels.py measures GB/s of weight bytes per
+format against the machine's read bandwidth):
 
-All kernels are ``@njit(nogil=True, cache=True)``; numba's on-disk cache honours
-NUMBA_CACHE_DIR, which the service sets before numba is imported.
+- The block dot products are written in LLVM vector IR (numba intrinsics): a block's
+  weights become 32 bytes, multiplied with the activation's 32 int8 by vpmaddubsw and
+  vpmaddwd (512-bit for the K-quants where AVX-512BW exists), scaled into float
+  accumulators that stay in registers; the horizontal sum happens once per row.
+- Each weight row is read from memory once per call and dotted with the activation rows
+  4 at a time (each block unpacked once per 4 rows) while it sits in L1.
+- The format kernels are C-ABI functions (numba cfunc) called through an address table:
+  each compiles once and only when a model uses the format (``ensure_kernels``), and no
+  reference counting runs per row (they take raw pointers).
+- Scalar helpers (quantizers, dequantization) rely on LLVM's SLP vectorizer, which this
+  module switches on (numba ships with it off).
+
+All kernels are compiled with ``nogil=True, cache=True``; numba's on-disk cache honours
+NUMBA_CACHE_DIR, which the service sets before numba is imported. Requires an x86-64 CPU
+with AVX2 (and SSSE3 pshufb for MXFP4).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import threading
 from dataclasses import dataclass
 from enum import IntEnum
 
+import llvmlite.binding as _llb
 import numpy as np
 from llvmlite import ir
 from numba import cfunc, njit, types
@@ -46,11 +56,14 @@ from numba.extending import intrinsic
 
 from moe_service.errors import ModelFileError
 
-# The block kernels rely on LLVM's SLP vectorizer to turn each block's unrolled int8
-# products into vector code (measured ~6x on Q8_0). numba keeps it off by default; it is
-# read when each function is optimized, so setting it here covers every kernel compiled
-# in this process (including the rest of the engine's numba code, which only gains).
+# The scalar kernels (quantizers, dequantization) rely on LLVM's SLP vectorizer to turn
+# unrolled element loops into vector code (measured ~6x on a scalar Q8_0 dot). numba keeps
+# it off by default; it is read when each function is optimized, so setting it here covers
+# every function compiled in this process (the rest of the engine's numba code only gains).
 _numba_config.SLP_VECTORIZE = 1
+
+# ld_f16x2 uses two instructions of inline assembly; LLVM needs its assembly parser for that.
+_llb.initialize_native_asmparser()
 
 __all__ = [
     "GGML_F32", "GGML_F16", "GGML_BF16", "GGML_Q4_0", "GGML_Q4_1", "GGML_Q5_0", "GGML_Q5_1",
@@ -255,9 +268,10 @@ ld_bf16 = _byte_loader(_I16, types.float32,
 def ld_f16x2(typingctx, arena, off):
     """The two float16 at byte offsets ``off`` and ``off + 2``, widened to float32, as a tuple.
 
-    One 4-byte load (vmovd) and one vcvtph2ps: unlike a single 2-byte load (which LLVM
-    inserts into a live xmm register with vpinsrw, chaining every block on the previous
-    block's accumulator), this breaks no dependency.
+    The block kernels read their float16 scales with this: one 4-byte load into a general
+    register, then ``vmovd`` + ``vcvtph2ps`` (inline asm). Left to itself LLVM narrows the
+    load and inserts it into a live xmm register with ``vpinsrw``, which chains every block
+    on the previous block's scale arithmetic (measured 2.8x slower on Q4_0).
     """
     retty = types.UniTuple(types.float32, 2)
     sig = retty(arena, off)
@@ -266,10 +280,10 @@ def ld_f16x2(typingctx, arena, off):
         o = context.cast(builder, args[1], signature.args[1], types.int64)
         v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], o, _I32))
         v.align = 1
-        h2 = builder.bitcast(v, ir.VectorType(ir.HalfType(), 2))
-        f2 = builder.fpext(h2, ir.VectorType(_F32, 2))
-        a = builder.extract_element(f2, ir.Constant(_I32, 0))
-        b = builder.extract_element(f2, ir.Constant(_I32, 1))
+        f4 = builder.asm(ir.FunctionType(ir.VectorType(_F32, 4), [_I32]),
+                         "vmovd $1, $0\n\tvcvtph2ps $0, $0", "=x,r", [v], False)
+        a = builder.extract_element(f4, ir.Constant(_I32, 0))
+        b = builder.extract_element(f4, ir.Constant(_I32, 1))
         return context.make_tuple(builder, retty, [a, b])
 
     return sig, codegen
@@ -736,9 +750,7 @@ def _target_has_avx512bw() -> bool:
         return False
     if _numba_config.CPU_NAME:
         return "+avx512bw" in (_numba_config.CPU_FEATURES or "")
-    import llvmlite.binding as llb
-
-    return bool(llb.get_host_cpu_features().get("avx512bw", False))
+    return bool(_llb.get_host_cpu_features().get("avx512bw", False))
 
 
 # K-quant pieces use 512-bit vpmaddubsw/vpmaddwd (64 bytes: two 32-element sub-blocks per
@@ -795,10 +807,14 @@ def _nibbles(builder, v16):
 
 
 def _high_bits(builder, qh32):
-    """u32 (i32) qh -> <32 x i8> whose lane j is bit j of qh shifted to bit 4 (Q5_0/Q5_1)."""
-    v = builder.lshr(_splat(builder, qh32, 32), _cvec(_I32, range(32)))
-    v = builder.and_(v, _cvec(_I32, [1] * 32))
-    return builder.shl(builder.trunc(v, _vt(_I8, 32)), _cvec(_I8, [4] * 32))
+    """u32 (i32) qh -> <32 x i8> whose lane j is bit j of qh shifted to bit 4 (Q5_0/Q5_1):
+    byte j // 8 of qh spread to lane j (vpshufb), tested against bit j % 8 (as ggml's
+    bytes_from_bits_32)."""
+    b4 = builder.bitcast(qh32, _vt(_I8, 4))
+    spread = builder.shuffle_vector(b4, b4, _cvec(_I32, [j // 8 for j in range(32)]))
+    hit = builder.icmp_unsigned("!=", builder.and_(spread, _cvec(_I8, [1 << (j % 8) for j in range(32)])),
+                                _cvec(_I8, [0] * 32))
+    return builder.select(hit, _cvec(_I8, [16] * 32), _cvec(_I8, [0] * 32))
 
 
 def _maddubs(builder, w_u8, a_s8):
