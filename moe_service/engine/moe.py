@@ -332,7 +332,14 @@ def assign_chunks(groups, copy_nodes, node_index, n_nodes, expert_cost, token_co
     for g in range(n_groups):
         n_e = groups[g, 2] - groups[g, 1]
         cost[g] = expert_cost[groups[g, 0]] * (1.0 + token_cost * (n_e - 1)) / n_chunks
-    order = np.argsort(-cost, kind="mergesort")
+    order = np.arange(n_groups)  # stable insertion sort, largest cost first (G <= E: small)
+    for a in range(1, n_groups):
+        v = order[a]
+        b = a - 1
+        while b >= 0 and cost[order[b]] < cost[v]:
+            order[b + 1] = order[b]
+            b -= 1
+        order[b + 1] = v
     for gi in range(n_groups):
         g = order[gi]
         e = groups[g, 0]
@@ -480,7 +487,9 @@ def plan_step(op, arena, x, ids, w, out, n_expert, g_off, g_nodes, u_off, u_node
     items = np.empty((n_items, 8), np.int64)
     pos = start[:n_keys].copy()
     for i in range(n_items):
-        items[pos[key[i]]] = raw[i]
+        dst = pos[key[i]]
+        for c in range(8):
+            items[dst, c] = raw[i, c]
         pos[key[i]] += 1
     return items, bounds, pair_tok, slot_pair
 

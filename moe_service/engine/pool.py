@@ -41,7 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import cfunc, njit, types
+from numba.extending import intrinsic
 
 from moe_service.engine import moe as _moe
 from moe_service.engine import quant as _q
@@ -81,6 +83,7 @@ F_ERR = 2 * LINE  # 0, or 1 + index of the failing item, or -1 for a worker-thre
 F_SLEEPERS = 3 * LINE
 F_ACTIVE = 4 * LINE  # + r * LINE: workers inside region r's job
 F_ERR_KIND = 6 * LINE  # kind of the failing item
+F_RUN_JOB = 7 * LINE  # address of the compiled _run_job
 REGION0 = 8 * LINE
 # Per region: header line, done[phase] lines, head[phase][node] lines, then a copy of the
 # job's bounds (a worker that enters a finished job late reads only the control array: it
@@ -196,22 +199,25 @@ def _run_item(items, i, op, slot):
     return 0
 
 
-@njit(nogil=True, cache=True)
 def _run_job(ctrl, r, slot, node):
-    """Claim and run items of region r's job: own node first, then steal; phase barriers."""
+    """Claim and run items of region r's job: own node first, then steal; phase barriers.
+
+    Compiled once as a C-ABI function (see _run_job_address) and called through its address
+    by the worker loop and the caller, so the kernels behind it are not re-optimized inside
+    each of those (numba re-optimizes a callee's code in every jitted caller)."""
     base = REGION0 + r * REGION_LEN
     n_phases = ld(ctrl, base + R_HDR)
     n_nodes = ld(ctrl, base + R_HDR + 1)
-    bounds = ctrl[base + R_BOUNDS: base + R_BOUNDS + n_phases * n_nodes * 2]
     items = view_i64(ld(ctrl, base + R_HDR + 2), 1)
     op = view_i64(ld(ctrl, base + R_HDR + 4), 1)
+    bnd = base + R_BOUNDS
     home = node % n_nodes
     for p in range(n_phases):
-        total = ld(bounds, (p * n_nodes + n_nodes - 1) * 2 + 1) - ld(bounds, p * n_nodes * 2)
+        total = ld(ctrl, bnd + (p * n_nodes + n_nodes - 1) * 2 + 1) - ld(ctrl, bnd + p * n_nodes * 2)
         for k in range(n_nodes):
             nd = (home + k) % n_nodes
-            start = ld(bounds, (p * n_nodes + nd) * 2)
-            end = ld(bounds, (p * n_nodes + nd) * 2 + 1)
+            start = ld(ctrl, bnd + (p * n_nodes + nd) * 2)
+            end = ld(ctrl, bnd + (p * n_nodes + nd) * 2 + 1)
             head = base + R_HEAD + (p * MAX_NODES + nd) * LINE
             while atomic_load(ctrl, F_ERR) == 0:
                 i = start + atomic_add(ctrl, head, 1)
@@ -228,6 +234,41 @@ def _run_job(ctrl, r, slot, node):
             cpu_relax()
 
 
+_RUN_JOB_SIG = types.void(types.CPointer(types.int64), types.int64, types.int64, types.int64)
+_RUN_JOB_CFUNC = None
+_RUN_JOB_LOCK = threading.Lock()
+
+
+def _run_job_address() -> int:
+    """Address of the compiled _run_job (compiled, or loaded from numba's cache, once)."""
+    global _RUN_JOB_CFUNC
+    with _RUN_JOB_LOCK:
+        if _RUN_JOB_CFUNC is None:
+            _RUN_JOB_CFUNC = cfunc(_RUN_JOB_SIG, nopython=True, cache=True)(_run_job)
+        return _RUN_JOB_CFUNC.address
+
+
+@intrinsic
+def _call_run_job(typingctx, addr, ctrl, r, slot, node):
+    """Call the compiled _run_job at ``addr`` (read from ctrl[F_RUN_JOB] at run time)."""
+    sig = types.void(types.int64, ctrl, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64.as_pointer(), i64, i64, i64])
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        builder.call(fptr, [data, args[2], args[3], args[4]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def _job(ctrl, r, slot, node):
+    _call_run_job(ld(ctrl, F_RUN_JOB), ctrl, r, slot, node)
+
+
 @njit(nogil=True, cache=True)
 def _worker_loop(ctrl, slot, node, spin_cycles, last_seq):
     """A worker's life between sleeps: run every new job; return (status, last seen seq)
@@ -239,7 +280,7 @@ def _worker_loop(ctrl, slot, node, spin_cycles, last_seq):
             r = s & 1
             atomic_add(ctrl, F_ACTIVE + r * LINE, 1)
             if atomic_load(ctrl, F_SEQ) == s:
-                _run_job(ctrl, r, slot, node)
+                _job(ctrl, r, slot, node)
             atomic_add(ctrl, F_ACTIVE + r * LINE, -1)
             last_seq = s
             t0 = cycle_counter()
@@ -283,7 +324,7 @@ def _take_part_and_wait(ctrl, s, slot, node, participate):
     base = REGION0 + r * REGION_LEN
     if participate:
         atomic_add(ctrl, F_ACTIVE + r * LINE, 1)
-        _run_job(ctrl, r, slot, node)
+        _job(ctrl, r, slot, node)
         atomic_add(ctrl, F_ACTIVE + r * LINE, -1)
     n_phases = ld(ctrl, base + R_HDR)
     n_nodes = ld(ctrl, base + R_HDR + 1)
@@ -462,6 +503,7 @@ class WorkerPool:
         self.pin_caller = pin_caller
         self.spin_s = spin_s
         self.ctrl = np.zeros(CTRL_LEN, np.int64)
+        self.ctrl[F_RUN_JOB] = _run_job_address()
         self._cond = threading.Condition()
         self._lock = threading.Lock()
         self._errors: list[tuple[int, int, BaseException]] = []
