@@ -32,6 +32,7 @@ from numba import njit
 
 from moe_service.engine import quant as q
 from moe_service.engine.pool import Job, WorkerPool
+from moe_service.engine.quant import ld
 
 DEFAULT_FORMATS = "Q8_0,Q4_K,Q4_1,Q6_K,Q4_0,Q5_K,Q5_0,Q5_1,MXFP4,F16,BF16,F32"
 BY_NAME = {f.name: t for t, f in q.FORMATS.items()}
@@ -41,7 +42,7 @@ BY_NAME = {f.name: t for t, f in q.FORMATS.items()}
 def _sum_u64(a, lo, hi):
     s = np.uint64(0)
     for i in range(lo, hi):
-        s += a[i]
+        s += ld(a, i)  # no negative-index wraparound check: the loop vectorizes
     return s
 
 
