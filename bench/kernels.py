@@ -246,6 +246,30 @@ print(f"{t_import:.2f} {time.perf_counter() - t0:.2f}")
 """
 
 
+_ASM_SNIPPET = r"""
+import re, json
+from moe_service.engine import quant as q
+q.ensure_kernels(list(q.FORMATS))
+out = {}
+for t, f in q.FORMATS.items():
+    asm = q._KERNEL_CFUNCS[q._KERNEL_PY[t]]._library.get_asm_str()
+    ops = re.findall(r"^\s+(v[a-z0-9]+)", asm, re.M)
+    out[f.name] = {k: sum(1 for o in ops if o == k) for k in
+                   ("vpmaddubsw", "vpmaddwd", "vpdpbusd", "vpdpwssd", "vfmadd231ps", "vcvtph2ps", "vpinsrw")}
+print(json.dumps(out))
+"""
+
+
+def kernel_instruction_counts() -> dict:
+    """Vector instructions in each compiled format kernel (fresh cache: numba does not keep
+    assembly for cached code)."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="numba-asm-") as d:
+        env["NUMBA_CACHE_DIR"] = d
+        out = subprocess.run([sys.executable, "-c", _ASM_SNIPPET], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def compile_seconds() -> dict[str, float]:
     """Cold (empty cache) and warm (cached) time to import and run every engine kernel once."""
     env = dict(os.environ)
@@ -275,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time decode steps on these model shapes (repeatable)")
     ap.add_argument("--scenario-layers", type=int, default=0, help="layers to build (0: all; time scales)")
     ap.add_argument("--scenario-expert-type", default=None, help="override the scenario's expert type")
+    ap.add_argument("--asm", action="store_true", help="count vector instructions in each compiled kernel")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     formats = [BY_NAME[n.strip().upper()] for n in args.formats.split(",") if n.strip()]
@@ -339,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         c = res["compile"]
         print(f"\nengine numba code, import + first run of every kernel: cold {c['cold_s']:.1f} s "
               f"(import {c['cold_import_s']:.1f} s), warm from cache {c['warm_s']:.1f} s")
+    if args.asm:
+        res["asm"] = kernel_instruction_counts()
+        print("\nvector instructions per compiled format kernel:")
+        for name, c in res["asm"].items():
+            print(f"  {name:6s} " + " ".join(f"{k}={v}" for k, v in c.items()))
     res["load_avg_end"] = os.getloadavg()
     print(f"load average at end: {res['load_avg_end']}")
     if args.json:
