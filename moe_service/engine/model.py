@@ -272,13 +272,22 @@ class Model:
         return lw
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [C, rope_dim/2] float32 for positions 0..C-1 (theta_j = base^(-2j/rope_dim))."""
+        """cos/sin [C, rope_dim/2] float32, rounded as ggml's rope cache: theta_scale =
+        powf(base, -2/rope_dim); per position p, theta_0 = p and theta_{j+1} = theta_j *
+        theta_scale in float32 (not p * base^(-2j/d) exactly); divided by the rope_freqs
+        factor when the file has one (llama3); cos/sin correctly rounded to float32."""
         half = self.rope_dim // 2
-        inv = 1.0 / (self.p.rope_freq_base ** (torch.arange(0, half, dtype=torch.float64) * 2 / self.rope_dim))
-        if "rope_freqs.weight" in self.catalog.tensors:  # llama3-style per-dimension factors
-            inv = inv / torch.from_numpy(_dequantize(self.weights, "rope_freqs.weight").astype(np.float64))
-        ang = torch.arange(self.n_ctx, dtype=torch.float64)[:, None] * inv[None, :]
-        return torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device)
+        theta_scale = np.float32(np.float32(self.p.rope_freq_base) ** np.float32(-2.0 / self.rope_dim))
+        theta = np.empty((self.n_ctx, half), dtype=np.float32)
+        theta[:, 0] = np.arange(self.n_ctx, dtype=np.float32)
+        for j in range(1, half):
+            theta[:, j] = theta[:, j - 1] * theta_scale
+        if "rope_freqs.weight" in self.catalog.tensors:
+            theta = theta / _dequantize(self.weights, "rope_freqs.weight").reshape(1, -1)[:, :half]
+        ang = theta.astype(np.float64)
+        cos = torch.from_numpy(np.cos(ang).astype(np.float32))
+        sin = torch.from_numpy(np.sin(ang).astype(np.float32))
+        return cos.to(self.device), sin.to(self.device)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -323,8 +332,16 @@ class Model:
     # -- pieces ------------------------------------------------------------------------------
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x / sqrt(mean(x^2) + eps) * w, over the last axis (as ggml_rms_norm then ggml_mul)."""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.p.rms_eps) * w
+        """x / sqrt(mean(x^2) + eps) * w over the last axis, rounded as ggml's rms_norm then
+        ggml_mul: squares in float32 summed in float64, mean rounded to float32, scale =
+        1/sqrtf(mean + eps) (a float64 sqrt rounded to float32 is the correctly rounded float32
+        sqrt), y = (x * scale) * w. Bit-identical inputs to the next quantized
+        matmul matter: an ulp moves some activations across a rounding boundary of Q8_0."""
+        ss = (x * x).double().sum(-1, keepdim=True)
+        mean = (ss / x.shape[-1]).float()
+        var = mean + torch.tensor(self.p.rms_eps, dtype=torch.float32)
+        scale = 1.0 / torch.sqrt(var.double()).float()  # torch's float32 sqrt is not correctly rounded; sqrtf is
+        return (x * scale) * w
 
     def _matmul(self, mats: list[QMat], x: torch.Tensor, names: list[str] | None = None, lw: LayerWeights | None = None) -> list[torch.Tensor]:
         """x [T, n_cols] times each weight's transpose -> [T, n_rows] each (one dispatch)."""
@@ -377,7 +394,7 @@ class Model:
                 qpos = torch.arange(n0, n0 + n, device=self.device)[:, None]
                 kpos = torch.arange(0, n0 + n, device=self.device)[None, :]
                 scores = scores.masked_fill(kpos > qpos, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            probs = torch.softmax(scores, dim=-1).to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
             out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
         (o,) = self._matmul([lw.mats["attn_output"]], out.view(T, -1), ["attn_output"], lw)
         return o

@@ -3,9 +3,10 @@
 Tolerances (see also moe_service/engine/quant.py):
 
 - dequantize: bit-exact with gguf.quants.dequantize (same float32 operations, same order).
-- activation quantization: bit-exact with ggml's reference rows (gguf's Q8_0 quantizer is
-  bit-exact with quantize_row_q8_0_ref; Q8_1 / Q8_K are re-derived here in numpy from
-  ggml-quants.c).
+- activation quantization: bit-exact with what llama.cpp computes on x86 (Q8_0 / Q8_1: the
+  AVX path, id = 127/amax and round half to even, re-derived here in numpy; Q8_K: the
+  reference row, which x86 also runs). The portable _ref rows (and gguf-py's quantizer) use
+  id = 1/d and roundf: the test below shows they differ, so the choice is deliberate.
 - dot products against float64 of the *same* quantized activations: only float32 rounding
   differs (int32 block sums are exact; each block scale product and the lane-parallel
   float32 accumulation add ~2^-24 relative per step), so |err| <= 1e-6 * sum|w*a|.
@@ -86,25 +87,33 @@ def _activations(rng, n_tok, n_cols):
     return x
 
 
-def test_q8_0_bit_exact_with_ggml_reference(rng):
+def _x86_q8(blocks):
+    """ggml-cpu x86 quantize_row_q8_0/q8_1 in numpy: d = amax/127, id = 127/amax, rint."""
+    amax = np.abs(blocks).max(axis=1).astype(np.float32)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    return d, np.rint(blocks * inv[:, None]).astype(np.int8)
+
+
+def test_q8_0_bit_exact_with_ggml_x86(rng):
     x = _activations(rng, 3, 256)
     pa = q.quantize_activations(x, q.Partner.Q8_0)
-    ref = gq.Q8_0.quantize_blocks(x.reshape(-1, 32))  # bit-exact with quantize_row_q8_0_ref
-    assert np.array_equal(pa.xd, ref[:, :2].copy().view(np.float16).astype(np.float32).reshape(-1))
-    assert np.array_equal(pa.xq, ref[:, 2:].copy().view(np.int8).reshape(-1))
+    d, qs = _x86_q8(x.reshape(-1, 32))
+    assert np.array_equal(pa.xd, d.astype(np.float16).astype(np.float32))
+    assert np.array_equal(pa.xq, qs.reshape(-1))
+    # where the two rules part: a tie (2.5 with amax 127 -> id 1) rounds to even on x86 (2),
+    # away from zero in the portable reference row and gguf-py's quantizer (3)
+    tie = np.zeros((1, 32), np.float32)
+    tie[0, 0], tie[0, 1] = 127.0, 2.5
+    assert q.quantize_activations(tie, q.Partner.Q8_0).xq[1] == 2
+    assert gq.Q8_0.quantize_blocks(tie)[0, 2:].copy().view(np.int8)[1] == 3
 
 
-def _roundf(v):
-    return np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
-
-
-def test_q8_1_matches_ggml_reference(rng):
+def test_q8_1_matches_ggml_x86(rng):
     x = _activations(rng, 2, 128)
     pa = q.quantize_activations(x, q.Partner.Q8_1)
     blocks = x.reshape(-1, 32)
-    d = (np.abs(blocks).max(axis=1) / np.float32(127)).astype(np.float32)
-    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
-    qs = gq.np_roundf(blocks * inv[:, None]).astype(np.int8)
+    d, qs = _x86_q8(blocks)
     assert np.array_equal(pa.xq, qs.reshape(-1))
     assert np.array_equal(pa.xd, d.astype(np.float16).astype(np.float32))
     s = (qs.astype(np.int32).sum(axis=1).astype(np.float32) * d).astype(np.float16).astype(np.float32)
