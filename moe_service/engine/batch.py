@@ -140,10 +140,12 @@ class BatchLoop:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
                 log.warning("engine_loop_stop_timeout", timeout_s=timeout_s)
+                self._thread = thread
             else:
                 log.info("engine_loop_stopped", steps=self.steps, failed_steps=self.failed_steps)
 

@@ -158,3 +158,40 @@ def make_engine(n_seq: int = 4, n_ctx: int = 256, *, ubatch_tokens: int = 8, max
     model = FakeModel(n_seq, n_ctx, **model_kw)
     return Engine(model, FakeTokenizer(), model_name="fake-moe", ubatch_tokens=ubatch_tokens,
                   max_tokens_default=max_tokens_default)
+
+
+def run_fake_service() -> int:
+    """The real lifecycle and serve stage over a fake engine (``python tests/unit/serving_fakes.py``).
+
+    Stages ``warmup`` (builds the fake engine; step delay from $FAKE_STEP_DELAY_S) and ``serve``;
+    settings from the usual config sources (tests pass MOE_SERVICE__* variables).
+    """
+    import os
+
+    from moe_service.config import load_config
+    from moe_service.log import configure_logging
+    from pipeline.lifecycle import run_service
+    from pipeline.serve import ServeStage
+    from pipeline.spec import Stage
+
+    class FakeWarmup(Stage):
+        name = "warmup"
+
+        def run(self, ctx):
+            cfg = ctx.config
+            ctx.engine = make_engine(n_seq=cfg.serve.parallel, ubatch_tokens=cfg.engine.ubatch_tokens,
+                                     max_tokens_default=cfg.serve.max_tokens_default,
+                                     step_delay_s=float(os.environ.get("FAKE_STEP_DELAY_S", "0.01")))
+
+        def close(self, ctx):
+            ctx.engine = None
+
+    settings = load_config(None)
+    configure_logging(settings.log.level, settings.log.target)
+    return run_service(settings, registry={"warmup": FakeWarmup, "serve": ServeStage}, prepare=lambda ctx: None)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(run_fake_service())
