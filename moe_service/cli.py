@@ -58,6 +58,34 @@ def cmd_config_validate(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    """`moe-service bench serve`: READY time (cold/warm kernel cache), 1 vs N stream tok/s."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / "bench" / "serve.py").is_file():
+        raise ConfigError(f"bench serve needs the source tree ({repo / 'bench' / 'serve.py'} is missing)")
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from bench.serve import main as bench_serve_main
+
+    settings = _settings(args)
+    _logging(settings)
+    argv = (["--json"] if args.json else []) + ["--tokens", str(args.tokens), "--streams", str(args.streams)]
+    return bench_serve_main(argv, model_path=settings.model_path())
+
+
+def _kernel_cache_env() -> None:
+    """NUMBA_CACHE_DIR = cache_dir()/numba unless set: before anything imports numba, so
+    compiled kernels persist across restarts (warmup then loads instead of compiling)."""
+    import os
+
+    if "NUMBA_CACHE_DIR" not in os.environ:
+        from moe_service.paths import cache_dir
+
+        os.environ["NUMBA_CACHE_DIR"] = str(cache_dir() / "numba")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-service",
@@ -80,12 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("file", metavar="FILE")
     pv.set_defaults(func=cmd_config_validate)
 
+    p = sub.add_parser("bench", help="side-by-side benchmarks")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    pb = bsub.add_parser("serve", help="READY time (cold/warm kernels), 1-stream vs 4-stream tok/s over HTTP")
+    _add_config_args(pb)
+    pb.add_argument("--json", action="store_true", help="print the report as JSON")
+    pb.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
+    pb.add_argument("--streams", type=int, default=4, help="concurrent streams (default 4)")
+    pb.set_defaults(func=cmd_bench_serve)
+
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _kernel_cache_env()
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

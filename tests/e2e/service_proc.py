@@ -26,6 +26,7 @@ def _datagram_sink_class():
     """tests/conftest.py's DatagramSink, loaded by path (module names of conftests collide)."""
     spec = importlib.util.spec_from_file_location("moe_tests_root_conftest", REPO / "tests" / "conftest.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["moe_tests_root_conftest"] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod.DatagramSink
 
