@@ -1,3 +1,5 @@
 """Importing this module registers every stage that exists (see pipeline.spec.STAGES)."""
 
-from pipeline import serve, warmup  # noqa: F401,E402
+import pipeline.pin  # noqa: F401
+import pipeline.serve  # noqa: F401
+import pipeline.warmup  # noqa: F401

@@ -45,21 +45,6 @@ def numba_cache_dir() -> str:
     return os.environ.get("NUMBA_CACHE_DIR", "")
 
 
-def resolve_device(choice: str) -> str:
-    """engine.device ``auto`` -> ``cuda`` when torch sees a CUDA device, else ``cpu``.
-
-    Raises StageError when ``cuda`` is asked for and there is none.
-    """
-    import torch
-
-    has_cuda = torch.cuda.is_available()
-    if choice == "auto":
-        return "cuda" if has_cuda else "cpu"
-    if choice == "cuda" and not has_cuda:
-        raise StageError("engine.device = 'cuda' but torch sees no CUDA device")
-    return choice
-
-
 def make_ops(ctx: PipelineContext):
     """The CPU kernel backend for the model (moe_service.engine.ops.CpuOps): worker threads
     per ``engine.threads`` over ``ctx.topology``, fused MoE per ``engine.fused_moe``."""
@@ -71,10 +56,14 @@ def make_ops(ctx: PipelineContext):
 
 def build_engine(ctx: PipelineContext, ops=None):
     """The Engine over the loaded weights: Model (KV for ``serve.parallel`` sequences of
-    ``model.context_tokens``), Tokenizer from the GGUF metadata, the served model id.
+    ``model.context_tokens``; dense part on the device engine.device resolves to, with the
+    prefill expert offload there when it is a GPU), Tokenizer from the GGUF metadata, the
+    served model id.
 
-    Raises ModelFileError (unsupported architecture, missing tensor or tokenizer key).
+    Raises ModelFileError (unsupported architecture, missing tensor or tokenizer key),
+    PreflightError (engine.device = cuda without a usable GPU).
     """
+    from moe_service.engine.device import resolve_device
     from moe_service.engine.engine import Engine, served_model_name
     from moe_service.engine.model import Model
     from moe_service.engine.tokenizer import Tokenizer
@@ -83,10 +72,14 @@ def build_engine(ctx: PipelineContext, ops=None):
     if ctx.catalog is None or ctx.weights is None:
         raise StageError("warmup needs the loaded model (ctx.catalog and ctx.weights): run fastload first")
     path = ctx.catalog.shards[0].path
-    device = resolve_device(cfg.engine.device)
-    dense = "torch" if device == "cuda" else "quant"
+    device, dense = resolve_device(cfg)
     model = Model(ctx.catalog, ctx.weights, ops if ops is not None else make_ops(ctx), device=device, dense=dense,
                   n_seq=cfg.serve.parallel, n_ctx=cfg.model.context_tokens)
+    if model.device.type == "cuda":  # big prefill batches stream their experts to the GPU
+        from moe_service.engine.offload import ExpertOffload
+
+        model.offload = ExpertOffload.for_model(model, min_batch_tokens=cfg.engine.offload_min_batch_tokens,
+                                                pins=ctx.pins)
     tokenizer = Tokenizer.from_gguf(ctx.catalog.metadata, source=str(path))
     return Engine(model, tokenizer, model_name=served_model_name(cfg.model.name, path),
                   ubatch_tokens=cfg.engine.ubatch_tokens, max_tokens_default=cfg.serve.max_tokens_default)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moe_service.engine import torch_quant
 from moe_service.errors import ModelFileError
 from moe_service.log import get_logger
 
@@ -173,12 +174,20 @@ class Model:
     kernel backend (moe_service.engine.ops.CpuOps) used for quantized matmuls and the fused
     MoE; ``device``: torch device of the dense part; ``dense``: "quant" (matmuls in place on
     the CPU) or "torch" (dense matrices dequantized to ``device``); ``n_seq``: sequence slots;
-    ``n_ctx``: tokens per sequence.
+    ``n_ctx``: tokens per sequence. ``dense_dtype``: dtype of the dequantized dense matrices
+    with ``dense = "torch"`` (float32 default: the same values as the CPU path's weights;
+    bfloat16 halves the GPU memory at ~0.4% relative error per matmul). ``offload``: an
+    moe_service.engine.offload.ExpertOffload; batches of at least its ``min_batch_tokens``
+    tokens compute their routed experts through it (on the GPU) instead of ``ops.moe``.
+    Choosing ``device``/``dense`` from the config: moe_service.engine.device.resolve_device.
 
     Raises ModelFileError naming the architecture or tensor when the file cannot be run.
     """
 
-    def __init__(self, catalog, weights, ops, *, device: str = "cpu", dense: str = "quant", n_seq: int = 4, n_ctx: int = 4096):
+    def __init__(
+        self, catalog, weights, ops, *, device: str = "cpu", dense: str = "quant", n_seq: int = 4, n_ctx: int = 4096,
+        dense_dtype: torch.dtype = torch.float32, offload=None,
+    ):
         p = catalog.params
         if p.arch not in ARCHS:
             raise ModelFileError(f"{catalog.shards[0].path}: architecture {p.arch!r} is not supported (supported: {', '.join(ARCHS)})")
@@ -186,6 +195,8 @@ class Model:
         self.arch = ARCHS[p.arch]
         self.device = torch.device(device)
         self.dense_mode = dense
+        self.dense_dtype = dense_dtype
+        self.offload = offload
         md = catalog.metadata
         self.n_ctx = min(n_ctx or p.n_ctx_train, p.n_ctx_train) if p.n_ctx_train else n_ctx
         self.rope_dim = p.rope_dim or p.head_dim
@@ -213,8 +224,16 @@ class Model:
     def _vec(self, name: str) -> torch.Tensor:
         return torch.from_numpy(_dequantize(self.weights, name).reshape(-1)).to(self.device)
 
-    def _to_device(self, name: str) -> torch.Tensor:
-        return torch.from_numpy(_dequantize(self.weights, name)).to(self.device)
+    def _to_device(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A whole tensor as values on the dense device: its raw block bytes are uploaded and
+        expanded there (torch_quant; bit-identical to gguf-py in float32), so a GPU host copies
+        the file's bytes, not 4-byte floats. Types torch_quant lacks go through gguf-py on the
+        host. ``dtype``: default ``dense_dtype``."""
+        dtype = dtype or self.dense_dtype
+        t = self.catalog.tensors[name]
+        if torch_quant.supports(t.ggml_type):
+            return torch_quant.dequantize_numpy(self.weights.tensor(name), t.ggml_type, tuple(t.shape), self.device, dtype)
+        return torch.from_numpy(_dequantize(self.weights, name)).to(self.device, dtype)
 
     def _load_layer(self, i: int) -> LayerWeights:
         lw = LayerWeights(i)
@@ -234,7 +253,7 @@ class Model:
         if self.arch.qk_norm and not {"attn_q_norm", "attn_k_norm"} <= set(lw.vecs):
             raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} lacks attn_q_norm/attn_k_norm")
         if f"{pre}ffn_gate_inp.weight" in t:
-            lw.router = self._to_device(f"{pre}ffn_gate_inp.weight")  # [E, H]
+            lw.router = self._to_device(f"{pre}ffn_gate_inp.weight", torch.float32)  # [E, H]
             if f"{pre}exp_probs_b.bias" in t:
                 lw.router_bias = self._vec(f"{pre}exp_probs_b.bias")
             kinds = self.catalog.expert_layers.get(i)
@@ -285,6 +304,8 @@ class Model:
                 t0 += len(toks)
             ids = np.asarray(tokens, dtype=np.int64)
             positions = torch.as_tensor(pos, dtype=torch.long, device=self.device)
+            if self.offload is not None and len(tokens) >= self.offload.min_batch_tokens:
+                self.offload.start_step()  # the first MoE layer's slabs start moving during attention
             x = torch.from_numpy(self.ops.get_rows(self.weights.arena, self.tok_embd, ids)).to(self.device)  # [T, H]
             for lw in self.layers:
                 x = x + self._attention(lw, self._rmsnorm(x, lw.vecs["attn_norm"]), positions, spans)
@@ -292,7 +313,7 @@ class Model:
             last = torch.as_tensor([e - 1 for _, _, e, _ in spans], device=self.device)
             h = self._rmsnorm(x[last], self.output_norm)  # [S, H]
             if self.dense_mode == "torch":
-                logits = h @ self.output_dense.T
+                logits = (h.to(self.dense_dtype) @ self.output_dense.T).float()
             else:
                 (logits,) = self._matmul([self.output], h)
             for s, a, e, n0 in spans:
@@ -308,7 +329,8 @@ class Model:
     def _matmul(self, mats: list[QMat], x: torch.Tensor, names: list[str] | None = None, lw: LayerWeights | None = None) -> list[torch.Tensor]:
         """x [T, n_cols] times each weight's transpose -> [T, n_rows] each (one dispatch)."""
         if self.dense_mode == "torch":
-            return [x @ lw.dense[n].T for n in names]
+            xd = x.to(self.dense_dtype)
+            return [(xd @ lw.dense[n].T).float() for n in names]
         xs = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
         outs = self.ops.matmul(self.weights.arena, mats, xs)
         return [torch.from_numpy(o).to(self.device) for o in outs]
@@ -367,6 +389,8 @@ class Model:
             (y,) = self._matmul([lw.mats["ffn_down"]], torch.nn.functional.silu(g) * u, ["ffn_down"], lw)
             return y
         ids, w = self.route(lw, h)
+        if self.offload is not None and h.shape[0] >= self.offload.min_batch_tokens:
+            return self.offload.moe(lw.experts, h, ids, w)  # [T, H] float32 on the device
         xs = np.ascontiguousarray(h.detach().cpu().numpy(), dtype=np.float32)
         y = self.ops.moe(self.weights.arena, xs, ids, w, lw.experts)
         return torch.from_numpy(y).to(self.device)
