@@ -115,8 +115,15 @@ class Liveness:
         return self._count
 
 
+PING_MARGIN = 0.8
+"""Pings go out at 80% of the half-interval, so scheduling delays on a loaded host still keep
+consecutive pings within half of WATCHDOG_USEC."""
+
+
 class Watchdog:
-    """Pings WATCHDOG=1 every ``interval_s`` while ``liveness`` advanced since the last ping.
+    """Pings WATCHDOG=1 while ``liveness`` advanced since the last ping, so that consecutive
+    pings are at most ``interval_s`` apart (they are scheduled every ``PING_MARGIN *
+    interval_s``).
 
     ``interval_s`` defaults to :func:`watchdog_interval_s` (half of WATCHDOG_USEC); when that is
     None the watchdog does nothing. Runs in a daemon thread; ``stop()`` ends it.
@@ -126,6 +133,7 @@ class Watchdog:
         self.notifier = notifier
         self.liveness = liveness
         self.interval_s = interval_s if interval_s is not None else watchdog_interval_s()
+        self.period_s = self.interval_s * PING_MARGIN if self.interval_s is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pings = 0
@@ -143,9 +151,11 @@ class Watchdog:
         self.notifier.watchdog()  # the service just became ready: first ping now
         self.pings += 1
         stalled_logged = False
-        next_t = time.monotonic() + self.interval_s
+        next_t = time.monotonic() + self.period_s
         while not self._stop.wait(max(0.0, next_t - time.monotonic())):
-            next_t += self.interval_s
+            next_t += self.period_s
+            if next_t < time.monotonic():  # we were descheduled past a slot: do not burst
+                next_t = time.monotonic() + self.period_s
             now_count = self.liveness.count
             if now_count != last:
                 last = now_count

@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "spm-32000": (write_vocab_only(work / "vocab-spm.gguf", "spm", 32000), {"vocab": "spm", "n_vocab": 32000}),
     }
     for pre in PRE_VARIANTS:
-        vocabs[f"smollm2-pre-{pre}"] = (write_vocab_only(work / f"vocab-{pre}.gguf", "smollm2", 49152, pre=pre),
+        vocabs[f"smollm2-pre-{pre}"] = (write_vocab_only(work / f"vocab-smollm2-pre-{pre}.gguf", "smollm2", 49152,
+                                                         pre=pre),
                                         {"vocab": "smollm2", "n_vocab": 49152, "pre": pre})
     for name, (path, source) in vocabs.items():
         fx = tokenize_fixture(path, source, corpus)

@@ -98,6 +98,6 @@ def test_watchdog_pings_while_alive_and_stops_when_stalled(notify_socket, monkey
     alive = [t for t in pings if t <= stalled_at + 0.01]
     assert len(alive) >= 4
     gaps = [b - a for a, b in zip(alive, alive[1:], strict=False)]
-    assert max(gaps) <= 0.5 + 0.05, gaps  # at most 0.5 s apart (timer jitter allowance 50 ms)
-    late = [t for t in pings if t > stalled_at + 0.55]  # one ping may still cover beats just before the stall
+    assert max(gaps) <= 0.5, gaps  # at most half of WATCHDOG_USEC apart
+    late = [t for t in pings if t > stalled_at + 0.5]  # one ping may still cover beats just before the stall
     assert late == []
