@@ -321,6 +321,13 @@ class Engine:
                           len(seq.prompt_ids), t1 - t0, t2 - t1)
 
     def close(self) -> None:
-        """Drop the model (its KV cache and dense tensors) and the tokenizer."""
+        """Stop the model's kernel workers (``ops.close()`` when it has one) and drop the model
+        (its KV cache and dense tensors) and the tokenizer."""
+        ops = getattr(self.model, "ops", None)
+        if ops is not None and hasattr(ops, "close"):
+            try:
+                ops.close()
+            except Exception as e:  # closing goes on
+                log.warning("engine_ops_close_failed", error=str(e))
         self.model = None
         self.tokenizer = None
