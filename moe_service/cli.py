@@ -63,7 +63,7 @@ def cmd_plan(args) -> int:
     """The placement plan for this host: exit 0 when it fits, 4 when it does not."""
     from moe_service.gguf_model import GGUFModel
     from moe_service.numa import Topology
-    from pipeline.plan import plan, plan_summary, format_plan
+    from pipeline.plan import format_plan, plan, plan_summary
 
     settings = _settings(args)
     catalog = GGUFModel.open(settings.model_path())

@@ -18,8 +18,6 @@ loads them instead of compiling again.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 
 import numpy as np
