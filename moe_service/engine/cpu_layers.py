@@ -127,18 +127,29 @@ def store_kv(k, v, kc, vc, seq, n0):
 
 
 @njit(**_JIT)
-def attention(q, kc, vc, seq, n0, scale, out, scores):
+def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
     """Causal attention of n new tokens (positions n0..n0+n-1) of one sequence over its cache.
 
     q: float32 [n, NH, D]; kc, vc: uint16 float16 caches [S, C, NKV, D] already holding the new
-    tokens; out: float32 [n, NH, Dv]; scores: float32 scratch [>= n0 + n]. Query head h reads
-    KV head h // (NH / NKV) (GQA). Rounding as ggml's non-flash path (module docstring).
+    tokens; out: float32 [n, NH, Dv]; kf, vf: float32 scratch [>= n0 + n, NKV, D|Dv];
+    scores: float32 scratch [>= n0 + n]. Query head h reads KV head h // (NH / NKV) (GQA).
+    Rounding as ggml's non-flash path (module docstring). A prefill chunk (n > 1) widens the
+    cache rows to float32 once and reuses them for every query; a decode step (n = 1) reads
+    each row once per head group, so it widens on the fly.
     """
     n, nh, d = q.shape
     nkv = kc.shape[2]
     dv = vc.shape[3]
     group = nh // nkv
+    if n > 1:
+        for j in range(n0 + n):
+            for g in range(nkv):
+                for i in range(d):
+                    kf[j, g, i] = _f16_bits_to_f32(kc[seq, j, g, i])
+                for i in range(dv):
+                    vf[j, g, i] = _f16_bits_to_f32(vc[seq, j, g, i])
     qh = np.empty(d, np.float32)
+    acc_v = np.empty(dv, np.float32)
     for t in range(n):
         L = n0 + t + 1
         for h in range(nh):
@@ -148,12 +159,16 @@ def attention(q, kc, vc, seq, n0, scale, out, scores):
             mx = np.float32(-np.inf)
             for j in range(L):
                 acc = np.float32(0.0)
-                for i in range(d):
-                    acc += qh[i] * _f16_bits_to_f32(kc[seq, j, g, i])
-                s = acc * scale
-                scores[j] = s
-                if s > mx:
-                    mx = s
+                if n > 1:
+                    for i in range(d):
+                        acc += qh[i] * kf[j, g, i]
+                else:
+                    for i in range(d):
+                        acc += qh[i] * _f16_bits_to_f32(kc[seq, j, g, i])
+                sc = acc * scale
+                scores[j] = sc
+                if sc > mx:
+                    mx = sc
             total = 0.0
             for j in range(L):
                 e = np.exp(scores[j] - mx)
@@ -161,11 +176,28 @@ def attention(q, kc, vc, seq, n0, scale, out, scores):
                 total += np.float64(e)
             inv = np.float32(1.0 / total)
             for i in range(dv):
-                out[t, h, i] = 0.0
+                acc_v[i] = 0.0
             for j in range(L):
                 pj = _f16_bits_to_f32(_f32_to_f16_bits(scores[j] * inv))
-                for i in range(dv):
-                    out[t, h, i] += pj * _f16_bits_to_f32(vc[seq, j, g, i])
+                if n > 1:
+                    for i in range(dv):
+                        acc_v[i] += pj * vf[j, g, i]
+                else:
+                    for i in range(dv):
+                        acc_v[i] += pj * _f16_bits_to_f32(vc[seq, j, g, i])
+            for i in range(dv):
+                out[t, h, i] = acc_v[i]
+
+
+@njit(**_JIT)
+def router_logits(h, r, out):
+    """out[t, e] = sum_i h[t, i] * r[e, i] in float32 (h [T, H], r [E, H], out [T, E])."""
+    for t in range(h.shape[0]):
+        for e in range(r.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(h.shape[1]):
+                acc += h[t, i] * r[e, i]
+            out[t, e] = acc
 
 
 @njit(**_JIT)
@@ -231,6 +263,8 @@ class KVCacheF16:
         self.v = [np.zeros((n_seq, n_ctx, n_kv, head_dim_v), np.uint16) for _ in range(n_layer)]
         self.n_ctx = n_ctx
         self.scores = np.empty(n_ctx, np.float32)
+        self.kf = np.empty((n_ctx, n_kv, head_dim), np.float32)
+        self.vf = np.empty((n_ctx, n_kv, head_dim_v), np.float32)
 
     def bytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)

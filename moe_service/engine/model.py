@@ -189,7 +189,7 @@ class CpuPath:
 
     def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
         kv = cpu_layers.KVCacheF16(n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v)
-        self.scores = kv.scores
+        self.scratch = (kv.kf, kv.vf, kv.scores)
         return kv.k, kv.v
 
     def positions(self, pos: list[int]) -> np.ndarray:
@@ -233,7 +233,7 @@ class CpuPath:
         scale = np.float32(1.0 / math.sqrt(p.head_dim))
         for s, a, e, n0 in spans:
             cpu_layers.store_kv(k[a:e], v[a:e], kc, vc, s, n0)
-            cpu_layers.attention(q[a:e], kc, vc, s, n0, scale, out[a:e], self.scores)
+            cpu_layers.attention(q[a:e], kc, vc, s, n0, scale, out[a:e], *self.scratch)
         (o,) = self.linear(lw, ["attn_output"], out.reshape(T, -1))
         return o
 
@@ -245,7 +245,9 @@ class CpuPath:
         return y
 
     def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
-        return h @ lw.router.T  # [T, E] float32
+        out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
+        cpu_layers.router_logits(h, lw.router, out)
+        return out
 
     def route(self, lw: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         m = self.m
