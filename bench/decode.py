@@ -111,7 +111,7 @@ def _moe_step_gbps(model, ops, repeats: int) -> dict:
     w = np.full((1, p.n_expert_used), 1.0 / p.n_expert_used, np.float32)
     per_layer = sum(et.slab_bytes * p.n_expert_used for et in model.catalog.expert_layers[layers[0].index].values())
     times = []
-    for r in range(repeats):
+    for _ in range(repeats):
         ids = rng.choice(p.n_expert, p.n_expert_used, replace=False).astype(np.int32).reshape(1, -1)
         t0 = time.perf_counter()
         for lw in layers:

@@ -133,21 +133,19 @@ def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
     q: float32 [n, NH, D]; kc, vc: uint16 float16 caches [S, C, NKV, D] already holding the new
     tokens; out: float32 [n, NH, Dv]; kf, vf: float32 scratch [>= n0 + n, NKV, D|Dv];
     scores: float32 scratch [>= n0 + n]. Query head h reads KV head h // (NH / NKV) (GQA).
-    Rounding as ggml's non-flash path (module docstring). A prefill chunk (n > 1) widens the
-    cache rows to float32 once and reuses them for every query; a decode step (n = 1) reads
-    each row once per head group, so it widens on the fly.
+    Rounding as ggml's non-flash path (module docstring). The cache rows are widened to
+    float32 once per call and read by every query and every head of their group.
     """
     n, nh, d = q.shape
     nkv = kc.shape[2]
     dv = vc.shape[3]
     group = nh // nkv
-    if n > 1:
-        for j in range(n0 + n):
-            for g in range(nkv):
-                for i in range(d):
-                    kf[j, g, i] = _f16_bits_to_f32(kc[seq, j, g, i])
-                for i in range(dv):
-                    vf[j, g, i] = _f16_bits_to_f32(vc[seq, j, g, i])
+    for j in range(n0 + n):
+        for g in range(nkv):
+            for i in range(d):
+                kf[j, g, i] = _f16_bits_to_f32(kc[seq, j, g, i])
+            for i in range(dv):
+                vf[j, g, i] = _f16_bits_to_f32(vc[seq, j, g, i])
     qh = np.empty(d, np.float32)
     acc_v = np.empty(dv, np.float32)
     for t in range(n):
@@ -159,12 +157,8 @@ def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
             mx = np.float32(-np.inf)
             for j in range(L):
                 acc = np.float32(0.0)
-                if n > 1:
-                    for i in range(d):
-                        acc += qh[i] * kf[j, g, i]
-                else:
-                    for i in range(d):
-                        acc += qh[i] * _f16_bits_to_f32(kc[seq, j, g, i])
+                for i in range(d):
+                    acc += qh[i] * kf[j, g, i]
                 sc = acc * scale
                 scores[j] = sc
                 if sc > mx:
@@ -179,12 +173,8 @@ def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
                 acc_v[i] = 0.0
             for j in range(L):
                 pj = _f16_bits_to_f32(_f32_to_f16_bits(scores[j] * inv))
-                if n > 1:
-                    for i in range(dv):
-                        acc_v[i] += pj * vf[j, g, i]
-                else:
-                    for i in range(dv):
-                        acc_v[i] += pj * _f16_bits_to_f32(vc[seq, j, g, i])
+                for i in range(dv):
+                    acc_v[i] += pj * vf[j, g, i]
             for i in range(dv):
                 out[t, h, i] = acc_v[i]
 

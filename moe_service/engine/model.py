@@ -108,6 +108,7 @@ class LayerWeights:
     def __init__(self, index: int) -> None:
         self.index = index
         self.mats: dict[str, QMat] = {}
+        self.groups: dict[tuple[str, ...], tuple[QMat, ...]] = {}  # projection groups, one dispatch each
         self.vecs: dict = {}
         self.dense: dict[str, torch.Tensor] = {}  # dequantized on the torch device (dense="torch")
         self.experts: ExpertSet | None = None
@@ -204,19 +205,23 @@ class CpuPath:
         cpu_layers.rms_norm(x, w, np.float32(self.m.p.rms_eps), out)
         return out
 
-    def linear(self, lw: LayerWeights, names: list[str], x: np.ndarray) -> list[np.ndarray]:
-        """x [T, n_cols] times each named weight's transpose, one pool dispatch."""
-        return self.m.ops.matmul(self.m.weights.arena, [lw.mats[n] for n in names], np.ascontiguousarray(x))
+    def linear(self, lw: LayerWeights, names: tuple[str, ...], x: np.ndarray) -> list[np.ndarray]:
+        """x [T, n_cols] times each named weight's transpose, one pool dispatch. The QMat
+        tuple per (layer, names) is kept so the pool finds its cached plan by identity."""
+        mats = lw.groups.get(names)
+        if mats is None:
+            mats = lw.groups[names] = tuple(lw.mats[n] for n in names)
+        return self.m.ops.matmul(self.m.weights.arena, mats, np.ascontiguousarray(x))
 
     def head(self, h: np.ndarray) -> np.ndarray:
         m = self.m
-        (logits,) = m.ops.matmul(m.weights.arena, [m.output], np.ascontiguousarray(h))
+        (logits,) = m.ops.matmul(m.weights.arena, m.output_group, np.ascontiguousarray(h))
         return logits
 
     def attention(self, lw: LayerWeights, h: np.ndarray, positions: np.ndarray, spans) -> np.ndarray:
         m, p = self.m, self.m.p
         T = h.shape[0]
-        q, k, v = self.linear(lw, ["attn_q", "attn_k", "attn_v"], h)
+        q, k, v = self.linear(lw, ("attn_q", "attn_k", "attn_v"), h)
         q = np.ascontiguousarray(q).reshape(T, p.n_head, p.head_dim)  # [T, NH, D]
         k = np.ascontiguousarray(k).reshape(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
         v = np.ascontiguousarray(v).reshape(T, p.n_head_kv, p.head_dim_v)
@@ -234,14 +239,14 @@ class CpuPath:
         for s, a, e, n0 in spans:
             cpu_layers.store_kv(k[a:e], v[a:e], kc, vc, s, n0)
             cpu_layers.attention(q[a:e], kc, vc, s, n0, scale, out[a:e], *self.scratch)
-        (o,) = self.linear(lw, ["attn_output"], out.reshape(T, -1))
+        (o,) = self.linear(lw, ("attn_output",), out.reshape(T, -1))
         return o
 
     def dense_ffn(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
-        g, u = self.linear(lw, ["ffn_gate", "ffn_up"], h)
+        g, u = self.linear(lw, ("ffn_gate", "ffn_up"), h)
         act = np.empty(g.shape, np.float32)
         cpu_layers.silu_mul(g, u, act)
-        (y,) = self.linear(lw, ["ffn_down"], act)
+        (y,) = self.linear(lw, ("ffn_down",), act)
         return y
 
     def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
@@ -333,7 +338,7 @@ class TorchPath:
     def attention(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor, spans) -> torch.Tensor:
         m, p = self.m, self.m.p
         T = h.shape[0]
-        q, k, v = self.linear(lw, ["attn_q", "attn_k", "attn_v"], h)
+        q, k, v = self.linear(lw, ("attn_q", "attn_k", "attn_v"), h)
         q = q.view(T, p.n_head, p.head_dim)  # [T, NH, D]
         k = k.view(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
         v = v.view(T, p.n_head_kv, p.head_dim_v)
@@ -359,12 +364,12 @@ class TorchPath:
                 scores = scores.masked_fill(kpos > qpos, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
             out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
-        (o,) = self.linear(lw, ["attn_output"], out.view(T, -1))
+        (o,) = self.linear(lw, ("attn_output",), out.view(T, -1))
         return o
 
     def dense_ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        g, u = self.linear(lw, ["ffn_gate", "ffn_up"], h)
-        (y,) = self.linear(lw, ["ffn_down"], torch.nn.functional.silu(g) * u)
+        g, u = self.linear(lw, ("ffn_gate", "ffn_up"), h)
+        (y,) = self.linear(lw, ("ffn_down",), torch.nn.functional.silu(g) * u)
         return y
 
     def router_logits(self, lw: LayerWeights, h: torch.Tensor) -> np.ndarray:
@@ -448,6 +453,7 @@ class Model:
         self.layers = [self._load_layer(i) for i in range(p.n_layer)]
         self.tok_embd = self._qmat("token_embd.weight")
         self.output = self._qmat("output.weight") if "output.weight" in catalog.tensors else self.tok_embd
+        self.output_group = (self.output,)
         self.output_norm = self.path.vec("output_norm.weight")
         if dense == "torch":
             self.output_dense = self._to_device(self.output.name)
