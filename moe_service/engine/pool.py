@@ -383,9 +383,14 @@ def _cycles():
 # ---------------------------------------------------------------------------------------
 
 
+_PROCESS_CPUS = frozenset(os.sched_getaffinity(0))
+"""The CPUs this process may use, read at import: a thread a pool has pinned to one CPU must
+not shrink the next pool's default."""
+
+
 def default_nodes() -> dict[int, list[int]]:
     """node -> sorted CPUs this process may run on, from sysfs (one node 0 when absent)."""
-    allowed = set(os.sched_getaffinity(0))
+    allowed = set(_PROCESS_CPUS)
     nodes: dict[int, list[int]] = {}
     root = "/sys/devices/system/node"
     try:
@@ -508,7 +513,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._errors: list[tuple[int, int, BaseException]] = []
         self._broken: BaseException | None = None
-        self._pinned_callers: set[int] = set()
+        self._pinned_callers: dict[int, set[int]] = {}  # native thread id -> affinity before pinning
         self._cycles_per_s = _calibrate_cycles()
         self._spin_cycles = int(spin_s * self._cycles_per_s)
         first_worker = 1 if caller_participates else 0
@@ -590,10 +595,10 @@ class WorkerPool:
         oa = _EMPTY_F32 if out is None else out
         with self._lock:
             if self.caller_participates and self.pin_caller:
-                tid = threading.get_ident()
+                tid = threading.get_native_id()
                 if tid not in self._pinned_callers:
+                    self._pinned_callers[tid] = os.sched_getaffinity(0)
                     os.sched_setaffinity(0, {self.slots[0][0]})
-                    self._pinned_callers.add(tid)
             s, err = _dispatch(self.ctrl, items, bounds, op, xa, x_field, oa, out_field, 0, self._caller_node,
                                self.caller_participates)
             if err == -2:  # some workers sleep: wake them, then take part
@@ -622,6 +627,12 @@ class WorkerPool:
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+        for tid, cpus in self._pinned_callers.items():  # give the calling threads their CPUs back
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # that thread has ended
+                pass
+        self._pinned_callers.clear()
         log.info("worker_pool_stopped", workers=len(self.slots))
 
     def __enter__(self) -> WorkerPool:
