@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.fastload", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="moe-service bench fastload", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 
