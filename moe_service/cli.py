@@ -63,18 +63,33 @@ def cmd_plan(args) -> int:
     """The placement plan for this host: exit 0 when it fits, 4 when it does not."""
     from moe_service.gguf_model import GGUFModel
     from moe_service.numa import Topology
-    from pipeline.plan import format_plan, plan, plan_summary
+    from pipeline.plan import format_plan, plan_summary
+    from pipeline.prepare import plan_layout
 
     settings = _settings(args)
     catalog = GGUFModel.open(settings.model_path())
     topology = Topology.read(root=settings.numa.sysfs_root)
-    layout = plan(catalog, topology, settings, strict=False)
-    summary = plan_summary(layout, topology, settings.numa)
+    layout = plan_layout(catalog, topology, settings)
+    summary = plan_summary(layout, topology, settings)
     if args.json:
         print_json(summary)
     else:
         print(format_plan(summary))
     return 0 if summary["fits"] else 4
+
+
+def cmd_check(args) -> int:
+    """Catalog, plan and preflight without allocating: exit 0 ready, 3 bad model file, 4 refused."""
+    from pipeline.check import format_check, run_check
+
+    settings = _settings(args)
+    configure_logging("error", settings.log.target, settings.log.journal_socket)  # the report is the output
+    result = run_check(settings)
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        print(format_check(result))
+    return result.exit_code
 
 
 def cmd_demo_model(args) -> int:
@@ -129,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("check", help="model files, plan and preflight without allocating anything "
+                       "(exit 0 ready, 3 bad model file, 4 preflight refuses)")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the report")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("demo-model", help="build the embedded demo model (SmolLM2-135M as an exact 8-expert MoE)")
     p.add_argument("--out", metavar="PATH", type=Path, help="where to write it (default: the cache dir)")

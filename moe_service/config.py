@@ -36,6 +36,9 @@ REPO_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "defa
 GiB = 1024**3
 MiB = 1024**2
 
+WORK_CHUNK_BYTES = 64 * MiB
+"""Default unit of load work (fastload.chunk_bytes) and of copy work (replication.chunk_bytes)."""
+
 
 class _Table(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -76,6 +79,20 @@ class NumaConfig(_Table):
     nodes: list[int] = Field(
         default_factory=list,
         description="NUMA nodes to use. Empty: every node that has memory and usable CPUs.",
+    )
+    expert_homes: Literal["contiguous", "round_robin"] = Field(
+        "contiguous",
+        description="Which node is each expert's home under expert_shard: contiguous: expert e on "
+        "node e*n_nodes//n_experts (one run of the file per node); round_robin: expert e on node "
+        "e % n_nodes (spreads each group of consecutive experts over every node, which balances "
+        "group-limited routers better; see `moe-service bench placement`).",
+    )
+    node_reserve_gib: float = Field(
+        1.0,
+        ge=0,
+        description="GiB of each node's free memory the plan leaves for everything else (KV cache, "
+        "buffers, the OS) when it checks that the node can hold its share. Not applied to "
+        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else.",
     )
     sysfs_root: str = Field(
         "/",
@@ -130,7 +147,16 @@ class FastloadConfig(_Table):
         description="Load threads (populate + pread), capped by the usable CPUs. More threads than "
         "that evict a cold page cache faster than they fill memory.",
     )
-    hugepages: bool = Field(True, description="madvise(MADV_HUGEPAGE) on the arena (THP).")
+    pages: Literal["thp", "2m", "1g", "4k"] = Field(
+        "thp",
+        description="Pages backing the weights. thp: anonymous memory with madvise(MADV_HUGEPAGE), "
+        "transparent 2 MiB pages where the kernel has them; 2m / 1g: hugetlb pages "
+        "(MAP_HUGETLB) taken from each node's pool, which must be reserved beforehand "
+        "(/sys/devices/system/node/nodeN/hugepages/hugepages-{2048,1048576}kB/nr_hugepages; the "
+        "Ansible role `hugepages` does it) and which preflight checks node by node; regions are "
+        "then aligned to the page size (1g: each region takes whole GiB); 4k: ordinary pages "
+        "(MADV_NOHUGEPAGE), for comparisons.",
+    )
     populate: Literal["auto", "madvise", "touch"] = Field(
         "auto",
         description="How pages are faulted in before the reads: madvise(MADV_POPULATE_WRITE), "
@@ -138,7 +164,7 @@ class FastloadConfig(_Table):
         "lacks it).",
     )
     chunk_bytes: int = Field(
-        64 * MiB, ge=2 * MiB, description="Bytes per unit of load work (2 MiB aligned)."
+        WORK_CHUNK_BYTES, ge=2 * MiB, description="Bytes per unit of load work (2 MiB aligned)."
     )
     max_read_bytes: int = Field(
         0x7FFFF000,
@@ -148,6 +174,13 @@ class FastloadConfig(_Table):
     )
     progress_interval_s: float = Field(
         2.0, gt=0, description="Seconds between progress log events and STATUS updates."
+    )
+    prefetch: bool = Field(
+        False,
+        description="One read-ahead thread that asks the kernel (posix_fadvise WILLNEED) for the file "
+        "ranges a few chunks ahead of the load threads, so a cold file is read as one stream. "
+        "Off: the kernel's own read-ahead did as well on the hosts measured; try it where "
+        "read_ahead_kb is small (`moe-service bench fastload`).",
     )
 
 
@@ -163,6 +196,17 @@ class PlacementConfig(_Table):
         ge=4096,
         description="Check one page per this many bytes of each region.",
     )
+    strict: bool = Field(
+        True,
+        description="Fail the start when sampled pages are still on another node after migration, "
+        "or were never written; false: log it and go on.",
+    )
+    interleave_tolerance: float = Field(
+        0.10,
+        ge=0,
+        description="Warn when a node's share of an interleaved region is off the even share by more "
+        "than this fraction of it (0.10: 10%).",
+    )
 
 
 class ReplicationConfig(_Table):
@@ -176,6 +220,9 @@ class ReplicationConfig(_Table):
     )
     threads: int = Field(
         0, ge=0, description="Copy threads; 0: one per usable CPU of the destination nodes."
+    )
+    chunk_bytes: int = Field(
+        WORK_CHUNK_BYTES, ge=2 * MiB, description="Bytes per unit of copy work (one memmove)."
     )
 
 

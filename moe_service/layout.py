@@ -13,13 +13,16 @@ topology and the config. Every later step reads the same object:
 
 ::
 
-    arena: one virtual range, reserved whole, each region 2 MiB aligned
+    arena: one virtual range, reserved whole, each region aligned to align_bytes (2 MiB; 1 GiB
+           with fastload.pages = 1g)
     | node0 experts | node1 experts | ... | dense (interleave) | replicas node1 | replicas node0 |
       bind {0}        bind {1}              interleave {0..n}   bind {1}         bind {0}
 
 Grouping regions by node keeps the kernel's VMA count at about one per region whatever the
 number of layers, and 2 MiB alignment lets every region be backed by transparent huge pages
-that lie wholly on its node.
+that lie wholly on its node. hugetlb pages (fastload.pages = 2m / 1g) need more: mbind splits
+a hugetlb mapping only at page boundaries, so regions are aligned to the hugetlb page size
+(:func:`region_align_bytes`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from typing import Literal
 import numpy as np
 
 REGION_ALIGN_BYTES = 2 * 1024 * 1024
-"""Regions start and end on 2 MiB boundaries (one x86-64 transparent huge page)."""
+"""Regions start and end on 2 MiB boundaries (one x86-64 transparent huge page) at least."""
+
+HUGETLB_PAGE_BYTES = {"2m": 2 * 1024 * 1024, "1g": 1024 * 1024 * 1024}
+"""fastload.pages values that take hugetlb pages, and their page size in bytes."""
 
 SLAB_ALIGN_BYTES = 64
 """Tensors and expert slabs start on a cache line inside their region."""
@@ -41,6 +47,12 @@ PAGE_BYTES = 4096
 def align_up(n: int, alignment: int) -> int:
     """Round ``n`` up to a multiple of ``alignment`` (a power of two)."""
     return (n + alignment - 1) & ~(alignment - 1)
+
+
+def region_align_bytes(pages: str) -> int:
+    """Region alignment for fastload.pages ``pages`` ('thp', '4k', '2m', '1g'): the hugetlb page
+    size for '2m' / '1g', else :data:`REGION_ALIGN_BYTES`."""
+    return max(REGION_ALIGN_BYTES, HUGETLB_PAGE_BYTES.get(pages, 0))
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ RegionRole = Literal["primary", "replica"]
 
 @dataclass
 class Region:
-    """A 2 MiB-aligned slice of the arena with one memory policy.
+    """A slice of the arena with one memory policy, aligned to the layout's ``align_bytes``.
 
     ``policy``: ``bind`` (all pages on ``nodes[0]``), ``interleave`` (pages round-robin over
     ``nodes``) or ``local`` (no policy: first touch decides; used on one-node hosts and by the
@@ -124,7 +136,8 @@ class Layout:
     tensor stored whole (dense tensors, norms, embeddings; in ``mirror`` mode one per node).
     ``experts``: (layer, kind) -> :class:`ExpertPlacement` for every expert tensor, whose slabs
     may be spread over several regions. ``warnings`` are recorded by the planner (e.g.
-    numa_balancing=1) and logged by the pipeline.
+    numa_balancing=1) and logged by the pipeline. ``align_bytes``: every region's offset and
+    size are multiples of it (:func:`region_align_bytes` of the pages the plan was made for).
     """
 
     regions: list[Region]
@@ -135,6 +148,7 @@ class Layout:
     policy: str = "local"
     replicas: int = 0
     warnings: list[str] = field(default_factory=list)
+    align_bytes: int = REGION_ALIGN_BYTES
 
     def bytes_per_node(self) -> dict[int, int]:
         """Used bytes each node will hold (interleaved regions split evenly), for reports."""
@@ -155,12 +169,13 @@ class Layout:
         return [r for r in self.regions if r.role == "replica"]
 
 
-def plain_layout(catalog) -> Layout:
+def plain_layout(catalog, align_bytes: int = REGION_ALIGN_BYTES) -> Layout:
     """The simplest layout: one ``local`` region holding every tensor once, in file order.
 
     Used on hosts where placement does not matter (tests, tools, one-node hosts with the
     ``local`` policy). Expert tensors are stored whole, so each slab e sits at the tensor's
-    offset + e * slab_bytes. ``catalog`` is a ``moe_service.gguf_model.GGUFModel``.
+    offset + e * slab_bytes. ``catalog`` is a ``moe_service.gguf_model.GGUFModel``; the region
+    is padded to ``align_bytes``.
     """
     region = Region(name="all", role="primary", policy="local", nodes=(), arena_offset=0, nbytes=0)
     tensors: dict[str, list[int]] = {}
@@ -171,7 +186,7 @@ def plain_layout(catalog) -> Layout:
         tensors[t.name] = [off]
         off += t.nbytes
     region.used_bytes = off
-    region.nbytes = align_up(max(off, 1), REGION_ALIGN_BYTES)
+    region.nbytes = align_up(max(off, 1), align_bytes)
     experts: dict[tuple[int, str], ExpertPlacement] = {}
     for layer, kinds in catalog.expert_layers.items():
         for kind, et in kinds.items():
@@ -180,4 +195,4 @@ def plain_layout(catalog) -> Layout:
             experts[(layer, kind)] = ExpertPlacement(
                 layer, kind, et.slab_bytes, offs, np.full_like(offs, -1, dtype=np.int32)
             )
-    return Layout([region], region.nbytes, tensors, experts, nodes=(0,), policy="local")
+    return Layout([region], region.nbytes, tensors, experts, nodes=(0,), policy="local", align_bytes=align_bytes)

@@ -1,13 +1,16 @@
 """Anonymous memory for the weights: reserve, advise, populate, read into, release.
 
 Thin ctypes wrappers over the Linux calls fastload and replication need (x86-64 numbers):
-madvise(2) with MADV_HUGEPAGE (14), MADV_POPULATE_WRITE (23, Linux 5.14+) and
-MADV_DONTNEED (4). ctypes releases the GIL around foreign calls, so a populate of 64 MiB
-running in one Python thread does not stop the others; ``os.preadv`` releases it too.
+madvise(2) with MADV_HUGEPAGE (14), MADV_NOHUGEPAGE (15), MADV_POPULATE_WRITE (23, Linux
+5.14+) and MADV_DONTNEED (4). ctypes releases the GIL around foreign calls, so a populate of
+64 MiB running in one Python thread does not stop the others; ``os.preadv`` releases it too.
 
 The arena is ONE private anonymous mapping (never a mapping of the model file: file-backed
 pages of a GGUF on ext4/xfs get no transparent huge pages and stay shared with the page
 cache), aligned to 2 MiB so that every 2 MiB-aligned region can be backed by huge pages.
+With hugetlb pages (``hugetlb_page_bytes``) it is mapped with MAP_HUGETLB | MAP_HUGE_2MB or
+MAP_HUGE_1GB (mmap(2): log2 of the page size << MAP_HUGE_SHIFT 26); the kernel aligns such a
+mapping to its page size and reserves its pages from the pools when it is mapped.
 """
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ from moe_service.layout import REGION_ALIGN_BYTES, align_up
 
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 MADV_POPULATE_WRITE = 23
+
+MAP_HUGETLB = 0x40000
+MAP_HUGE_SHIFT = 26
+MAP_HUGE_2MB = 21 << MAP_HUGE_SHIFT
+MAP_HUGE_1GB = 30 << MAP_HUGE_SHIFT
+
+SHORTAGE_ERRNOS = (errno.ENOMEM, errno.EFAULT, getattr(errno, "EHWPOISON", 133))
+"""errno values of a populate that found no memory (ENOMEM; EFAULT: a hugetlb pool was empty,
+the fault's SIGBUS turned into an error; EHWPOISON: a poisoned page): capacity, not a retry."""
 
 PREAD_MAX_BYTES = 0x7FFFF000
 """Linux moves at most this many bytes in one read/pread/preadv call (MAX_RW_COUNT)."""
@@ -55,30 +68,70 @@ def populate_write_supported() -> bool:
     return True
 
 
+def populate_write(address: int, nbytes: int) -> None:
+    """Fault in ``[address, address + nbytes)`` (page aligned) for writing, under the range's
+    memory policy: madvise(MADV_POPULATE_WRITE), repeated on EINTR/EAGAIN. Works on THP and
+    hugetlb mappings. Raises OSError with the errno (see :data:`SHORTAGE_ERRNOS`)."""
+    while True:
+        try:
+            madvise(address, nbytes, MADV_POPULATE_WRITE)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EINTR, errno.EAGAIN):
+                raise
+
+
+def hugetlb_mmap_flags(page_bytes: int) -> int:
+    """mmap flags for hugetlb pages of ``page_bytes``: MAP_HUGETLB | log2(page_bytes) << 26
+    (MAP_HUGE_2MB for 2 MiB, MAP_HUGE_1GB for 1 GiB). Raises ValueError for a size that is
+    not a power of two of at least 64 KiB."""
+    shift = page_bytes.bit_length() - 1
+    if page_bytes < 65536 or page_bytes != 1 << shift:
+        raise ValueError(f"hugetlb page size must be a power of two >= 64 KiB (got {page_bytes})")
+    return MAP_HUGETLB | (shift << MAP_HUGE_SHIFT)
+
+
 def address_of(arr: np.ndarray) -> int:
     """Virtual address of ``arr``'s first byte."""
     return int(arr.__array_interface__["data"][0])
 
 
-def reserve_arena(nbytes: int, align: int = REGION_ALIGN_BYTES) -> np.ndarray:
+def reserve_arena(nbytes: int, align: int = REGION_ALIGN_BYTES, *,
+                  hugetlb_page_bytes: int | None = None) -> np.ndarray:
     """Reserve ``nbytes`` of private anonymous memory starting on an ``align`` boundary.
 
     Returns uint8 [nbytes] over the mapping (MAP_PRIVATE | MAP_ANONYMOUS, read/write). No
     page is touched: pages appear at first touch or populate, under whatever memory policy
     is set on the range by then. The mapping is ``align`` bytes larger than asked so that
-    the start can be aligned; the slack is never touched. Raises CapacityError when the
-    kernel refuses the address space (overcommit limits).
+    the start can be aligned; the slack is never touched.
+
+    ``hugetlb_page_bytes`` (2 MiB or 1 GiB): map hugetlb pages instead (MAP_HUGETLB with the
+    size flag); ``nbytes`` must then be a multiple of the page size, and the kernel reserves
+    that many pages from the pools now (the node each comes from is decided at first touch).
+
+    Raises CapacityError when the kernel refuses the address space (overcommit limits) or,
+    with hugetlb, when the pools hold fewer free pages than the mapping needs.
     """
     if nbytes <= 0:
         raise ValueError(f"arena size must be positive (got {nbytes})")
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    slack = align
+    if hugetlb_page_bytes:
+        if nbytes % hugetlb_page_bytes:
+            raise ValueError(f"a hugetlb arena must be a multiple of its {hugetlb_page_bytes}-byte pages "
+                             f"(got {nbytes} bytes)")
+        flags |= hugetlb_mmap_flags(hugetlb_page_bytes)
+        slack = 0  # hugetlb mappings start on a page boundary, and slack would take pool pages
     try:
-        mm = mmap.mmap(
-            -1,
-            nbytes + align,
-            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
+        mm = mmap.mmap(-1, nbytes + slack, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
+        if hugetlb_page_bytes:
+            kib = hugetlb_page_bytes // 1024
+            raise CapacityError(
+                f"cannot map {nbytes // hugetlb_page_bytes} hugetlb pages of {kib} kB ({nbytes / 2**30:.1f} GiB) "
+                f"for the arena: {os.strerror(e.errno or 0)}; the pools hold fewer free pages than that "
+                f"(/sys/devices/system/node/node*/hugepages/hugepages-{kib}kB/free_hugepages)"
+            ) from None
         raise CapacityError(
             f"cannot reserve {nbytes} bytes ({nbytes / 2**30:.1f} GiB) of anonymous memory for the "
             f"arena: {os.strerror(e.errno or 0)} (see /proc/sys/vm/overcommit_memory)"
@@ -86,15 +139,23 @@ def reserve_arena(nbytes: int, align: int = REGION_ALIGN_BYTES) -> np.ndarray:
     probe = np.frombuffer(mm, dtype=np.uint8, count=1)
     base = address_of(probe)
     del probe
-    skew = align_up(base, align) - base
+    skew = align_up(base, align) - base if slack else 0
+    if skew + nbytes > len(mm):
+        raise CapacityError(f"the kernel placed the arena at {base:#x}, not on a {align}-byte boundary")
     return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=skew)
 
 
 def free_arena(arena: np.ndarray) -> None:
     """Give an arena's memory back now: MADV_DONTNEED over it (RSS drops at once; any view
     still held reads zeros afterwards, never faults), then unmap it when no other view
-    of it is alive (otherwise the mapping goes when the last view is garbage collected)."""
-    madvise(address_of(arena), align_up(arena.nbytes, mmap.PAGESIZE), MADV_DONTNEED)
+    of it is alive (otherwise the mapping goes when the last view is garbage collected).
+    hugetlb pages go back to their node's pool (MADV_DONTNEED on hugetlb needs Linux 5.18;
+    before that they return when the mapping goes)."""
+    try:
+        madvise(address_of(arena), align_up(arena.nbytes, mmap.PAGESIZE), MADV_DONTNEED)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
     mm = arena.base.obj if isinstance(arena.base, memoryview) else None
     del arena
     if isinstance(mm, mmap.mmap):

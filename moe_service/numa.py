@@ -167,6 +167,25 @@ class HugepagePool:
         return self.free * self.size_kib * 1024
 
 
+def hugepage_pools(node: int, root: Path | str = Path("/")) -> dict[int, HugepagePool]:
+    """Node ``node``'s hugetlb pools as the kernel reports them now: page size in KiB -> pool,
+    from root/sys/devices/system/node/nodeN/hugepages/hugepages-<size>kB/{nr,free}_hugepages
+    (empty when the node or the kernel has none)."""
+    pools: dict[int, HugepagePool] = {}
+    base = Path(root) / f"sys/devices/system/node/node{node}/hugepages"
+    for hp in sorted(base.glob("hugepages-*kB")):
+        size_kib = int(hp.name[len("hugepages-") : -2])
+        nr = int((_read(hp / "nr_hugepages") or "0").strip() or 0)
+        free = int((_read(hp / "free_hugepages") or "0").strip() or 0)
+        pools[size_kib] = HugepagePool(size_kib, nr, free)
+    return pools
+
+
+def hugepage_pool_path(node: int, size_kib: int) -> str:
+    """The sysfs file that sets node ``node``'s pool of ``size_kib`` KiB pages."""
+    return f"/sys/devices/system/node/node{node}/hugepages/hugepages-{size_kib}kB/nr_hugepages"
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """One NUMA node with memory.
@@ -329,12 +348,7 @@ class Topology:
                     mi.get("Active(file)", 0) + mi.get("Inactive(file)", 0) + mi.get("SReclaimable", 0)
                 )
                 total_b = mi.get("MemTotal", 0) * 1024
-                pools: dict[int, HugepagePool] = {}
-                for hp in sorted((d / "hugepages").glob("hugepages-*kB")):
-                    size_kib = int(hp.name[len("hugepages-") : -2])
-                    nr = int((_read(hp / "nr_hugepages") or "0").strip() or 0)
-                    free = int((_read(hp / "free_hugepages") or "0").strip() or 0)
-                    pools[size_kib] = HugepagePool(size_kib, nr, free)
+                pools = hugepage_pools(nid, root)
                 nodes.append(NodeInfo(nid, cpus, total_b, free_b, avail_b, pools))
                 row_text = (_read(d / "distance") or "").split()
                 # the distance file lists one entry per online node, in online-node order

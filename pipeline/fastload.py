@@ -2,10 +2,14 @@
 
 ::
 
-    reserve   one private anonymous mapping of layout.arena_bytes, 2 MiB aligned (nothing touched)
-    advise    MADV_HUGEPAGE on the whole arena (THP: 512x fewer faults, 2 MiB TLB entries)
+    reserve   one private anonymous mapping of layout.arena_bytes, aligned to the plan's regions
+              (nothing touched); fastload.pages = 2m / 1g: MAP_HUGETLB | MAP_HUGE_2MB / _1GB,
+              pages reserved from the pools now, each node's taken at first touch
+    advise    thp: MADV_HUGEPAGE on the whole arena (512x fewer faults, 2 MiB TLB entries);
+              4k: MADV_NOHUGEPAGE; hugetlb: nothing
     bind      every region before first touch: bind -> mbind(MPOL_BIND, {node}),
-              interleave -> mbind(MPOL_INTERLEAVE, nodes), local -> nothing
+              interleave -> mbind(MPOL_INTERLEAVE, nodes), local -> nothing (hugetlb pages
+              then come from the bound node's pool)
     chunks    each primary region cut into chunk_bytes pieces (2 MiB aligned, never crossing
               a region), each with the file ranges (Extents) that land in it
     prefetch  (optional, off by default) one thread walks the chunks in order a few chunks
@@ -14,7 +18,9 @@
     workers   N threads (threads, capped by usable CPUs), each taking the next chunk and
               going through it 2 MiB (one huge page) at a time:
                 populate  madvise(MADV_POPULATE_WRITE) (or touch one byte per 4 KiB page
-                          where the kernel lacks it): the page appears on the bound node
+                          where the kernel lacks it; never with hugetlb, where a short pool
+                          would be a SIGBUS): the page appears on the bound node; ENOMEM /
+                          EFAULT: CapacityError naming the region, node(s) and pool
                 fill      preadv from the shard file straight into it while the zeroed
                           page is still in cache, looping over short reads and the
                           0x7ffff000-byte per-call limit
@@ -41,20 +47,29 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moe_service import memory, numa
-from moe_service.errors import CapacityError, ModelFileError, NumaError, StageError
-from moe_service.layout import PAGE_BYTES, REGION_ALIGN_BYTES, Layout, Region, align_up
+from moe_service.config import WORK_CHUNK_BYTES
+from moe_service.errors import CapacityError, ConfigError, ModelFileError, NumaError, StageError
+from moe_service.layout import (
+    HUGETLB_PAGE_BYTES,
+    PAGE_BYTES,
+    REGION_ALIGN_BYTES,
+    Layout,
+    Region,
+    align_up,
+    region_align_bytes,
+)
 from moe_service.log import get_logger
+from moe_service.numa import HugepagePool
 from moe_service.weights import WeightStore
+from pipeline.plan import node_need_bytes
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
 
 GiB = 2**30
-DEFAULT_CHUNK_BYTES = 64 * 2**20
 POPULATE_STEP_BYTES = 2 * 2**20
 """Populate and fill go 2 MiB (one huge page) at a time inside a chunk: the page the kernel
 just zeroed is still in cache when preadv overwrites it, so memory sees one write, not two."""
-_EHWPOISON = getattr(errno, "EHWPOISON", 133)  # populate hit a poisoned page
 
 
 @dataclass
@@ -62,8 +77,10 @@ class LoadStats:
     """What a load did. ``seconds``: wall time from reservation to the last byte;
     ``populate_s`` / ``read_s``: time summed over threads in each step; ``cpu_s``: process
     CPU time (user + system) spent meanwhile; ``populate``: 'madvise' or 'touch' ('none'
-    for :func:`reread`); ``anon_huge_bytes``: growth of this process's AnonHugePages during
-    the load (THP-backed anonymous memory)."""
+    for :func:`reread`); ``hugepages``: huge pages back the arena (THP advised and enabled,
+    or hugetlb); ``pages``: fastload.pages ('thp', '4k', '2m', '1g'); ``anon_huge_bytes``:
+    growth of this process's AnonHugePages during the load (THP-backed anonymous memory;
+    hugetlb pages are not counted there)."""
 
     bytes_loaded: int
     seconds: float
@@ -76,6 +93,7 @@ class LoadStats:
     anon_huge_bytes: int = 0
     read_calls: int = 0
     cpu_s: float = 0.0
+    pages: str = "thp"
 
     @property
     def concurrency(self) -> float:
@@ -149,7 +167,7 @@ def status_line(done_bytes: int, total_bytes: int, gbps: float) -> str:
     return f"fastload {pct}% {done_bytes / GiB:.1f}/{total_bytes / GiB:.1f} GiB {gbps:.1f} GB/s"
 
 
-def plan_chunks(catalog, layout: Layout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[_Chunk]:
+def plan_chunks(catalog, layout: Layout, chunk_bytes: int = WORK_CHUNK_BYTES) -> list[_Chunk]:
     """Cut every primary region with extents into chunks of ``chunk_bytes`` (rounded up to
     2 MiB) and attach to each the file ranges that land in it.
 
@@ -164,12 +182,12 @@ def plan_chunks(catalog, layout: Layout, chunk_bytes: int = DEFAULT_CHUNK_BYTES)
         if not region.extents:
             continue
         if (
-            region.arena_offset % REGION_ALIGN_BYTES
+            region.arena_offset % layout.align_bytes
             or region.arena_offset + region.nbytes > layout.arena_bytes
         ):
             raise StageError(
                 f"fastload: region {region.name} at arena offset {region.arena_offset} ({region.nbytes} bytes) "
-                f"is not 2 MiB aligned inside the {layout.arena_bytes}-byte arena"
+                f"is not {layout.align_bytes}-byte aligned inside the {layout.arena_bytes}-byte arena"
             )
         extents = sorted(region.extents, key=lambda e: e.region_offset)
         end_used = 0
@@ -239,6 +257,53 @@ def bind_regions(arena: np.ndarray, layout: Layout, mbind=None) -> int:
     return calls
 
 
+def pool_snapshot(layout: Layout, page_kib: int) -> dict[int, HugepagePool]:
+    """Each plan node's hugetlb pool of ``page_kib`` KiB pages as it is now (empty for 0)."""
+    if not page_kib:
+        return {}
+    pools = {n: numa.hugepage_pools(n).get(page_kib) for n in layout.nodes if n >= 0}
+    return {n: p for n, p in pools.items() if p is not None}
+
+
+def shortage_error(stage: str, region: Region, lo: int, hi: int, err: int, layout: Layout,
+                   page_kib: int = 0, pools: dict[int, HugepagePool] | None = None) -> CapacityError:
+    """The CapacityError of a populate that found no memory (``err``: its errno) at arena bytes
+    [lo, hi) of ``region``: names the region, its node(s) and sizes; with hugetlb pages
+    (``page_kib``), each node's pages needed by the plan vs the free pages its pool had when the
+    stage started (``pools``), and the command that raises a short pool."""
+    what = (f"{stage}: populating region {region.name} ({region.policy}, node(s) {list(region.nodes) or 'any'}) "
+            f"failed with {errno.errorcode.get(err, err)} at region bytes {lo - region.arena_offset}.."
+            f"{hi - region.arena_offset} of {region.nbytes}")
+    if not page_kib:
+        return CapacityError(f"{what} ({region.used_bytes} used): the memory is not there")
+    page_bytes = page_kib * 1024
+    need = node_need_bytes(layout)
+    parts = []
+    for n in region.nodes or layout.nodes:
+        pool = (pools or {}).get(n)
+        need_pages = -(-need.get(n, 0) // page_bytes)
+        free, nr = (pool.free, pool.nr) if pool else (0, 0)
+        part = (f"node {n} needs {need_pages} hugetlb pages of {page_kib} kB for this plan and its pool had "
+                f"{free} free (of {nr}) when the stage started")
+        if need_pages > free:
+            part += f"; raise it: echo {nr + need_pages - free} > {numa.hugepage_pool_path(n, page_kib)}"
+        parts.append(part)
+    return CapacityError(f"{what}: a hugetlb pool is short: " + "; ".join(parts))
+
+
+def populate_range(base: int, region: Region, lo: int, hi: int, layout: Layout, *, stage: str,
+                   page_kib: int = 0, pools: dict[int, HugepagePool] | None = None) -> None:
+    """Fault in arena bytes [lo, hi) of ``region`` (arena at address ``base``; lo page aligned)
+    with MADV_POPULATE_WRITE. Raises :func:`shortage_error` when the memory (or the node's
+    hugetlb pool) is not there, StageError for another failure."""
+    try:
+        memory.populate_write(base + lo, hi - lo)
+    except OSError as e:
+        if e.errno in memory.SHORTAGE_ERRNOS:
+            raise shortage_error(stage, region, lo, hi, e.errno, layout, page_kib, pools) from None
+        raise StageError(f"{stage}: madvise(MADV_POPULATE_WRITE) failed: {e}") from e
+
+
 class _Loader:
     """The worker pool of one load (see the module docstring)."""
 
@@ -253,8 +318,13 @@ class _Loader:
         max_read_bytes: int,
         step_bytes: int = 0,
         prefetch: bool = False,
+        layout: Layout | None = None,
+        page_kib: int = 0,
     ):
         self.catalog = catalog
+        self.layout = layout
+        self.page_kib = page_kib
+        self.pools = pool_snapshot(layout, page_kib) if layout is not None else {}
         self.arena = arena
         self.base = memory.address_of(arena)
         self.chunks = chunks
@@ -377,23 +447,63 @@ class _Loader:
 
     def _populate(self, r: Region, lo: int, hi: int) -> None:
         if self.populate == "madvise":
-            while True:
-                try:
-                    memory.madvise(self.base + lo, hi - lo, memory.MADV_POPULATE_WRITE)
-                    return
-                except OSError as e:
-                    if e.errno in (errno.EINTR, errno.EAGAIN):
-                        continue
-                    if e.errno in (errno.ENOMEM, errno.EFAULT, _EHWPOISON):
-                        raise CapacityError(
-                            f"fastload: populating region {r.name} ({r.policy}, node(s) {list(r.nodes) or 'any'}) "
-                            f"failed with {errno.errorcode.get(e.errno, e.errno)} at region bytes "
-                            f"{lo - r.arena_offset}..{hi - r.arena_offset} of {r.nbytes} "
-                            f"({r.used_bytes} used): the memory is not there"
-                        ) from None
-                    raise StageError(f"fastload: madvise(MADV_POPULATE_WRITE) failed: {e}") from e
+            populate_range(self.base, r, lo, hi, self.layout, stage="fastload", page_kib=self.page_kib,
+                           pools=self.pools)
         elif self.populate == "touch":
             self.arena[lo:hi:PAGE_BYTES] = 0  # one write per 4 KiB page: faults it in
+
+
+def hugetlb_page_bytes(layout: Layout, pages: str) -> int:
+    """The hugetlb page size for fastload.pages ``pages`` (0 for 'thp' / '4k'), after checking
+    that ``layout`` can be mapped with it: every region and the arena a multiple of the page
+    (mbind splits a hugetlb mapping only at page boundaries). Raises ConfigError for an
+    unknown ``pages``, StageError naming the first misaligned region."""
+    if pages not in ("thp", "4k") and pages not in HUGETLB_PAGE_BYTES:
+        raise ConfigError(f"fastload.pages: must be one of thp, 4k, {', '.join(HUGETLB_PAGE_BYTES)} (got {pages!r})")
+    page = HUGETLB_PAGE_BYTES.get(pages, 0)
+    if not page:
+        return 0
+    for r in layout.regions:
+        if r.arena_offset % page or r.nbytes % page:
+            raise StageError(
+                f"fastload: region {r.name} ({r.nbytes} bytes at arena offset {r.arena_offset}) is not aligned to "
+                f"the {page}-byte pages of fastload.pages = {pages}: the plan aligned regions to "
+                f"{layout.align_bytes} bytes (plan with the same fastload.pages)"
+            )
+    if layout.arena_bytes % page:
+        raise StageError(f"fastload: the arena ({layout.arena_bytes} bytes) is not a whole number of "
+                         f"{page}-byte pages (fastload.pages = {pages})")
+    return page
+
+
+def populate_mode(populate: str, pages: str) -> str:
+    """'madvise' or 'touch' for fastload.populate ``populate`` ('auto', 'madvise', 'touch').
+
+    auto: MADV_POPULATE_WRITE where the kernel has it (Linux 5.14+), else touching one byte
+    per 4 KiB page (logged). hugetlb pages (``pages`` 2m / 1g) are never touched: a write to a
+    page the node's pool cannot supply is a SIGBUS, where MADV_POPULATE_WRITE returns an
+    error the load reports. Raises ConfigError (touch with hugetlb, an unknown value) and
+    StageError (hugetlb pages on a kernel without MADV_POPULATE_WRITE).
+    """
+    hugetlb = pages in HUGETLB_PAGE_BYTES
+    if populate == "auto":
+        if memory.populate_write_supported():
+            return "madvise"
+        if hugetlb:
+            raise StageError(f"fastload.pages = {pages} needs MADV_POPULATE_WRITE (Linux 5.14+), which this "
+                             "kernel lacks; use fastload.pages = thp")
+        log.warning(
+            "fastload_populate_fallback",
+            stage="fastload",
+            reason="kernel lacks MADV_POPULATE_WRITE (Linux < 5.14): touching one byte per 4 KiB page",
+        )
+        return "touch"
+    if populate == "touch" and hugetlb:
+        raise ConfigError(f"fastload.populate = touch cannot be used with fastload.pages = {pages}: a page the "
+                          "node's pool cannot supply would kill the process (SIGBUS); use auto or madvise")
+    if populate not in ("madvise", "touch"):
+        raise ValueError(f"populate must be 'auto', 'madvise' or 'touch' (got {populate!r})")
+    return populate
 
 
 def fastload(
@@ -401,9 +511,9 @@ def fastload(
     layout: Layout,
     *,
     threads: int = 16,
-    hugepages: bool = True,
+    pages: str = "thp",
     populate: str = "auto",
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = WORK_CHUNK_BYTES,
     max_read_bytes: int = memory.PREAD_MAX_BYTES,
     progress_interval_s: float = 2.0,
     on_progress=None,
@@ -417,8 +527,11 @@ def fastload(
 
     Returns (arena: uint8 [layout.arena_bytes] over one private anonymous mapping, the
     :class:`WeightStore` over it, :class:`LoadStats`). Pages of each region sit where its
-    policy puts them (bound before first touch). ``populate``: 'auto' (MADV_POPULATE_WRITE
-    when the kernel has it, else touching pages, logged once), 'madvise' or 'touch'.
+    policy puts them (bound before first touch). ``pages`` (fastload.pages): 'thp'
+    (MADV_HUGEPAGE), '4k' (MADV_NOHUGEPAGE), '2m' / '1g' (hugetlb pages from the bound nodes'
+    pools; the layout's regions must be aligned to the page size: plan with the same pages).
+    ``populate``: 'auto' (MADV_POPULATE_WRITE when the kernel has it, else touching pages,
+    logged once; never touching with hugetlb pages), 'madvise' or 'touch'.
     ``max_read_bytes`` caps one preadv call (tests force it small). ``on_progress(done_bytes,
     total_bytes, gbps)`` is called every ``progress_interval_s`` and at the end;
     ``should_stop()`` is polled at the same times and may raise to abort the load (the arena
@@ -434,36 +547,30 @@ def fastload(
     with a small read_ahead_kb, to be measured there with ``bench fastload``.
 
     Raises ModelFileError (a shard shorter than the layout needs, or the file ending during
-    a read), CapacityError (address space refused, or populate got ENOMEM/EFAULT: naming
-    the region, node and sizes), NumaError (mbind refused), StageError (a broken layout).
+    a read), CapacityError (address space refused, hugetlb pools too small for the arena, or
+    populate got ENOMEM/EFAULT: naming the region, node(s), sizes and, with hugetlb, each
+    node's pool), NumaError (mbind refused), ConfigError (populate = touch with hugetlb
+    pages), StageError (a broken layout, regions not aligned to the hugetlb page).
     """
     if catalog.problems():
         raise catalog.error()
+    page_bytes = hugetlb_page_bytes(layout, pages)
     chunks = plan_chunks(catalog, layout, chunk_bytes)
     total = sum(c.read_bytes for c in chunks)
     n_threads = effective_threads(threads, len(chunks))
-    mode = populate
-    if mode == "auto":
-        mode = "madvise" if memory.populate_write_supported() else "touch"
-        if mode == "touch":
-            log.warning(
-                "fastload_populate_fallback",
-                stage="fastload",
-                reason="kernel lacks MADV_POPULATE_WRITE (Linux < 5.14): touching one byte per 4 KiB page",
-            )
-    elif mode not in ("madvise", "touch"):
-        raise ValueError(f"populate must be 'auto', 'madvise' or 'touch' (got {populate!r})")
+    mode = populate_mode(populate, pages)
 
     huge0 = memory.anon_huge_bytes()  # read outside the timed window: ~1 ms (it walks the page tables)
     cpu0 = _cpu_s()
     t_start = time.perf_counter()
-    arena = memory.reserve_arena(layout.arena_bytes)
+    arena = memory.reserve_arena(layout.arena_bytes, layout.align_bytes, hugetlb_page_bytes=page_bytes)
     try:
-        thp = False
-        if hugepages:
+        huge = page_bytes > 0
+        if pages in ("thp", "4k"):
             try:
-                memory.madvise(memory.address_of(arena), arena.nbytes, memory.MADV_HUGEPAGE)
-                thp = memory.thp_mode() in ("always", "madvise")
+                advice = memory.MADV_HUGEPAGE if pages == "thp" else memory.MADV_NOHUGEPAGE
+                memory.madvise(memory.address_of(arena), arena.nbytes, advice)
+                huge = pages == "thp" and memory.thp_mode() in ("always", "madvise")
             except OSError as e:
                 log.warning("fastload_no_hugepages", stage="fastload", error=str(e))
         binds = bind_regions(arena, layout, mbind)
@@ -477,7 +584,8 @@ def fastload(
             chunks=len(chunks),
             threads=n_threads,
             populate=mode,
-            thp=memory.thp_mode() if hugepages else "off",
+            pages=pages,
+            thp=memory.thp_mode() if pages == "thp" else "off",
         )
         loader = _Loader(
             catalog,
@@ -488,6 +596,8 @@ def fastload(
             max_read_bytes=max_read_bytes,
             step_bytes=populate_step_bytes or chunk_bytes,
             prefetch=prefetch,
+            layout=layout,
+            page_kib=page_bytes // 1024,
         )
         bar = _progress_bar(total, progress_bar)
         last = {"t": t_start, "bar": 0}
@@ -520,12 +630,13 @@ def fastload(
             threads=n_threads,
             chunks=len(chunks),
             populate=mode,
-            hugepages=thp,
+            hugepages=huge,
             populate_s=sum(loader.populate_s),
             read_s=sum(loader.read_s),
             anon_huge_bytes=max(0, memory.anon_huge_bytes() - huge0),
             cpu_s=_cpu_s() - cpu0,
             read_calls=sum(loader.read_calls),
+            pages=pages,
         )
     except BaseException:
         memory.free_arena(arena)
@@ -552,7 +663,7 @@ def reread(
     arena: np.ndarray,
     *,
     threads: int = 16,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = WORK_CHUNK_BYTES,
     step_bytes: int = POPULATE_STEP_BYTES,
 ) -> LoadStats:
     """Read the model again into an arena that :func:`fastload` already filled: the same
@@ -568,6 +679,7 @@ def reread(
         populate="none",
         max_read_bytes=memory.PREAD_MAX_BYTES,
         step_bytes=step_bytes or chunk_bytes,
+        layout=layout,
     )
     cpu0 = _cpu_s()
     t0 = time.perf_counter()
@@ -602,13 +714,14 @@ def _progress_bar(total: int, wanted: bool | None):
 class FastloadStage(Stage):
     """Reads the model into the arena the plan laid out (``ctx.catalog``, ``ctx.layout``;
     without a layout, one ``local`` region in file order) and sets ``ctx.arena`` and
-    ``ctx.weights``. Settings: ``[fastload]`` threads, hugepages, populate, chunk_bytes,
-    max_read_bytes, progress_interval_s."""
+    ``ctx.weights``. Settings: ``[fastload]`` threads, pages, populate, chunk_bytes,
+    max_read_bytes, progress_interval_s, prefetch."""
 
     name = "fastload"
     requires: tuple[str, ...] = ()
     summary = (
-        "needs catalog + layout; fills arena and weights (populate + pread, N threads, THP, bound per region)"
+        "needs catalog + layout; fills arena and weights (populate + pread, N threads, THP or hugetlb pages, "
+        "bound per region)"
     )
 
     def __init__(self) -> None:
@@ -619,24 +732,25 @@ class FastloadStage(Stage):
 
         if ctx.catalog is None:
             raise StageError("fastload: no model catalog (the prepare step did not run)")
+        cfg = ctx.config.fastload
         layout = ctx.layout
         if layout is None:
-            layout = ctx.layout = plain_layout(ctx.catalog)
+            layout = ctx.layout = plain_layout(ctx.catalog, region_align_bytes(cfg.pages))
             log.info(
                 "fastload_plain_layout", stage="fastload", reason="no plan in the context: one local region"
             )
-        cfg = ctx.config.fastload
         arena, weights, self.stats = fastload(
             ctx.catalog,
             layout,
             threads=cfg.threads,
-            hugepages=cfg.hugepages,
+            pages=cfg.pages,
             populate=cfg.populate,
             chunk_bytes=cfg.chunk_bytes,
             max_read_bytes=cfg.max_read_bytes,
             progress_interval_s=cfg.progress_interval_s,
             on_progress=lambda done, total, gbps: ctx.status(status_line(done, total, gbps)),
             should_stop=ctx.check_shutdown,
+            prefetch=cfg.prefetch,
         )
         ctx.arena, ctx.weights = arena, weights
 

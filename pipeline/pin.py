@@ -35,12 +35,13 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from moe_service.engine.device import cuda_absent_reason
 from moe_service.errors import PinError
 from moe_service.layout import PAGE_BYTES, Layout, align_up
 from moe_service.log import get_logger
+from pipeline.preflight import Check
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
@@ -351,18 +352,6 @@ def pin_chunks(
 # Preflight
 
 
-@dataclass
-class PinCheck:
-    """One preflight check, the shape pipeline.preflight's checks have: ``name``, ``status``
-    (ok | warn | fail), a one-sentence ``message``, the ``numbers`` behind it."""
-
-    name: str
-    status: Literal["ok", "warn", "fail"]
-    message: str
-    numbers: dict = field(default_factory=dict)
-    capacity: bool = False
-
-
 def _probe_flags() -> tuple[int | None, str]:
     """The flags the stage will use on this host, or (None, why unknown)."""
     try:
@@ -378,8 +367,8 @@ def pin_preflight(
     cuda_reason: Callable[[], str | None] = cuda_absent_reason,
     probe_flags: Callable[[], tuple[int | None, str]] = _probe_flags,
     memlock: Callable[[], tuple[int, int]] = lambda: resource.getrlimit(resource.RLIMIT_MEMLOCK),
-) -> list[PinCheck]:
-    """What the pin stage will do on this host, as preflight checks (``moe-service check``).
+) -> list[Check]:
+    """What the pin stage will do on this host, as preflight checks (run_preflight lists them).
 
     ``pin``: off -> ok (nothing pinned); auto without CUDA -> ok (skipped, with the reason);
     required without CUDA -> fail (the start is refused here, exit 4); with CUDA -> ok, with
@@ -396,22 +385,22 @@ def pin_preflight(
     numbers = {"pin_bytes": pin_bytes, "chunks": len(chunks), "chunk_bytes": config.pin.chunk_bytes,
                "regions": len({c.region for c in chunks})}
     if mode == "off":
-        return [PinCheck("pin", "ok", "pin.mode = off: nothing is pinned", numbers)]
-    checks: list[PinCheck] = []
+        return [Check("pin", "ok", "pin.mode = off: nothing is pinned", numbers)]
+    checks: list[Check] = []
     reason = cuda_reason()
     if reason is not None:
         if mode == "required":
-            checks.append(PinCheck(
+            checks.append(Check(
                 "pin", "fail",
                 f"pin.mode = required but {reason}; use pin.mode = auto (or off) on hosts without a GPU",
                 numbers))
         else:
-            return [PinCheck("pin", "ok", f"pin.mode = auto: pin will be skipped ({reason})", numbers)]
+            return [Check("pin", "ok", f"pin.mode = auto: pin will be skipped ({reason})", numbers)]
     else:
         flags, why = probe_flags()
         numbers["flags"] = flags
         shown = f"flags {flags} ({flags_name(flags)}: {why})" if flags is not None else why
-        checks.append(PinCheck(
+        checks.append(Check(
             "pin", "ok",
             f"pin registers {_gib(pin_bytes)} ({pin_bytes} bytes) of {numbers['regions']} region(s) in "
             f"{len(chunks)} call(s) of at most {_gib(config.pin.chunk_bytes)}, {shown}",
@@ -421,7 +410,7 @@ def pin_preflight(
     ok = unlimited or soft >= pin_bytes
     shown = "unlimited" if unlimited else f"{soft} bytes ({_gib(soft)})"
     status = "ok" if ok else ("fail" if mode == "required" else "warn")
-    checks.append(PinCheck(
+    checks.append(Check(
         "memlock", status,
         f"RLIMIT_MEMLOCK is {shown}" + ("" if ok else
             f", less than the {pin_bytes} bytes ({_gib(pin_bytes)}) pin registers; set "

@@ -20,10 +20,10 @@ A sample that is absent (-ENOENT; -EFAULT on older kernels) in a region fastload
 reported, and an error under ``placement.strict``. On a one-node host (or a one-node plan)
 the stage records that there is nothing to place and does nothing else.
 
-Config read (``placement`` section): ``verify`` [true], ``migrate`` [true], ``strict``
-[true]: fail when pages remain off-node after migration, ``sample_step_mib`` [2],
-``interleave_tolerance`` [0.10] (warn when a node's share of an interleaved region is off by
-more than this fraction of the even share).
+Config read (:class:`~moe_service.config.PlacementConfig`): ``verify``, ``migrate``,
+``strict`` (fail when pages remain off-node after migration), ``sample_stride_bytes``,
+``interleave_tolerance`` (warn when a node's share of an interleaved region is off by more
+than this fraction of the even share).
 """
 
 from __future__ import annotations
@@ -277,21 +277,6 @@ def status_line(report: ResidencyReport) -> str:
 
 
 
-def placement_settings(config) -> dict:
-    cfg = getattr(config, "placement", None)
-
-    def get(name, default):
-        value = getattr(cfg, name, default) if cfg is not None else default
-        return default if value is None else value
-
-    return {
-        "migrate": bool(get("migrate", True)),
-        "strict": bool(get("strict", True)),
-        "step_bytes": int(get("sample_stride_bytes", numa.SAMPLE_STEP_BYTES)),
-        "interleave_tolerance": float(get("interleave_tolerance", 0.10)),
-    }
-
-
 def single_node_reason(layout: Layout | None, topology) -> str | None:
     """Why there is nothing to place (one-node host, one-node plan, only local regions), or None."""
     if topology is not None and not topology.is_multi_node:
@@ -315,10 +300,7 @@ class PlacementStage(Stage):
     summary = "verify every region's pages are on their planned node(s), migrate strays; sets ctx.residency"
 
     def skip_reason(self, ctx) -> str | None:
-        cfg = getattr(ctx.config, "placement", None)
-        if cfg is not None and not getattr(cfg, "verify", True):
-            return "placement.verify = false"
-        return None
+        return None if ctx.config.placement.verify else "placement.verify = false"
 
     def run(self, ctx) -> None:
         if ctx.arena is None or ctx.layout is None:
@@ -329,10 +311,11 @@ class PlacementStage(Stage):
             log.info("placement_nothing_to_place", stage=self.name, reason=reason)
             ctx.status(f"placement: nothing to place ({reason})")
             return
-        s = placement_settings(ctx.config)
+        cfg = ctx.config.placement
         ctx.status(f"placement: checking {len(ctx.layout.primary_regions())} regions")
-        report = place(ctx.arena, ctx.layout, migrate=s["migrate"], strict=s["strict"], step_bytes=s["step_bytes"],
-                       interleave_tolerance=s["interleave_tolerance"], stage=self.name)
+        report = place(ctx.arena, ctx.layout, migrate=cfg.migrate, strict=cfg.strict,
+                       step_bytes=cfg.sample_stride_bytes, interleave_tolerance=cfg.interleave_tolerance,
+                       stage=self.name)
         ctx.residency = report
         log_residency(report, self.name)
         ctx.status(status_line(report))

@@ -1,6 +1,6 @@
 """The placement plan: where every tensor and every expert slab lives, before anything is allocated.
 
-``plan(catalog, topology, numa_cfg, replication_cfg, gpu_node)`` is pure: it reads the GGUF
+``plan(catalog, topology, config, gpu_node=...)`` is pure: it reads the GGUF
 catalog (sizes, offsets), the NUMA :class:`~moe_service.numa.Topology` and the config, and
 returns a :class:`~moe_service.layout.Layout`. Policies (``numa.policy``)::
 
@@ -21,16 +21,18 @@ replica bytes balance and every copy is still one extent per (tensor, home, targ
 
 A one-node host (or a one-node selection) always gets the trivial plan: one ``local`` region.
 
-Capacity: :func:`check_capacity` compares the bytes each node must hold with what it has
-(nodeN/meminfo MemFree + reclaimable, less ``numa.node_reserve_gib``); ``plan(strict=True)``
-raises :class:`~moe_service.errors.CapacityError` naming the node and both numbers.
+Regions are aligned to ``layout.align_bytes``: 2 MiB, or the hugetlb page size with
+``fastload.pages`` = 2m / 1g (mbind splits a hugetlb mapping only at page boundaries).
+
+Capacity: :func:`node_capacity` compares the bytes each node must hold with what it has
+(nodeN/meminfo MemFree + reclaimable less ``numa.node_reserve_gib``; with hugetlb pages, the
+free pages of the node's pool); :func:`check_capacity` gives one sentence per shortfall, which
+the preflight stage and ``moe-service plan`` report. ``plan(strict=True)`` raises
+:class:`~moe_service.errors.CapacityError` naming the node and both numbers.
 :func:`plan_summary` / :func:`format_plan` give ``moe-service plan`` its JSON and its table.
 
-Config read (attributes of ``numa_cfg`` / ``replication_cfg``; pydantic models or any object):
-``numa.policy`` (str, default "expert_shard"), ``numa.expert_homes`` (str, default
-"contiguous"), ``numa.nodes`` (list[int], default [] = every
-memory node with CPUs this process may use), ``numa.node_reserve_gib`` (float, default 1.0),
-``replication.replicas`` (int, default 0).
+Config read (:class:`~moe_service.config.Settings`): ``numa.policy``, ``numa.expert_homes``,
+``numa.nodes``, ``numa.node_reserve_gib``, ``replication.replicas``, ``fastload.pages``.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moe_service.errors import CapacityError, ConfigError
+from moe_service.config import NumaConfig, Settings
+from moe_service.errors import CapacityError, ConfigError, NumaError
 from moe_service.layout import (
-    REGION_ALIGN_BYTES,
+    HUGETLB_PAGE_BYTES,
     SLAB_ALIGN_BYTES,
     CopyExtent,
     ExpertPlacement,
@@ -50,26 +53,11 @@ from moe_service.layout import (
     Layout,
     Region,
     align_up,
+    region_align_bytes,
 )
-from moe_service.numa import Topology
+from moe_service.numa import Topology, hugepage_pool_path
 
-POLICIES = ("expert_shard", "interleave", "mirror", "local")
 GIB = 1024**3
-DEFAULT_NODE_RESERVE_GIB = 1.0
-
-
-def _cfg(obj, name: str, default):
-    value = getattr(obj, name, default) if obj is not None else default
-    return default if value is None else value
-
-
-def _sections(numa_cfg, replication_cfg=None):
-    """Accept either the ``numa``/``replication`` sections or the whole Settings object
-    (anything with a ``numa`` attribute) as ``numa_cfg``."""
-    if numa_cfg is not None and hasattr(numa_cfg, "numa"):
-        settings = numa_cfg
-        return settings.numa, replication_cfg if replication_cfg is not None else getattr(settings, "replication", None)
-    return numa_cfg, replication_cfg
 
 
 def expert_home(e: int, n_expert: int, n_nodes: int) -> int:
@@ -186,9 +174,9 @@ class _RegionBuilder:
         self.off = off + nbytes
         return off
 
-    def finish(self, arena_offset: int) -> Region:
+    def finish(self, arena_offset: int, align_bytes: int) -> Region:
         self.region.used_bytes = self.off
-        self.region.nbytes = align_up(max(self.off, 1), REGION_ALIGN_BYTES)
+        self.region.nbytes = align_up(max(self.off, 1), align_bytes)
         self.region.arena_offset = arena_offset
         return self.region
 
@@ -201,10 +189,10 @@ class _Slots:
     experts: dict[tuple[int, str], list[list[tuple[_RegionBuilder, int, int]]]] = field(default_factory=dict)
 
 
-def select_nodes(topology: Topology, numa_cfg) -> tuple[int, ...]:
+def select_nodes(topology: Topology, numa: NumaConfig) -> tuple[int, ...]:
     """Nodes the plan uses: ``numa.nodes`` when set (each must be a memory node), else every
     memory node with at least one allowed CPU (all memory nodes if none has CPUs)."""
-    want = list(_cfg(numa_cfg, "nodes", []) or [])
+    want = list(numa.nodes)
     ids = topology.node_ids
     if want:
         bad = [n for n in want if n not in ids]
@@ -216,26 +204,23 @@ def select_nodes(topology: Topology, numa_cfg) -> tuple[int, ...]:
     return with_cpus or ids
 
 
-def plan(catalog, topology: Topology, numa_cfg=None, replication_cfg=None, gpu_node: int | None = None,
-         *, strict: bool = True) -> Layout:
+def plan(catalog, topology: Topology, config: Settings, *, gpu_node: int | None = None,
+         strict: bool = True) -> Layout:
     """Compute the :class:`Layout` of ``catalog`` on ``topology`` (allocates nothing).
 
     ``catalog``: a GGUFModel (or any object with ``tensors`` {name: TensorInfo with shard,
     file_offset, nbytes} and ``expert_layers`` {layer: {kind: ExpertTensor with tensor,
-    n_expert, slab_bytes, slab(e)}}). ``gpu_node``: when a GPU runs the dense part, its NUMA
-    node: dense tensors are bound there instead of interleaved. ``strict``: raise
-    CapacityError when a node cannot hold its share (else the caller reads
-    :func:`check_capacity`). Raises ConfigError for an unknown policy, bad node list or too
-    many replicas. ``numa_cfg`` may also be the whole Settings (then ``replication_cfg`` defaults
-    to its ``replication`` section).
+    n_expert, slab_bytes, slab(e)}}). ``config``: the Settings (module docstring lists what is
+    read). ``gpu_node``: when a GPU runs the dense part, its NUMA node: dense tensors are bound
+    there instead of interleaved. ``strict``: raise CapacityError when a node cannot hold its
+    share (else the caller reads :func:`check_capacity`). Raises ConfigError for a bad node
+    list, too many replicas or a GPU node outside the plan.
     """
-    numa_cfg, replication_cfg = _sections(numa_cfg, replication_cfg)
-    policy = str(_cfg(numa_cfg, "policy", "expert_shard"))
-    if policy not in POLICIES:
-        raise ConfigError(f"numa.policy: unknown policy {policy!r} (choose one of {', '.join(POLICIES)})")
-    replicas = int(_cfg(replication_cfg, "replicas", 0))
-    nodes = select_nodes(topology, numa_cfg)
-    if replicas < 0 or replicas > max(len(nodes) - 1, 0):
+    policy = config.numa.policy
+    replicas = config.replication.replicas
+    align = region_align_bytes(config.fastload.pages)
+    nodes = select_nodes(topology, config.numa)
+    if replicas > max(len(nodes) - 1, 0):
         raise ConfigError(f"replication.replicas: must be 0..{max(len(nodes) - 1, 0)} on this host's "
                           f"{len(nodes)} node(s) (got {replicas})")
     if gpu_node is not None and gpu_node not in nodes:
@@ -249,24 +234,22 @@ def plan(catalog, topology: Topology, numa_cfg=None, replication_cfg=None, gpu_n
         warnings.append(f"nodes {no_cpu} have no CPUs this process may use: experts there are read remotely")
 
     if len(nodes) == 1:
-        layout = _plan_single(catalog, nodes[0], policy)
+        layout = _plan_single(catalog, nodes[0], policy, align)
     elif policy == "local":
-        layout = _plan_single(catalog, None, policy)
+        layout = _plan_single(catalog, None, policy, align)
         layout.nodes = nodes
     elif policy == "interleave":
-        layout = _plan_interleave(catalog, nodes)
+        layout = _plan_interleave(catalog, nodes, align)
     elif policy == "mirror":
-        layout = _plan_mirror(catalog, nodes)
+        layout = _plan_mirror(catalog, nodes, align)
     else:
-        homes_rule = str(_cfg(numa_cfg, "expert_homes", "contiguous"))
-        home_members(1, 1, homes_rule)  # validates the rule name
-        layout = _plan_expert_shard(catalog, topology, nodes, replicas, gpu_node, homes_rule)
+        layout = _plan_expert_shard(catalog, topology, nodes, replicas, gpu_node, config.numa.expert_homes, align)
     if replicas and layout.replicas != replicas:
         warnings.append(f"replication.replicas={replicas} ignored: policy {policy!r} on {len(nodes)} node(s) "
                         "has no per-node expert homes to replicate")
     layout.warnings.extend(warnings)
     if strict:
-        problems = check_capacity(layout, topology, numa_cfg)
+        problems = check_capacity(layout, topology, config)
         if problems:
             raise CapacityError(f"the {policy!r} plan does not fit this host: " + "; ".join(problems))
     return layout
@@ -277,7 +260,7 @@ def _expert_names(catalog) -> set[str]:
 
 
 def _resolve(layout_regions: list[_RegionBuilder], slots: _Slots, catalog, n_copies_max: int,
-             nodes: tuple[int, ...], policy: str, replicas: int) -> Layout:
+             nodes: tuple[int, ...], policy: str, replicas: int, align_bytes: int) -> Layout:
     """Turn builders + slots into a Layout (regions must already be finished)."""
     tensors = {name: [b.region.arena_offset + off for b, off in copies] for name, copies in slots.tensors.items()}
     experts: dict[tuple[int, str], ExpertPlacement] = {}
@@ -292,13 +275,14 @@ def _resolve(layout_regions: list[_RegionBuilder], slots: _Slots, catalog, n_cop
         experts[(layer, kind)] = ExpertPlacement(layer, kind, et.slab_bytes, offs, nds)
     regions = [b.region for b in layout_regions]
     arena = max((r.arena_offset + r.nbytes for r in regions), default=0)
-    return Layout(regions, arena, tensors, experts, nodes=nodes, policy=policy, replicas=replicas)
+    return Layout(regions, arena, tensors, experts, nodes=nodes, policy=policy, replicas=replicas,
+                  align_bytes=align_bytes)
 
 
-def _lay_out(builders: list[_RegionBuilder], start: int = 0) -> int:
+def _lay_out(builders: list[_RegionBuilder], align_bytes: int, start: int = 0) -> int:
     off = start
     for b in builders:
-        b.finish(off)
+        b.finish(off, align_bytes)
         off += b.region.nbytes
     return off
 
@@ -319,27 +303,27 @@ def _whole_tensors(b: _RegionBuilder, catalog, slots: _Slots, node: int) -> None
                 per[e].append((b, off + (et.slab(e)[1] - base_file), node))
 
 
-def _plan_single(catalog, node: int | None, policy: str) -> Layout:
+def _plan_single(catalog, node: int | None, policy: str, align: int) -> Layout:
     b = _RegionBuilder("all", "primary", "local", ())
     slots = _Slots()
     _whole_tensors(b, catalog, slots, -1 if node is None else node)
-    _lay_out([b])
-    return _resolve([b], slots, catalog, 1, (node,) if node is not None else (0,), policy, 0)
+    _lay_out([b], align)
+    return _resolve([b], slots, catalog, 1, (node,) if node is not None else (0,), policy, 0, align)
 
 
-def _plan_interleave(catalog, nodes: tuple[int, ...]) -> Layout:
+def _plan_interleave(catalog, nodes: tuple[int, ...], align: int) -> Layout:
     b = _RegionBuilder("all", "primary", "interleave", nodes)
     slots = _Slots()
     _whole_tensors(b, catalog, slots, -1)
-    _lay_out([b])
-    return _resolve([b], slots, catalog, 1, nodes, "interleave", 0)
+    _lay_out([b], align)
+    return _resolve([b], slots, catalog, 1, nodes, "interleave", 0, align)
 
 
-def _plan_mirror(catalog, nodes: tuple[int, ...]) -> Layout:
+def _plan_mirror(catalog, nodes: tuple[int, ...], align: int) -> Layout:
     first = _RegionBuilder(f"mirror.node{nodes[0]}", "primary", "bind", (nodes[0],))
     slots = _Slots()
     _whole_tensors(first, catalog, slots, nodes[0])
-    _lay_out([first])
+    _lay_out([first], align)
     builders = [first]
     for n in nodes[1:]:
         b = _RegionBuilder(f"mirror.node{n}", "replica", "bind", (n,))
@@ -347,7 +331,7 @@ def _plan_mirror(catalog, nodes: tuple[int, ...]) -> Layout:
         builders.append(b)
     # Each copy region is the first region byte for byte (one CopyExtent), so copy c of
     # anything lives at (its offset in the first region) + region c's start.
-    _lay_out(builders[1:], start=first.region.nbytes)
+    _lay_out(builders[1:], align, start=first.region.nbytes)
     for name, copies in slots.tensors.items():
         _b0, off = copies[0]
         copies.extend((b, off) for b in builders[1:])
@@ -356,11 +340,11 @@ def _plan_mirror(catalog, nodes: tuple[int, ...]) -> Layout:
         for copies in per:
             _b0, off, _n = copies[0]
             copies.extend((b, off, b.region.nodes[0]) for b in builders[1:])
-    return _resolve(builders, slots, catalog, len(nodes), nodes, "mirror", len(nodes) - 1)
+    return _resolve(builders, slots, catalog, len(nodes), nodes, "mirror", len(nodes) - 1, align)
 
 
 def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], replicas: int,
-                       gpu_node: int | None, homes_rule: str = "contiguous") -> Layout:
+                       gpu_node: int | None, homes_rule: str, align: int) -> Layout:
     n_nodes = len(nodes)
     expert_names = _expert_names(catalog)
     node_b = {n: _RegionBuilder(f"experts.node{n}", "primary", "bind", (n,)) for n in nodes}
@@ -386,7 +370,7 @@ def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], repl
                 shard, file_offset, nbytes = et.slab(e)
                 per[e].append((b, b.add_file(shard, file_offset, nbytes), nodes[i]))
     primaries = [node_b[n] for n in nodes if node_b[n].off > 0] + ([dense] if dense.off > 0 else [])
-    end = _lay_out(primaries)
+    end = _lay_out(primaries, align)
 
     replica_builders: list[_RegionBuilder] = []
     if replicas > 0:
@@ -408,8 +392,9 @@ def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], repl
                             src = b0.region.arena_offset + off0
                             per[e].append((rb, rb.add_copy(src, et.slab_bytes), tgt))
         replica_builders = [rep_b[n] for n in nodes if rep_b[n].off > 0]
-        _lay_out(replica_builders, start=end)
-    layout = _resolve(primaries + replica_builders, slots, catalog, 1 + replicas, nodes, "expert_shard", replicas)
+        _lay_out(replica_builders, align, start=end)
+    layout = _resolve(primaries + replica_builders, slots, catalog, 1 + replicas, nodes, "expert_shard", replicas,
+                      align)
     return layout
 
 
@@ -417,8 +402,8 @@ def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], repl
 
 
 def node_need_bytes(layout: Layout) -> dict[int, int]:
-    """Bytes each node must supply for ``layout``: whole bound regions (2 MiB padding
-    included, as fastload populates whole regions) plus an even share of interleaved ones.
+    """Bytes each node must supply for ``layout``: whole bound regions (padding included, as
+    fastload populates whole regions) plus an even share (rounded up) of interleaved ones.
     ``local`` regions count against the layout's first node on a one-node plan and are left
     out otherwise (first touch decides)."""
     need = {n: 0 for n in layout.nodes}
@@ -433,41 +418,134 @@ def node_need_bytes(layout: Layout) -> dict[int, int]:
     return need
 
 
-def check_capacity(layout: Layout, topology: Topology, numa_cfg=None) -> list[str]:
-    """One sentence per node (and for the whole host) that cannot hold its share of ``layout``,
-    with needed vs available bytes; [] when everything fits. Available = the node's MemFree +
-    reclaimable (see NodeInfo) less ``numa.node_reserve_gib``."""
-    numa_cfg, _ = _sections(numa_cfg)
-    reserve = int(float(_cfg(numa_cfg, "node_reserve_gib", DEFAULT_NODE_RESERVE_GIB)) * GIB)
-    problems = []
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB ({n} bytes)"
+
+
+def _page_name(page_kib: int) -> str:
+    return f"{page_kib // (1024 * 1024)} GiB" if page_kib >= 1024 * 1024 else f"{page_kib // 1024} MiB"
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What one node (``node``; None: the whole host) must hold for a plan, against what it has.
+
+    Ordinary memory (``page_kib`` 0, fastload.pages thp or 4k): ``available_bytes`` is the
+    node's MemFree + reclaimable less ``reserve_bytes`` (numa.node_reserve_gib); for the host,
+    /proc/meminfo MemAvailable. hugetlb pages (``page_kib`` 2048 or 1048576): the free pages of
+    the node's pool of that size (host: of every node's pool), ``pool_pages`` its
+    nr_hugepages. ``needed_bytes`` comes from :func:`node_need_bytes` (host: the arena).
+    """
+
+    node: int | None
+    needed_bytes: int
+    available_bytes: int
+    reserve_bytes: int = 0
+    page_kib: int = 0
+    pool_pages: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.needed_bytes <= self.available_bytes
+
+    @property
+    def name(self) -> str:
+        """The preflight check's name: memory.node1, memory.host, hugepages.node1, hugepages.host."""
+        return ("hugepages." if self.page_kib else "memory.") + ("host" if self.node is None else f"node{self.node}")
+
+    @property
+    def needed_pages(self) -> int:
+        return -(-self.needed_bytes // (self.page_kib * 1024)) if self.page_kib else 0
+
+    @property
+    def free_pages(self) -> int:
+        return self.available_bytes // (self.page_kib * 1024) if self.page_kib else 0
+
+    def raise_command(self) -> str | None:
+        """The command that makes a short node pool big enough (None when it is not one)."""
+        if self.ok or not self.page_kib or self.node is None:
+            return None
+        want = self.pool_pages + self.needed_pages - self.free_pages
+        return f"echo {want} > {hugepage_pool_path(self.node, self.page_kib)}"
+
+    def sentence(self) -> str:
+        """One sentence with both numbers (and the fix, for a short hugetlb pool)."""
+        where = "the host" if self.node is None else f"node {self.node}"
+        if self.page_kib:
+            size = _page_name(self.page_kib)
+            if self.ok:
+                return f"{where}: {self.needed_pages} pages of {size} needed, {self.free_pages} free in its pool(s)"
+            text = (f"{where} needs {self.needed_pages} hugetlb pages of {size} but "
+                    f"{'its pool has' if self.node is not None else 'the pools have'} {self.free_pages} free "
+                    f"(of {self.pool_pages})")
+            cmd = self.raise_command()
+            return text + (f"; raise it: {cmd}" if cmd else "")
+        if self.node is None:
+            if self.ok:
+                return f"{_gib(self.needed_bytes)} needed of {_gib(self.available_bytes)} available"
+            return f"the plan needs {_gib(self.needed_bytes)} and MemAvailable is {_gib(self.available_bytes)}"
+        if self.ok:
+            return f"node {self.node}: {_gib(self.needed_bytes)} needed of {_gib(self.available_bytes)} available"
+        return (f"node {self.node} needs {_gib(self.needed_bytes)} but has {_gib(self.available_bytes)} available "
+                f"(MemFree + reclaimable less {self.reserve_bytes / GIB:.1f} GiB reserve)")
+
+    def numbers(self) -> dict:
+        out = {"needed_bytes": self.needed_bytes, "available_bytes": self.available_bytes}
+        if self.node is not None:
+            out["node"] = self.node
+        if self.page_kib:
+            out.update(page_kib=self.page_kib, needed_pages=self.needed_pages, free_pages=self.free_pages,
+                       pool_pages=self.pool_pages)
+        elif self.node is not None:
+            out["reserve_bytes"] = self.reserve_bytes
+        return out
+
+
+def node_capacity(layout: Layout, topology: Topology, config: Settings) -> list[NodeCapacity]:
+    """Each node of ``layout`` (ascending), then the whole host: what it must hold vs what it
+    has, in ordinary memory or, with ``fastload.pages`` = 2m / 1g, in its hugetlb pool."""
+    page_bytes = HUGETLB_PAGE_BYTES.get(config.fastload.pages, 0)
+    page_kib = page_bytes // 1024
+    reserve = 0 if page_kib else int(config.numa.node_reserve_gib * GIB)
+    out: list[NodeCapacity] = []
     for node, need in sorted(node_need_bytes(layout).items()):
+        if page_bytes:  # an interleaved share is whole pages too
+            need = align_up(need, page_bytes)
         try:
             info = topology.node(node)
-        except Exception:
-            problems.append(f"node {node} is not a memory node of this host")
+        except NumaError:
+            out.append(NodeCapacity(node, need, 0, reserve, page_kib))
             continue
-        avail = max(info.mem_available_bytes - reserve, 0)
-        if need > avail:
-            problems.append(
-                f"node {node} needs {need / GIB:.1f} GiB ({need} bytes) but has {avail / GIB:.1f} GiB "
-                f"({avail} bytes) available after reserving {reserve / GIB:.1f} GiB"
-            )
-    total = layout.arena_bytes
-    host_avail = topology.mem_available_bytes or sum(n.mem_available_bytes for n in topology.nodes)
-    if host_avail and total > host_avail:
-        problems.append(f"the host needs {total / GIB:.1f} GiB ({total} bytes) in all but MemAvailable is "
-                        f"{host_avail / GIB:.1f} GiB ({host_avail} bytes)")
-    return problems
+        if page_kib:
+            pool = info.hugepages.get(page_kib)
+            out.append(NodeCapacity(node, need, pool.free_bytes if pool else 0, 0, page_kib, pool.nr if pool else 0))
+        else:
+            out.append(NodeCapacity(node, need, max(info.mem_available_bytes - reserve, 0), reserve))
+    if page_kib:
+        pools = [n.hugepages[page_kib] for n in topology.nodes if page_kib in n.hugepages]
+        out.append(NodeCapacity(None, layout.arena_bytes, sum(p.free_bytes for p in pools), 0, page_kib,
+                                sum(p.nr for p in pools)))
+    else:
+        host = topology.mem_available_bytes or sum(n.mem_available_bytes for n in topology.nodes)
+        out.append(NodeCapacity(None, layout.arena_bytes, host))
+    return out
+
+
+def check_capacity(layout: Layout, topology: Topology, config: Settings) -> list[str]:
+    """One sentence per node (and for the whole host) that cannot hold its share of ``layout``,
+    with needed vs available numbers; [] when everything fits (:func:`node_capacity`)."""
+    return [c.sentence() for c in node_capacity(layout, topology, config) if not c.ok]
 
 
 # --- summary -------------------------------------------------------------------------------
 
 
-def plan_summary(layout: Layout, topology: Topology, numa_cfg=None) -> dict:
+def plan_summary(layout: Layout, topology: Topology, config: Settings) -> dict:
     """JSON-able description of a plan for ``moe-service plan --json`` (node ids as strings).
 
     Keys: policy, replicas, nodes, arena_bytes, bytes_per_node (used bytes, interleave split
-    evenly), need_bytes_per_node (with region padding), available_bytes_per_node,
+    evenly), need_bytes_per_node (with region padding), available_bytes_per_node (what
+    :func:`node_capacity` counts: free memory less the reserve, or free hugetlb pages),
     experts_per_node (expert copies per MoE layer on each node), primary_experts_per_node,
     regions (name, role, policy, nodes, arena_offset, nbytes, used_bytes), fits, reasons
     (why it does not fit), warnings.
@@ -481,15 +559,13 @@ def plan_summary(layout: Layout, topology: Topology, numa_cfg=None) -> dict:
             copies[n] += int(np.count_nonzero(nodes == n))
             primary[n] += int(np.count_nonzero(nodes[:, 0] == n))
     n_kinds = max(len(layout.experts) // n_layers, 1)
-    reasons = check_capacity(layout, topology, numa_cfg)
-    avail = {}
-    for n in layout.nodes:
-        try:
-            avail[str(n)] = topology.node(n).mem_available_bytes
-        except Exception:
-            avail[str(n)] = 0
+    capacity = node_capacity(layout, topology, config)
+    reasons = [c.sentence() for c in capacity if not c.ok]
+    avail = {str(c.node): c.available_bytes for c in capacity if c.node is not None}
     return {
         "policy": layout.policy,
+        "pages": config.fastload.pages,
+        "align_bytes": layout.align_bytes,
         "replicas": layout.replicas,
         "nodes": list(layout.nodes),
         "arena_bytes": layout.arena_bytes,
@@ -510,11 +586,11 @@ def plan_summary(layout: Layout, topology: Topology, numa_cfg=None) -> dict:
     }
 
 
-def format_plan(summary: dict) -> str:
-    """Human table of a :func:`plan_summary` for ``moe-service plan``."""
+def format_plan(summary: dict, regions: bool = True) -> str:
+    """Human table of a :func:`plan_summary` for ``moe-service plan`` (``regions``: list them)."""
     g = GIB
     lines = [
-        f"policy {summary['policy']}, replicas {summary['replicas']}, "
+        f"policy {summary['policy']}, replicas {summary['replicas']}, pages {summary['pages']}, "
         f"arena {summary['arena_bytes'] / g:.2f} GiB, {summary.get('moe_layers', 0)} MoE layers",
         "",
         f"{'node':>4}  {'planned GiB':>11}  {'needs GiB':>9}  {'avail GiB':>9}  {'experts/layer':>13}  {'primary':>7}",
@@ -527,10 +603,11 @@ def format_plan(summary: dict) -> str:
             f"{summary['available_bytes_per_node'].get(k, 0) / g:>9.2f}  "
             f"{summary['experts_per_node'].get(k, 0):>13}  {summary['primary_experts_per_node'].get(k, 0):>7}"
         )
-    lines += ["", "regions:"]
-    for r in summary["regions"]:
-        lines.append(f"  {r['name']:<18} {r['role']:<8} {r['policy']:<10} nodes {r['nodes']!s:<14} "
-                     f"{r['used_bytes'] / g:>8.2f} GiB at +{r['arena_offset'] / g:.2f} GiB")
+    if regions:
+        lines += ["", "regions:"]
+        for r in summary["regions"]:
+            lines.append(f"  {r['name']:<18} {r['role']:<8} {r['policy']:<10} nodes {r['nodes']!s:<14} "
+                         f"{r['used_bytes'] / g:>8.2f} GiB at +{r['arena_offset'] / g:.2f} GiB")
     lines.append("")
     lines.append("fits: yes" if summary["fits"] else "fits: NO")
     lines += [f"  - {r}" for r in summary["reasons"]]

@@ -6,43 +6,49 @@
 :class:`~moe_service.errors.PreflightError` (anything else) whose message carries the
 numbers (needed vs available). Checks::
 
-    memory.host         arena bytes vs /proc/meminfo MemAvailable                    fail
     memory.node<N>      the plan's bytes on node N vs its MemFree + reclaimable        fail
-                        (less numa.node_reserve_gib)
-    hugepages.node<N>   hugetlb pages free on node N vs the bytes bound there, when     fail
-                        fastload.hugepage_kib is 2048 or 1048576 (0 = THP, no check)
+                        less numa.node_reserve_gib           (fastload.pages thp, 4k)
+    memory.host         arena bytes vs /proc/meminfo MemAvailable                    fail
+    hugepages.node<N>   hugetlb pages the plan puts on node N vs the free pages of    fail
+                        its pool, with the command that raises the pool (pages 2m, 1g)
+    hugepages.host      the arena's pages vs the free pages of every pool             fail
     thp                 transparent_hugepage/enabled: never -> 4 KiB faults, 512x more  warn
-    memlock             RLIMIT_MEMLOCK vs the bytes pin registers, when pin.mode != off warn, fail
-                        (fail when pin.mode = required)
+                        (fastload.pages = thp)
+    pin, memlock        what the pin stage will register and RLIMIT_MEMLOCK for it   warn, fail
+                        (pipeline.pin.pin_preflight)
+    engine.device       engine.device = cuda without a usable CUDA device              fail
     numa_balancing      kernel.numa_balancing=1 on a multi-node plan migrates pages     warn
-    cpu_flags           preflight.cpu_flags (avx2 fma f16c) in /proc/cpuinfo (x86-64)   fail
+    cpu_flags           :data:`CPU_FLAGS` in /proc/cpuinfo (x86-64)                     fail
     catalog             every shard present with its size, every tensor inside its      fail
                         shard, plus the catalog's own problems when it lists any
     plan                warnings the planner recorded                                  warn
 
-Config read (all optional, defaults in brackets): ``numa.node_reserve_gib`` [1.0],
-``fastload.hugepage_kib`` [0], ``pin.mode`` ["off"], ``preflight.cpu_flags``
-[["avx2", "fma", "f16c"]].
+The memory checks are the plan's own capacity rule (pipeline.plan.node_capacity).
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import resource
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from moe_service.config import Settings
 from moe_service.errors import CapacityError, PreflightError
 from moe_service.layout import Layout
 from moe_service.log import get_logger
 from moe_service.numa import Topology
-from pipeline.plan import DEFAULT_NODE_RESERVE_GIB, GIB, node_need_bytes
+from pipeline.plan import node_capacity
 
 log = get_logger(__name__)
 
 Status = Literal["ok", "warn", "fail"]
-DEFAULT_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+CPU_FLAGS = ("avx2", "fma", "f16c")
+"""CPU features the expert kernels are compiled for (moe_service/engine/quant.py): AVX2
+vpmaddubsw/vpmaddwd block dot products (SSSE3 pshufb comes with it), FMA accumulation
+(llvm.fma.v8f32) and F16C vcvtph2ps for the block scales (inline assembly: a CPU without it
+faults with an illegal instruction)."""
 
 
 @dataclass
@@ -88,104 +94,56 @@ class PreflightReport:
         raise PreflightError(msg)
 
 
-def format_report(report: PreflightReport) -> str:
-    """Human table for ``moe-service check``."""
-    lines = [f"{c.status.upper():<5} {c.name:<18} {c.message}" for c in report.checks]
+def format_report(report: PreflightReport, numbers: bool = False) -> str:
+    """Human table for ``moe-service check``: one line per check (``numbers``: then its
+    numbers, ``key=value``), and a last line with the verdict."""
+    lines = []
+    for c in report.checks:
+        lines.append(f"{c.status.upper():<5} {c.name:<18} {c.message}")
+        if numbers and c.numbers:
+            lines.append(" " * 25 + "  ".join(f"{k}={v}" for k, v in c.numbers.items()))
     lines.append("preflight: " + ("passed" if report.ok else f"{len(report.failures)} check(s) failed"))
     return "\n".join(lines)
 
 
-def _section(config, name: str):
-    return getattr(config, name, None) if config is not None else None
-
-
-def _get(section, name: str, default):
-    value = getattr(section, name, default) if section is not None else default
-    return default if value is None else value
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB ({n} bytes)"
-
-
-def run_preflight(catalog, topology: Topology, layout: Layout, config=None, *,
+def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings, *,
                   raise_on_fail: bool = True) -> PreflightReport:
     """Run every check (module docstring) for starting ``layout`` of ``catalog`` on ``topology``.
 
-    ``config``: the service config (sections numa, fastload, pin, preflight read through
-    getattr, so any object with those attributes works). Raises CapacityError /
-    PreflightError when a check fails and ``raise_on_fail``; returns the report otherwise.
+    ``config``: the Settings (numa.node_reserve_gib, fastload.pages, pin, engine.device).
+    Raises CapacityError / PreflightError when a check fails and ``raise_on_fail``; returns
+    the report otherwise.
     """
-    numa_cfg = _section(config, "numa")
-    reserve = int(float(_get(numa_cfg, "node_reserve_gib", DEFAULT_NODE_RESERVE_GIB)) * GIB)
+    from moe_service.engine.device import resolve_device
+    from pipeline.pin import pin_preflight
+
     report = PreflightReport()
     add = report.checks.append
 
-    # -- memory --
-    need_total = layout.arena_bytes
-    avail_total = topology.mem_available_bytes
-    add(Check("memory.host", "ok" if need_total <= avail_total else "fail",
-              f"the plan needs {_gib(need_total)} and MemAvailable is {_gib(avail_total)}"
-              if need_total > avail_total else
-              f"{_gib(need_total)} needed of {_gib(avail_total)} available",
-              {"needed_bytes": need_total, "available_bytes": avail_total}, capacity=True))
-    need_nodes = node_need_bytes(layout)
-    for node, need in sorted(need_nodes.items()):
-        try:
-            info = topology.node(node)
-        except Exception:
-            add(Check(f"memory.node{node}", "fail", f"node {node} of the plan is not a memory node of this host",
-                      {"needed_bytes": need}, capacity=True))
-            continue
-        avail = max(info.mem_available_bytes - reserve, 0)
-        ok = need <= avail
-        add(Check(f"memory.node{node}", "ok" if ok else "fail",
-                  (f"node {node}: {_gib(need)} needed of {_gib(avail)} available" if ok else
-                   f"node {node} needs {_gib(need)} but has {_gib(avail)} available "
-                   f"(MemFree + reclaimable less {reserve / GIB:.1f} GiB reserve)"),
-                  {"node": node, "needed_bytes": need, "available_bytes": avail, "reserve_bytes": reserve},
-                  capacity=True))
-
-    # -- hugepage pools --
-    hp_kib = int(_get(_section(config, "fastload"), "hugepage_kib", 0))
-    if hp_kib:
-        page_bytes = hp_kib * 1024
-        for node, need in sorted(need_nodes.items()):
-            try:
-                pool = topology.node(node).hugepages.get(hp_kib)
-            except Exception:
-                continue
-            free = pool.free_bytes if pool else 0
-            need_pages = -(-need // page_bytes)
-            ok = free >= need
-            add(Check(f"hugepages.node{node}", "ok" if ok else "fail",
-                      f"node {node}: {need_pages} hugepages of {hp_kib} kB needed, "
-                      f"{pool.free if pool else 0} free"
-                      + ("" if ok else f" (echo {need_pages} > /sys/devices/system/node/node{node}/"
-                                       f"hugepages/hugepages-{hp_kib}kB/nr_hugepages)"),
-                      {"node": node, "needed_bytes": need, "available_bytes": free, "page_kib": hp_kib},
-                      capacity=True))
+    # -- memory: ordinary pages or the nodes' hugetlb pools --
+    for cap in node_capacity(layout, topology, config):
+        add(Check(cap.name, "ok" if cap.ok else "fail", cap.sentence(), cap.numbers(), capacity=True))
 
     # -- THP --
-    thp = topology.thp_enabled
-    if thp == "never":
-        add(Check("thp", "warn", "transparent_hugepage/enabled is never: the load faults 4 KiB pages "
-                  "(512x more faults than 2 MiB pages); set it to madvise", {"thp_enabled": thp}))
-    else:
-        add(Check("thp", "ok", f"transparent_hugepage/enabled is {thp}", {"thp_enabled": thp}))
+    pages = config.fastload.pages
+    if pages == "thp":
+        thp = topology.thp_enabled
+        if thp == "never":
+            add(Check("thp", "warn", "transparent_hugepage/enabled is never: the load faults 4 KiB pages "
+                      "(512x more faults than 2 MiB pages); set it to madvise", {"thp_enabled": thp}))
+        else:
+            add(Check("thp", "ok", f"transparent_hugepage/enabled is {thp}", {"thp_enabled": thp}))
 
-    # -- memlock for pinning --
-    pin_mode = str(_get(_section(config, "pin"), "mode", "off"))
-    if pin_mode != "off":
-        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        unlimited = soft == resource.RLIM_INFINITY
-        ok = unlimited or soft >= need_total
-        status: Status = "ok" if ok else ("fail" if pin_mode == "required" else "warn")
-        shown = "unlimited" if unlimited else _gib(soft)
-        add(Check("memlock", status,
-                  f"RLIMIT_MEMLOCK is {shown}" + ("" if ok else
-                  f" but pin.mode={pin_mode} pins {_gib(need_total)}; set LimitMEMLOCK=infinity in the unit"),
-                  {"needed_bytes": need_total, "available_bytes": -1 if unlimited else soft}))
+    # -- pinning and memlock --
+    report.checks.extend(pin_preflight(config, layout))
+
+    # -- the dense part's device --
+    try:
+        device, dense = resolve_device(config)
+        add(Check("engine.device", "ok", f"engine.device = {config.engine.device}: the dense part runs on "
+                  f"{device} ({dense})", {"device": device}))
+    except PreflightError as e:
+        add(Check("engine.device", "fail", str(e)))
 
     # -- numa balancing --
     if topology.numa_balancing == 1 and len(layout.nodes) > 1:
@@ -196,15 +154,14 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config=None, *,
                   {"numa_balancing": topology.numa_balancing}))
 
     # -- CPU features --
-    want = [str(f) for f in _get(_section(config, "preflight"), "cpu_flags", DEFAULT_CPU_FLAGS)]
-    if platform.machine() in ("x86_64", "AMD64") and want:
+    if platform.machine() in ("x86_64", "AMD64"):
         if not topology.cpu_flags:
             add(Check("cpu_flags", "warn", "no flags line in /proc/cpuinfo: CPU features not checked"))
         else:
-            missing = [f for f in want if f not in topology.cpu_flags]
+            missing = [f for f in CPU_FLAGS if f not in topology.cpu_flags]
             add(Check("cpu_flags", "fail" if missing else "ok",
-                      f"the CPU lacks {', '.join(missing)} (the expert kernels need {', '.join(want)})"
-                      if missing else f"CPU has {', '.join(want)}", {"missing": missing}))
+                      f"the CPU lacks {', '.join(missing)} (the expert kernels need {', '.join(CPU_FLAGS)})"
+                      if missing else f"CPU has {', '.join(CPU_FLAGS)}", {"missing": missing}))
 
     # -- catalog --
     problems = catalog_problems(catalog)

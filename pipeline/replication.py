@@ -10,14 +10,17 @@ bytes go where, and ``Layout.experts[...]`` lists every copy's (offset, node), w
              binds every region of the layout, replicas included, before it populates; binding
              here again is idempotent and keeps this stage correct on its own (for instance
              when fastload did not populate replica regions).
-    copy     CopyExtents cut into chunks (64 MiB); per destination node a pool of threads
-             pinned to that node's CPUs (sched_setaffinity), so even without the binding the
-             first touch would be local; ctypes.memmove releases the GIL
+    copy     CopyExtents cut into chunks (replication.chunk_bytes); per destination node a
+             pool of threads pinned to that node's CPUs (sched_setaffinity), so even without
+             the binding the first touch would be local; each chunk's pages are populated
+             (MADV_POPULATE_WRITE: a node out of memory, or a hugetlb pool that is short, is a
+             CapacityError naming the node, not a SIGBUS), then ctypes.memmove (GIL released)
     verify   the placement stage's sampler on the replica regions, migrate strays, re-verify
 
-Config read (``replication`` section): ``replicas`` [0] (read by the plan),
-``threads_per_node`` [4], ``chunk_mib`` [64], and ``placement.migrate`` / ``placement.strict``
-for the residency check.
+Config read: ``replication.replicas`` (by the plan), ``replication.threads``,
+``replication.chunk_bytes``, ``fastload.pages`` (for the pools named in a shortage) and
+``placement.migrate`` / ``strict`` / ``sample_stride_bytes`` / ``interleave_tolerance`` for the
+residency check.
 """
 
 from __future__ import annotations
@@ -30,17 +33,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from moe_service import numa
+from moe_service import memory, numa
+from moe_service.config import WORK_CHUNK_BYTES
 from moe_service.errors import StageError
-from moe_service.layout import Layout, Region
+from moe_service.layout import HUGETLB_PAGE_BYTES, PAGE_BYTES, Layout, Region, align_up
 from moe_service.log import get_logger
 from moe_service.numa import Topology
-from pipeline.placement import ResidencyReport, arena_address, log_residency, place, placement_settings
+from pipeline.fastload import pool_snapshot, populate_range
+from pipeline.placement import ResidencyReport, arena_address, log_residency, place
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
-
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class ReplicationReport:
 
 
 def copy_tasks(layout: Layout, regions: list[Region] | None = None,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[CopyTask]:
+               chunk_bytes: int = WORK_CHUNK_BYTES) -> list[CopyTask]:
     """The copies of ``regions`` (default: the layout's replica regions), cut into chunks of at
     most ``chunk_bytes``, in region order. The node of a copy is its region's home node (-1
     for a region without one)."""
@@ -99,8 +102,9 @@ def _pin_thread(cpus: tuple[int, ...]) -> None:
 
 
 def replicate(arena, layout: Layout, topology: Topology | None = None, *, threads_per_node: int | None = None,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES, bind: bool = True, verify: bool = True,
-              migrate: bool = True, strict: bool = True,
+              chunk_bytes: int = WORK_CHUNK_BYTES, bind: bool = True, verify: bool = True,
+              migrate: bool = True, strict: bool = True, step_bytes: int = numa.SAMPLE_STEP_BYTES,
+              interleave_tolerance: float = 0.10, pages: str = "thp", populate: bool = True,
               progress: Callable[[int, int], None] | None = None) -> ReplicationReport:
     """Fill every replica region of ``layout`` in ``arena`` from the primaries.
 
@@ -109,8 +113,14 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
     ``threads_per_node``: copy threads per destination node (None: one per usable CPU of
     that node, at least 1).
     ``progress(bytes_done, bytes_total)`` is called from copy threads after each chunk.
+    ``populate``: fault each chunk's destination pages in with MADV_POPULATE_WRITE before the
+    copy (``arena`` must then be a page-aligned mapping). ``pages``: fastload.pages of the
+    arena (with 2m / 1g a shortage names the nodes' pools).
+    ``migrate``, ``strict``, ``step_bytes``, ``interleave_tolerance``: the residency check's
+    (:func:`pipeline.placement.place`).
     Returns bytes copied, seconds, GB/s, bytes per node and (``verify``) the residency of the
-    replica regions after repair. Raises NumaError / StageError as :func:`place` does.
+    replica regions after repair. Raises CapacityError (a destination node, or its hugetlb
+    pool, out of memory), NumaError / StageError as :func:`place` does.
     """
     regions = layout.replica_regions()
     report = ReplicationReport()
@@ -119,6 +129,12 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
     base = arena_address(arena)
     if bind:
         bind_regions(arena, regions)
+    page_kib = HUGETLB_PAGE_BYTES.get(pages, 0) // 1024
+    pools = pool_snapshot(layout, page_kib)
+    populate = populate and memory.populate_write_supported()
+    if page_kib and not populate:
+        raise StageError(f"replication: fastload.pages = {pages} needs MADV_POPULATE_WRITE (Linux 5.14+)")
+    by_name = {r.name: r for r in regions}
     tasks = copy_tasks(layout, regions, chunk_bytes)
     total = sum(t.nbytes for t in tasks)
     by_node: dict[int, list[CopyTask]] = {}
@@ -129,6 +145,11 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
 
     def run(task: CopyTask) -> None:
         nonlocal done
+        if populate:  # fault the destination in first: a shortage is an error here, not a SIGBUS in memmove
+            r = by_name[task.region]
+            lo = task.dst_offset - task.dst_offset % PAGE_BYTES
+            hi = min(align_up(task.dst_offset + task.nbytes, PAGE_BYTES), r.arena_offset + r.nbytes)
+            populate_range(base, r, lo, hi, layout, stage="replication", page_kib=page_kib, pools=pools)
         ctypes.memmove(base + task.dst_offset, base + task.src_offset, task.nbytes)
         with lock:
             done += task.nbytes
@@ -161,15 +182,18 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
     log.info("replication_copied", stage="replication", bytes=total, seconds=round(report.seconds, 3),
              gbps=round(report.gbps, 2), regions=len(regions), threads_per_node=threads_per_node)
     if verify:
-        report.residency = place(arena, layout, regions, migrate=migrate, strict=strict, stage="replication")
+        report.residency = place(arena, layout, regions, migrate=migrate, strict=strict, step_bytes=step_bytes,
+                                 interleave_tolerance=interleave_tolerance, stage="replication")
     return report
 
 
 def drop_replicas(layout: Layout) -> Layout:
     """Forget every replica of ``layout`` in place (replica regions removed, copy columns
-    beyond the primary set to -1) and return it: for a pipeline that plans replicas but does
-    not run this stage, so that the engine never reads a copy that was not filled."""
+    beyond the primary set to -1, the arena cut after the last primary region) and return it:
+    for a pipeline that plans replicas but does not run this stage, so that the engine never
+    reads a copy that was not filled and no memory (no hugetlb page) is reserved for one."""
     layout.regions = [r for r in layout.regions if r.role != "replica"]
+    layout.arena_bytes = max((r.arena_offset + r.nbytes for r in layout.regions), default=0)
     for p in layout.experts.values():
         p.offsets[:, 1:] = -1
         p.nodes[:, 1:] = -1
@@ -186,7 +210,8 @@ class ReplicationStage(Stage):
     node, then verifies and repairs their residency; the replica columns of
     ``ctx.weights.expert_copies`` are valid afterwards. Adds the replica regions to
     ``ctx.residency``. Settings: ``[replication]`` replicas (read by the plan), threads,
-    chunk_bytes; ``[placement]`` migrate, strict, sample_stride_bytes."""
+    chunk_bytes; ``[fastload]`` pages; ``[placement]`` migrate, strict, sample_stride_bytes,
+    interleave_tolerance."""
 
     name = "replication"
     requires = ("placement",)
@@ -200,12 +225,9 @@ class ReplicationStage(Stage):
     def run(self, ctx) -> None:
         if ctx.arena is None or ctx.layout is None:
             raise StageError("replication: there is no loaded arena to copy within (fastload did not run)")
-        cfg = getattr(ctx.config, "replication", None)
-        threads = int(getattr(cfg, "threads", 0) or 0)
-        chunk = int(getattr(cfg, "chunk_bytes", DEFAULT_CHUNK_BYTES) or DEFAULT_CHUNK_BYTES)
+        cfg, placement = ctx.config.replication, ctx.config.placement
         dest = {r.home_node for r in ctx.layout.replica_regions()}
-        per_node = max(1, threads // max(len(dest), 1)) if threads else None
-        s = placement_settings(ctx.config)
+        per_node = max(1, cfg.threads // max(len(dest), 1)) if cfg.threads else None
         last = {"t": 0.0}
         t0 = time.monotonic()
 
@@ -219,8 +241,11 @@ class ReplicationStage(Stage):
                 log.info("replication_progress", stage=self.name, bytes=done, total=total, gbps=round(gbps, 3))
             ctx.check_shutdown()
 
-        report = replicate(ctx.arena, ctx.layout, ctx.topology, threads_per_node=per_node, chunk_bytes=chunk,
-                           migrate=s["migrate"], strict=s["strict"], progress=progress)
+        report = replicate(ctx.arena, ctx.layout, ctx.topology, threads_per_node=per_node,
+                           chunk_bytes=cfg.chunk_bytes, migrate=placement.migrate, strict=placement.strict,
+                           step_bytes=placement.sample_stride_bytes,
+                           interleave_tolerance=placement.interleave_tolerance, pages=ctx.config.fastload.pages,
+                           progress=progress)
         if report.residency is not None:
             log_residency(report.residency, self.name)
             if ctx.residency is not None and hasattr(ctx.residency, "regions"):

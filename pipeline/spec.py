@@ -113,7 +113,7 @@ def validate_stages(stages: list[str], registry: dict[str, type[Stage]] | None =
             problems.append(f"pipeline.stages: stage {name!r} is declared twice (positions {seen[name] + 1} and {i + 1})")
         else:
             seen[name] = i
-    for name, pos in seen.items():
+    for name in seen:
         cls = registry.get(name)
         for req in cls.requires if cls else ():
             if req not in seen:

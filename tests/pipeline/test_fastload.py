@@ -459,3 +459,82 @@ def test_stage_stops_on_shutdown_request(split_model):
     with pytest.raises(Interrupted):
         FastloadStage().run(ctx)
     assert ctx.arena is None
+
+
+# -- fastload.pages: 4 KiB pages, hugetlb flags and alignment (hugetlb loads run in tests/numa) --
+
+
+def test_hugetlb_mmap_flags():
+    assert memory.hugetlb_mmap_flags(2 * MiB) == memory.MAP_HUGETLB | memory.MAP_HUGE_2MB == 0x40000 | (21 << 26)
+    assert memory.hugetlb_mmap_flags(1024 * MiB) == memory.MAP_HUGETLB | memory.MAP_HUGE_1GB == 0x40000 | (30 << 26)
+    with pytest.raises(ValueError, match="power of two"):
+        memory.hugetlb_mmap_flags(3 * MiB)
+
+
+def _pool_free_2m() -> int:
+    path = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+    return int(path.read_text()) if path.exists() else 0
+
+
+def test_hugetlb_arena_is_mapped_with_map_hugetlb():
+    """The flags really reach mmap: with no free 2 MiB pages the kernel refuses the mapping
+    (an ordinary anonymous mapping would succeed); with some, the mapping's pages are 2 MiB."""
+    if _pool_free_2m() < 2:
+        with pytest.raises(CapacityError, match=r"cannot map 2 hugetlb pages of 2048 kB .*free_hugepages"):
+            memory.reserve_arena(4 * MiB, hugetlb_page_bytes=2 * MiB)
+        return
+    arena = memory.reserve_arena(4 * MiB, hugetlb_page_bytes=2 * MiB)
+    try:
+        base = memory.address_of(arena)
+        assert base % (2 * MiB) == 0
+        smaps = Path("/proc/self/smaps").read_text().split("\n")
+        at = next(i for i, ln in enumerate(smaps) if ln.startswith(f"{base:x}-"))
+        page = next(ln for ln in smaps[at:] if ln.startswith("KernelPageSize:"))
+        assert page.split()[1] == "2048"
+    finally:
+        memory.free_arena(arena)
+    with pytest.raises(ValueError, match="multiple of its 2097152-byte pages"):
+        memory.reserve_arena(3 * MiB, hugetlb_page_bytes=2 * MiB)
+
+
+def test_hugetlb_needs_page_aligned_regions_and_madvise_populate(split_model):
+    from moe_service.errors import ConfigError, StageError
+    from pipeline.fastload import hugetlb_page_bytes, populate_mode
+
+    two_mib = plain_layout(split_model)  # planned for THP: regions aligned to 2 MiB
+    assert hugetlb_page_bytes(two_mib, "thp") == 0 and hugetlb_page_bytes(two_mib, "2m") == 2 * MiB
+    with pytest.raises(StageError, match=r"region all .* not aligned to the 1073741824-byte pages of "
+                                         r"fastload.pages = 1g: the plan aligned regions to 2097152 bytes"):
+        fastload(split_model, two_mib, pages="1g")
+    one_gib = plain_layout(split_model, align_bytes=1024 * MiB)
+    assert one_gib.arena_bytes == 1024 * MiB and hugetlb_page_bytes(one_gib, "1g") == 1024 * MiB
+    with pytest.raises(ConfigError, match="populate = touch cannot be used with fastload.pages = 2m"):
+        populate_mode("touch", "2m")
+    assert populate_mode("touch", "thp") == "touch"
+
+
+def test_hugetlb_shortage_names_the_node_and_its_pool():
+    from pipeline.fastload import shortage_error
+
+    region = Region("experts.node1", "primary", "bind", (1,), 4 * MiB, 6 * MiB, used_bytes=5 * MiB)
+    layout = Layout([Region("experts.node0", "primary", "bind", (0,), 0, 4 * MiB), region], 10 * MiB, {}, {},
+                    nodes=(0, 1))
+    pools = {0: numa.HugepagePool(2048, 8, 8), 1: numa.HugepagePool(2048, 4, 2)}
+    err = shortage_error("fastload", region, 8 * MiB, 10 * MiB, errno.EFAULT, layout, 2048, pools)
+    assert str(err) == (
+        "fastload: populating region experts.node1 (bind, node(s) [1]) failed with EFAULT at region bytes "
+        "4194304..6291456 of 6291456: a hugetlb pool is short: node 1 needs 3 hugetlb pages of 2048 kB for this "
+        "plan and its pool had 2 free (of 4) when the stage started; raise it: echo 5 > "
+        "/sys/devices/system/node/node1/hugepages/hugepages-2048kB/nr_hugepages")
+
+
+def test_4k_pages_take_no_huge_pages(split_model):
+    huge0 = memory.anon_huge_bytes()
+    arena, store, stats = fastload(split_model, plain_layout(split_model), threads=2, pages="4k")
+    try:
+        assert stats.pages == "4k" and not stats.hugepages
+        assert memory.anon_huge_bytes() - huge0 <= 0  # MADV_NOHUGEPAGE even where THP is "always"
+        t = next(iter(split_model.tensors.values()))
+        assert sha(store.tensor(t.name)) == sha(file_bytes(split_model, t.shard, t.file_offset, t.nbytes))
+    finally:
+        memory.free_arena(arena)

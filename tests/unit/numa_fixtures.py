@@ -4,13 +4,15 @@
 describes any host (nodes, CPUs, memory, distances, hugepage pools, GPUs, sysctls).
 ``fake_catalog(...)`` builds an object with the GGUF catalog's attributes (tensors,
 expert_layers, shards, total_bytes) and no file behind it: only sizes and offsets matter to
-the planner.
+the planner. ``cfg(...)`` builds the Settings they read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moe_service.config import Settings, load_config
 
 GIB = 1024**3
 
@@ -179,12 +181,10 @@ def fake_catalog(n_layers: int = 2, n_expert: int = 8, slab_bytes: int = 4096, d
     return cat
 
 
-@dataclass
-class Cfg:
-    """Stand-in for the config sections the planner reads (numa, replication)."""
-
-    policy: str = "expert_shard"
-    expert_homes: str = "contiguous"
-    nodes: list[int] = field(default_factory=list)
-    node_reserve_gib: float = 0.0
-    replicas: int = 0
+def cfg(policy: str = "expert_shard", *, replicas: int = 0, node_reserve_gib: float = 0.0, pages: str = "thp",
+        **numa) -> Settings:
+    """Settings for the planner and preflight tests, through the real config loader: numa.policy,
+    replication.replicas, numa.node_reserve_gib (0 here, so sizes in the tests are the fake
+    node's own), fastload.pages and any other numa key (nodes, expert_homes, sysfs_root)."""
+    return load_config(data={"numa": {"policy": policy, "node_reserve_gib": node_reserve_gib, **numa},
+                             "replication": {"replicas": replicas}, "fastload": {"pages": pages}})

@@ -8,7 +8,7 @@ from math import comb
 
 import numpy as np
 import pytest
-from numa_fixtures import Cfg, fake_catalog
+from numa_fixtures import cfg, fake_catalog
 
 from bench.placement import (
     SNC4_DISTANCES,
@@ -65,8 +65,8 @@ def test_uniform_routing_matches_the_exact_expectation():
 @pytest.mark.parametrize("replicas", [0, 1, 2, 3])
 def test_copy_sets_are_the_planners(rule, replicas):
     topo = synthetic_topology(4, SNC4_DISTANCES)
-    layout = plan(fake_catalog(n_layers=1, n_expert=256, slab_bytes=256), topo, Cfg(expert_homes=rule),
-                  Cfg(replicas=replicas))
+    layout = plan(fake_catalog(n_layers=1, n_expert=256, slab_bytes=256), topo,
+                  cfg(expert_homes=rule, replicas=replicas))
     planned = layout.experts[(0, "gate")].nodes
     assert np.array_equal(planned, copy_nodes(expert_homes(256, 4, rule), replicas, topo))
 

@@ -10,7 +10,7 @@ import mmap
 
 import numpy as np
 import pytest
-from numa_fixtures import Cfg, fake_catalog, write_sysfs
+from numa_fixtures import cfg, fake_catalog, write_sysfs
 
 from moe_service.errors import StageError
 from moe_service.layout import Layout, Region
@@ -35,13 +35,14 @@ def fill_primaries(arena: np.ndarray, layout: Layout, file_bytes: np.ndarray) ->
 def test_every_copy_holds_the_file_bytes(tmp_path, policy, replicas):
     topo = Topology.read(write_sysfs(tmp_path, [[0], [1], [2], [3]], [4.0] * 4, distances=SNC))
     cat = fake_catalog(n_layers=2, n_expert=32, slab_bytes=1000)  # unaligned slabs: one extent each
-    layout = plan(cat, topo, Cfg(policy=policy), Cfg(replicas=replicas))
+    layout = plan(cat, topo, cfg(policy, replicas=replicas))
     rng = np.random.default_rng(0)
     file_bytes = rng.integers(0, 256, size=cat.shards[0].size_bytes, dtype=np.uint8)
     arena = np.zeros(layout.arena_bytes, dtype=np.uint8)
     fill_primaries(arena, layout, file_bytes)
-    # no NUMA calls: the copy machinery alone (threads unpinned, no mbind)
-    rep = replicate(arena, layout, None, threads_per_node=2, chunk_bytes=4096, bind=False, verify=False)
+    # no NUMA or memory calls: the copy machinery alone (threads unpinned, no mbind, no populate)
+    rep = replicate(arena, layout, None, threads_per_node=2, chunk_bytes=4096, bind=False, verify=False,
+                    populate=False)
     assert rep.bytes_copied == sum(c.nbytes for r in layout.replica_regions() for c in r.copies)
     for (layer, kind), p in layout.experts.items():
         et = cat.expert_layers[layer][kind]
@@ -59,7 +60,7 @@ def test_every_copy_holds_the_file_bytes(tmp_path, policy, replicas):
 
 def test_copy_tasks_chunking(tmp_path):
     topo = Topology.read(write_sysfs(tmp_path, [[0], [1]], [4.0] * 2))
-    layout = plan(fake_catalog(n_expert=8, slab_bytes=4096), topo, Cfg(policy="mirror"), Cfg())
+    layout = plan(fake_catalog(n_expert=8, slab_bytes=4096), topo, cfg("mirror"))
     tasks = copy_tasks(layout, chunk_bytes=10_000)
     assert {t.node for t in tasks} == {1}
     assert sum(t.nbytes for t in tasks) == layout.regions[0].used_bytes

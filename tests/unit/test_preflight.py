@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import resource
-from types import SimpleNamespace as NS
 
 import pytest
-from numa_fixtures import GIB, Cfg, fake_catalog, write_sysfs
+from numa_fixtures import GIB, cfg, fake_catalog, write_sysfs
 
+from moe_service.config import load_config
+from moe_service.engine.device import cuda_absent_reason
 from moe_service.errors import CapacityError, PreflightError
-from moe_service.numa import Topology
+from moe_service.numa import Topology, hugepage_pool_path
 from pipeline.plan import plan
-from pipeline.preflight import format_report, run_preflight
+from pipeline.preflight import CPU_FLAGS, format_report, run_preflight
 
 
 def sparse_model(tmp_path, total_gib: float, n_expert=8):
@@ -24,14 +25,16 @@ def sparse_model(tmp_path, total_gib: float, n_expert=8):
     return cat
 
 
-def config(**pin):
-    return NS(numa=Cfg(node_reserve_gib=0.5), pin=NS(**pin) if pin else None, fastload=None, preflight=None)
+def config(mode: str = "off", pages: str = "thp"):
+    """The service config these checks read: a 0.5 GiB reserve per node, pin.mode, fastload.pages."""
+    return load_config(data={"numa": {"node_reserve_gib": 0.5}, "pin": {"mode": mode},
+                             "fastload": {"pages": pages}})
 
 
 def test_model_larger_than_memory_is_refused_with_both_numbers(tmp_path):
     topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1], [2, 3]], [8.0, 8.0]))
     cat = sparse_model(tmp_path, 20.0)
-    layout = plan(cat, topo, Cfg(), Cfg(), strict=False)
+    layout = plan(cat, topo, cfg(), strict=False)
     with pytest.raises(CapacityError) as err:
         run_preflight(cat, topo, layout, config())
     msg = str(err.value)
@@ -48,7 +51,7 @@ def test_model_that_fits_passes_with_warnings(tmp_path):
     topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1], [2, 3]], [8.0, 8.0], numa_balancing=1,
                                      thp="always madvise [never]"))
     cat = sparse_model(tmp_path, 1.0)
-    layout = plan(cat, topo, Cfg(), Cfg(), strict=False)
+    layout = plan(cat, topo, cfg(), strict=False)
     report = run_preflight(cat, topo, layout, config())
     assert report.ok
     assert {c.name for c in report.warnings} == {"thp", "numa_balancing"}
@@ -59,7 +62,7 @@ def test_catalog_problems_fail(tmp_path):
     cat = sparse_model(tmp_path, 0.01)
     with open(cat.shards[0].path, "r+b") as f:
         f.truncate(cat.shards[0].size_bytes - 100)  # the last tensor now reaches past the end
-    layout = plan(cat, topo, Cfg(), Cfg(), strict=False)
+    layout = plan(cat, topo, cfg(), strict=False)
     with pytest.raises(PreflightError) as err:
         run_preflight(cat, topo, layout, config())
     assert not isinstance(err.value, CapacityError)
@@ -69,33 +72,78 @@ def test_catalog_problems_fail(tmp_path):
         run_preflight(cat, topo, layout, config())
 
 
-def test_cpu_flags_and_hugepages(tmp_path):
-    topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1], [2, 3]], [8.0, 8.0], cpu_flags="fpu sse2 avx",
-                                     hugepages_2m=[(1024, 1024), (10, 10)]))
+def test_cpu_flags(tmp_path):
+    topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1], [2, 3]], [8.0, 8.0], cpu_flags="fpu sse2 avx"))
     cat = sparse_model(tmp_path, 1.0)
-    layout = plan(cat, topo, Cfg(), Cfg(), strict=False)
-    cfg = NS(numa=Cfg(), pin=None, fastload=NS(hugepage_kib=2048), preflight=None)
-    report = run_preflight(cat, topo, layout, cfg, raise_on_fail=False)
+    layout = plan(cat, topo, cfg(), strict=False)
+    report = run_preflight(cat, topo, layout, config(), raise_on_fail=False)
     by = {c.name: c for c in report.checks}
-    assert by["cpu_flags"].status == "fail" and "avx2, fma, f16c" in by["cpu_flags"].message
-    assert by["hugepages.node0"].status == "ok"  # 2 GiB of free 2 MiB pages for ~0.5 GiB
-    assert by["hugepages.node1"].status == "fail" and "hugepages-2048kB/nr_hugepages" in by["hugepages.node1"].message
-    with pytest.raises(CapacityError):
+    assert CPU_FLAGS == ("avx2", "fma", "f16c")
+    assert by["cpu_flags"].status == "fail" and "lacks avx2, fma, f16c" in by["cpu_flags"].message
+    assert by["cpu_flags"].numbers == {"missing": ["avx2", "fma", "f16c"]}
+    with pytest.raises(PreflightError, match="the CPU lacks avx2"):
         report.raise_for_failures()
 
 
+def test_hugetlb_pools_refuse_with_the_numbers_and_the_command(tmp_path):
+    # node 0: 1024 free 2 MiB pages; node 1: 10 of 30 free; 8 GiB of ordinary memory each
+    topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1], [2, 3]], [8.0, 8.0],
+                                     hugepages_2m=[(1024, 1024), (30, 10)]))
+    cat = sparse_model(tmp_path, 1.0)
+    layout = plan(cat, topo, cfg(pages="2m"), strict=False)
+    report = run_preflight(cat, topo, layout, config(pages="2m"), raise_on_fail=False)
+    by = {c.name: c for c in report.checks}
+    assert not any(name.startswith("memory.") for name in by)  # the pools, not MemFree, hold the arena
+    assert "thp" not in by
+    assert by["hugepages.node0"].status == "ok"  # 2 GiB of free 2 MiB pages for ~0.5 GiB
+    node1 = by["hugepages.node1"]
+    need = node1.numbers["needed_pages"]
+    assert 250 < need < 260 and node1.numbers["free_pages"] == 10 and node1.numbers["pool_pages"] == 30
+    assert node1.status == "fail" and node1.capacity
+    assert node1.message == (f"node 1 needs {need} hugetlb pages of 2 MiB but its pool has 10 free (of 30); "
+                             f"raise it: echo {30 + need - 10} > {hugepage_pool_path(1, 2048)}")
+    assert by["hugepages.host"].status == "ok"  # 1034 free pages in all
+    with pytest.raises(CapacityError, match="hugepages-2048kB/nr_hugepages"):
+        report.raise_for_failures()
+    # 1 GiB pages: the plan takes whole GiB per region and the pools have none
+    layout_1g = plan(cat, topo, cfg(pages="1g"), strict=False)
+    by_1g = {c.name: c for c in run_preflight(cat, topo, layout_1g, config(pages="1g"), raise_on_fail=False).checks}
+    assert by_1g["hugepages.node0"].numbers["needed_pages"] == 1 + 1  # its experts + its half of dense
+    assert "hugepages-1048576kB/nr_hugepages" in by_1g["hugepages.node0"].message
+
+
+no_cuda = pytest.mark.skipif(cuda_absent_reason() is None, reason="a CUDA device is present: pin and device checks pass")
+
+
+@no_cuda
 def test_memlock_when_pinning(tmp_path):
+    """No CUDA here: pin.mode = auto skips pinning (nothing to lock); required fails and checks
+    memlock. (pipeline/pin.py's own tests cover auto with a GPU and a short RLIMIT_MEMLOCK.)"""
     topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1]], [8.0]))
     cat = sparse_model(tmp_path, 1.0)
-    layout = plan(cat, topo, Cfg(), Cfg(), strict=False)
+    layout = plan(cat, topo, cfg(), strict=False)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
     try:
-        warn = run_preflight(cat, topo, layout, config(mode="auto"))
-        assert next(c for c in warn.checks if c.name == "memlock").status == "warn"
-        with pytest.raises(PreflightError, match="LimitMEMLOCK=infinity"):
+        auto = run_preflight(cat, topo, layout, config(mode="auto"))
+        pin = next(c for c in auto.checks if c.name == "pin")
+        assert pin.status == "ok" and "skipped" in pin.message and "memlock" not in {c.name for c in auto.checks}
+        with pytest.raises(PreflightError, match="LimitMEMLOCK=infinity") as err:
             run_preflight(cat, topo, layout, config(mode="required"))
+        assert "pin.mode = required but" in str(err.value)
         off = run_preflight(cat, topo, layout, config(mode="off"))
         assert "memlock" not in {c.name for c in off.checks}
     finally:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
+@no_cuda
+def test_engine_device_cuda_without_a_gpu_fails(tmp_path):
+    topo = Topology.read(write_sysfs(tmp_path / "sys", [[0, 1]], [8.0]))
+    cat = sparse_model(tmp_path, 0.01)
+    layout = plan(cat, topo, cfg(), strict=False)
+    report = run_preflight(cat, topo, layout, load_config(data={"engine": {"device": "cuda"}}), raise_on_fail=False)
+    device = next(c for c in report.checks if c.name == "engine.device")
+    assert device.status == "fail" and device.message.startswith("engine.device = cuda but torch")
+    cpu = run_preflight(cat, topo, layout, load_config(data={"engine": {"device": "cpu"}}), raise_on_fail=False)
+    assert next(c for c in cpu.checks if c.name == "engine.device").numbers == {"device": "cpu"}
