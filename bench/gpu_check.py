@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import sys
@@ -149,20 +148,21 @@ def sync(device: torch.device) -> None:
 # 1. H2D bandwidth from a placed region, pageable vs pinned
 
 
-def placed_region(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """An anonymous mapping like fastload's arena (page aligned, THP advised, every page
-    written), as a uint8 numpy array."""
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    arr = np.frombuffer(mm, dtype=np.uint8)
+def placed_region(nbytes: int) -> np.ndarray:
+    """An arena as fastload reserves one (moe_service.memory.reserve_arena: anonymous, 2 MiB
+    aligned, THP advised), every page written, as a uint8 numpy array; give it back with
+    memory.free_arena."""
+    from moe_service import memory
+
+    arr = memory.reserve_arena(nbytes)
+    try:
+        memory.madvise(memory.address_of(arr), nbytes, memory.MADV_HUGEPAGE)
+    except OSError:
+        pass
     pattern = (np.arange(MiB, dtype=np.uint32) % 251).astype(np.uint8)  # not page-periodic
     for at in range(0, nbytes, MiB):
         arr[at : at + MiB] = pattern[: min(MiB, nbytes - at)]
-    return mm, arr
+    return arr
 
 
 def copy_gbps(src: torch.Tensor, dst: torch.Tensor, device: torch.device, reps: int) -> float:
@@ -179,12 +179,13 @@ def copy_gbps(src: torch.Tensor, dst: torch.Tensor, device: torch.device, reps: 
 
 
 def check_h2d(report: Report, device: torch.device, sizes_mib: list[int], reps: int) -> None:
+    from moe_service import memory
     from moe_service.layout import Layout, Region
     from pipeline.pin import TorchCudart, flags_name, pin_chunks, plan_pin_chunks, register_flags
 
     for mib in sizes_mib:
         n = mib * MiB
-        mm, arr = placed_region(n)
+        arr = placed_region(n)
         try:
             src = torch.from_numpy(arr)
             dst = torch.empty(n, dtype=torch.uint8, device=device)
@@ -219,11 +220,8 @@ def check_h2d(report: Report, device: torch.device, sizes_mib: list[int], reps: 
                            "register per chunk, unregister after (recorded, not executed)")
             del dst
         finally:
-            del src, arr
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive somewhere: the mapping goes with the process
-                pass
+            del src
+            memory.free_arena(arr)  # unmapped now, or with the last view still alive
 
 
 # ---------------------------------------------------------------------------------------------

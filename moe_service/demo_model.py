@@ -29,7 +29,6 @@ never leaves a half-written model where the service would look for it.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import numpy as np
 
 from moe_service.errors import ModelFileError
 from moe_service.log import get_logger
-from moe_service.paths import demo_model_path, fsync_dir
+from moe_service.paths import demo_model_path, gguf_written_atomically
 
 log = get_logger(__name__)
 
@@ -156,10 +155,7 @@ def build_demo_model(out: Path | None = None, force: bool = False, source: Path 
     n_ff_exp = n_ff // N_EXPERT
     tensors = {t.name: t for t in reader.tensors}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch=arch)
-    try:
+    with gguf_written_atomically(out, arch) as writer:
         _copy_metadata(reader, writer, n_ff_exp)
         plan = _plan_tensors(reader, tensors, n_layer, n_ff_exp, src)
         for name, np_shape, qtype, nbytes, _ in plan:
@@ -182,15 +178,6 @@ def build_demo_model(out: Path | None = None, force: bool = False, source: Path 
                 last_log = time.monotonic()
                 log.info("demo_model_progress", bytes=written, total_bytes=total,
                          percent=round(100.0 * written / total, 1))
-        fout.flush()
-        os.fsync(fout.fileno())
-        writer.close()
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     dt = time.monotonic() - t0
     size = out.stat().st_size
     log.info("demo_model_built", path=str(out), bytes=size, seconds=round(dt, 2), n_layer=n_layer,

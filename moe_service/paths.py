@@ -15,6 +15,8 @@ Nothing here creates directories: callers that write make the parents they need.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 APP_NAME = "moe-service"
@@ -55,3 +57,29 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextmanager
+def gguf_written_atomically(path: Path, arch: str) -> Iterator:
+    """A ``gguf.GGUFWriter`` (architecture ``arch``) onto a hidden temporary file beside ``path``
+    (``.<name>.tmp-<pid>``; parents created). The body writes header, metadata and tensor data
+    (through ``writer.fout[0]`` as it likes). On a clean exit the data is flushed and fsynced,
+    the file renamed over ``path`` and the directory fsynced, so ``path`` is never seen
+    half-written, even after a crash; on an error the temporary file is removed."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), arch=arch)
+    try:
+        yield writer
+        fout = writer.fout[0]
+        fout.flush()
+        os.fsync(fout.fileno())
+        writer.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise

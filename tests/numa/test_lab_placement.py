@@ -13,48 +13,20 @@ import ctypes
 import json
 import os
 import threading
-from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
 
 from moe_service import memory, numa
 from moe_service.gguf_model import GGUFModel
-from moe_service.layout import Layout
 from moe_service.numa import Topology
 from pipeline.fastload import fastload
 from pipeline.placement import format_residency, place, verify_residency
 from pipeline.plan import plan
 from pipeline.replication import replicate
+from tests.numa.lab_helpers import NO_GPU_TABLES, file_bytes, lab_config, slab_residency
 
 GIB = 2**30
-SLAB_STEP_BYTES = 64 * 1024  # pages sampled inside each expert slab (plus its last page)
-
-
-def slab_residency(arena: np.ndarray, layout: Layout, columns: slice) -> tuple[int, list[str]]:
-    """Query the node of sampled pages of every expert slab copy in ``columns`` of each
-    ExpertPlacement; returns (pages checked, one line per slab copy off its planned node)."""
-    base = memory.address_of(arena)
-    bad, checked = [], 0
-    for (layer, kind), p in sorted(layout.experts.items()):
-        rel = np.append(np.arange(0, p.slab_bytes, SLAB_STEP_BYTES, dtype=np.uint64), np.uint64(p.slab_bytes - 1))
-        offs = p.offsets[:, columns]
-        want = p.nodes[:, columns]
-        e_idx, c_idx = np.nonzero(offs >= 0)
-        addrs = (base + offs[e_idx, c_idx].astype(np.uint64)[:, None] + rel[None, :]).ravel()
-        status = numa.move_pages(addrs).reshape(len(e_idx), len(rel))
-        checked += status.size
-        for i in np.nonzero((status != want[e_idx, c_idx][:, None]).any(axis=1))[0]:
-            found = {int(n): int(c) for n, c in zip(*np.unique(status[i], return_counts=True), strict=True)}
-            bad.append(f"layer {layer} {kind} expert {e_idx[i]} copy {c_idx[i]}: planned node "
-                       f"{want[e_idx[i], c_idx[i]]}, pages found {found}")
-    return checked, bad
-
-
-def file_bytes(catalog, offset: int, nbytes: int, shard: int = 0) -> np.ndarray:
-    with open(catalog.shards[shard].path, "rb") as f:
-        f.seek(offset)
-        return np.frombuffer(f.read(nbytes), dtype=np.uint8)
 
 
 def test_vm_topology(initial_topology: Topology, topology: Topology, models):
@@ -67,7 +39,7 @@ def test_vm_topology(initial_topology: Topology, topology: Topology, models):
     # the VM boots with numa_balancing=1: the plan records the warning; the session then sets 0
     assert initial_topology.numa_balancing == 1
     cat = GGUFModel.open(models["small"])
-    warned = plan(cat, initial_topology, NS(policy="expert_shard", nodes=[], node_reserve_gib=0.1), None)
+    warned = plan(cat, initial_topology, lab_config("expert_shard"))
     assert any("numa_balancing=1" in w for w in warned.warnings)
     assert topology.numa_balancing == 0
 
@@ -108,7 +80,7 @@ class TestExpertShard:
     @pytest.fixture(scope="class")
     def shard_loaded(self, topology, models):
         cat = GGUFModel.open(models["big"])
-        layout = plan(cat, topology, NS(policy="expert_shard", nodes=[], node_reserve_gib=0.1), NS(replicas=1))
+        layout = plan(cat, topology, lab_config("expert_shard", replicas=1))
         arena, _weights, stats = fastload(cat, layout, threads=4)
         yield cat, layout, arena, stats
         memory.free_arena(arena)
@@ -154,7 +126,7 @@ class TestExpertShard:
 
 def test_interleave_spreads_each_expert_tensor(topology, models):
     cat = GGUFModel.open(models["big"])
-    layout = plan(cat, topology, NS(policy="interleave", nodes=[], node_reserve_gib=0.1), None)
+    layout = plan(cat, topology, lab_config("interleave"))
     arena, _w, _stats = fastload(cat, layout, threads=4)
     try:
         report = verify_residency(arena, layout)
@@ -178,7 +150,7 @@ def test_interleave_spreads_each_expert_tensor(topology, models):
 
 def test_region_touched_before_binding_is_migrated(topology, models):
     cat = GGUFModel.open(models["small"])
-    layout = plan(cat, topology, NS(policy="expert_shard", nodes=[], node_reserve_gib=0.1), None)
+    layout = plan(cat, topology, lab_config("expert_shard"))
     victim = next(r for r in layout.regions if r.name == "experts.node2")
     wrong_cpu = topology.node(0).cpus[0]
     touched = {}
@@ -219,7 +191,7 @@ def test_region_touched_before_binding_is_migrated(topology, models):
 
 def test_mirror_copy_per_node(topology, models):
     cat = GGUFModel.open(models["small"])
-    layout = plan(cat, topology, NS(policy="mirror", nodes=[], node_reserve_gib=0.1), None)
+    layout = plan(cat, topology, lab_config("mirror"))
     arena, weights, _stats = fastload(cat, layout, threads=4)
     try:
         assert place(arena, layout).ok
@@ -252,6 +224,7 @@ def test_pipeline_stages_end_to_end(topology, models):
         "numa": {"policy": "expert_shard"},
         "replication": {"replicas": 2},
         "fastload": {"threads": 4},
+        **NO_GPU_TABLES,
     })
     ctx = PipelineContext(cfg)
     prepare(ctx)

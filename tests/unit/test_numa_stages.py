@@ -14,10 +14,10 @@ import pipeline.replication  # noqa: F401
 from bench.placement import synthetic_topology
 from moe_service.config import load_config
 from moe_service.numa import Topology
+from pipeline import prepare as prepare_mod
 from pipeline.context import PipelineContext
 from pipeline.placement import PlacementStage, single_node_reason
 from pipeline.plan import format_plan, plan, plan_summary
-from pipeline import prepare as prepare_mod
 from pipeline.prepare import dense_gpu_node, plan_layout, prepare
 from pipeline.runner import PipelineRunner
 from tests.gguf_factory import write_moe_gguf

@@ -10,8 +10,7 @@ from numa_fixtures import GIB, cfg, fake_catalog, write_sysfs
 
 from moe_service.errors import CapacityError, ConfigError
 from moe_service.layout import REGION_ALIGN_BYTES
-from moe_service.numa import hugepage_pool_path
-from moe_service.numa import Topology
+from moe_service.numa import Topology, hugepage_pool_path
 from pipeline.plan import check_capacity, format_plan, home_ranges, plan, plan_summary
 
 SNC_DIST = [[10, 12, 21, 21], [12, 10, 21, 21], [21, 21, 10, 12], [21, 21, 12, 10]]

