@@ -474,7 +474,8 @@ class NodeCapacity:
         if self.page_kib:
             size = _page_name(self.page_kib)
             if self.ok:
-                return f"{where}: {self.needed_pages} pages of {size} needed, {self.free_pages} free in its pool(s)"
+                pools = "its pool" if self.node is not None else "the nodes' pools"
+                return f"{where}: {self.needed_pages} pages of {size} needed, {self.free_pages} free in {pools}"
             text = (f"{where} needs {self.needed_pages} hugetlb pages of {size} but "
                     f"{'its pool has' if self.node is not None else 'the pools have'} {self.free_pages} free "
                     f"(of {self.pool_pages})")
