@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from moe_service.engine.model import KVCache
+
 BOS_ID, EOS_ID = 0, 1
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.:!?\n"
 N_VOCAB = 2 + len(ALPHABET)
@@ -34,32 +36,9 @@ def expected_chain(prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
-class FakeKV:
-    """The KVCache interface: alloc/free/length/n_free, with the same errors."""
-
-    def __init__(self, n_seq: int, n_ctx: int):
-        self.length = [0] * n_seq
-        self.n_ctx = n_ctx
-        self._free = list(range(n_seq - 1, -1, -1))
-        self._lock = threading.Lock()
-
-    def alloc(self) -> int:
-        with self._lock:
-            if not self._free:
-                raise RuntimeError("no free sequence slot in the KV cache")
-            s = self._free.pop()
-        self.length[s] = 0
-        return s
-
-    def free(self, s: int) -> None:
-        with self._lock:
-            if s not in self._free:
-                self._free.append(s)
-        self.length[s] = 0
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
+def FakeKV(n_seq: int, n_ctx: int) -> KVCache:
+    """The real slot bookkeeping (alloc/free/length/n_free, same errors) without K/V storage."""
+    return KVCache(n_seq, n_ctx, [], [])
 
 
 class FakeModel:
