@@ -269,21 +269,22 @@ def shortage_error(stage: str, region: Region, lo: int, hi: int, err: int, layou
                    page_kib: int = 0, pools: dict[int, HugepagePool] | None = None) -> CapacityError:
     """The CapacityError of a populate that found no memory (``err``: its errno) at arena bytes
     [lo, hi) of ``region``: names the region, its node(s) and sizes; with hugetlb pages
-    (``page_kib``), each node's pages needed by the plan vs the free pages its pool had when the
-    stage started (``pools``), and the command that raises a short pool."""
+    (``page_kib``), each node's pages needed by the stage (the plan's regions of ``region``'s
+    role: primaries for fastload, replicas for replication) vs the free pages its pool had when
+    the stage started (``pools``), and the command that raises a short pool."""
     what = (f"{stage}: populating region {region.name} ({region.policy}, node(s) {list(region.nodes) or 'any'}) "
             f"failed with {errno.errorcode.get(err, err)} at region bytes {lo - region.arena_offset}.."
             f"{hi - region.arena_offset} of {region.nbytes}")
     if not page_kib:
         return CapacityError(f"{what} ({region.used_bytes} used): the memory is not there")
     page_bytes = page_kib * 1024
-    need = node_need_bytes(layout)
+    need = node_need_bytes(layout, [r for r in layout.regions if r.role == region.role])
     parts = []
     for n in region.nodes or layout.nodes:
         pool = (pools or {}).get(n)
         need_pages = -(-need.get(n, 0) // page_bytes)
         free, nr = (pool.free, pool.nr) if pool else (0, 0)
-        part = (f"node {n} needs {need_pages} hugetlb pages of {page_kib} kB for this plan and its pool had "
+        part = (f"node {n} needs {need_pages} hugetlb pages of {page_kib} kB for this stage and its pool had "
                 f"{free} free (of {nr}) when the stage started")
         if need_pages > free:
             part += f"; raise it: echo {nr + need_pages - free} > {numa.hugepage_pool_path(n, page_kib)}"

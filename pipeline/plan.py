@@ -401,13 +401,13 @@ def _plan_expert_shard(catalog, topology: Topology, nodes: tuple[int, ...], repl
 # --- capacity ------------------------------------------------------------------------------
 
 
-def node_need_bytes(layout: Layout) -> dict[int, int]:
-    """Bytes each node must supply for ``layout``: whole bound regions (padding included, as
-    fastload populates whole regions) plus an even share (rounded up) of interleaved ones.
-    ``local`` regions count against the layout's first node on a one-node plan and are left
-    out otherwise (first touch decides)."""
+def node_need_bytes(layout: Layout, regions: list[Region] | None = None) -> dict[int, int]:
+    """Bytes each node must supply for ``layout`` (or only its ``regions``): whole bound regions
+    (padding included, as fastload populates whole regions) plus an even share (rounded up)
+    of interleaved ones. ``local`` regions count against the layout's first node on a one-node
+    plan and are left out otherwise (first touch decides)."""
     need = {n: 0 for n in layout.nodes}
-    for r in layout.regions:
+    for r in layout.regions if regions is None else regions:
         if r.policy == "bind":
             need[r.nodes[0]] = need.get(r.nodes[0], 0) + r.nbytes
         elif r.policy == "interleave":

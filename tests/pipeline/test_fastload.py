@@ -524,7 +524,7 @@ def test_hugetlb_shortage_names_the_node_and_its_pool():
     assert str(err) == (
         "fastload: populating region experts.node1 (bind, node(s) [1]) failed with EFAULT at region bytes "
         "4194304..6291456 of 6291456: a hugetlb pool is short: node 1 needs 3 hugetlb pages of 2048 kB for this "
-        "plan and its pool had 2 free (of 4) when the stage started; raise it: echo 5 > "
+        "stage and its pool had 2 free (of 4) when the stage started; raise it: echo 5 > "
         "/sys/devices/system/node/node1/hugepages/hugepages-2048kB/nr_hugepages")
 
 
