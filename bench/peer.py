@@ -122,11 +122,14 @@ class _CpuWindow:
 
 
 def _check(path: Path, metric: str, unit: str, settings: dict[str, Any]) -> PeerResult | None:
+    """The result to return at once when llama.cpp or the model file is missing; else None,
+    after adding llama.cpp's version to ``settings``."""
     reason = llama_cpp_unavailable_reason()
     if reason is None and not path.is_file():
         reason = f"model file {path} does not exist"
     if reason is not None:
         return PeerResult(metric, None, unit, reason=reason, settings=settings)
+    settings.update(_version())
     return None
 
 
@@ -157,7 +160,7 @@ def measure_load(path: str | Path, threads: int = 2) -> PeerResult:
     early = _check(path, "load_gbps", "GB/s", settings)
     if early:
         return early
-    settings.update(_version(), file_bytes=path.stat().st_size)
+    settings.update(file_bytes=path.stat().st_size)
     try:
         with _CpuWindow(threads) as win:
             t0 = time.perf_counter()
@@ -179,7 +182,6 @@ def measure_prefill(path: str | Path, threads: int = 2, n_prompt: int = 128, rep
     early = _check(path, "prefill_tok_s", "tok/s", settings)
     if early:
         return early
-    settings.update(_version())
     llm = _open(path, threads, n_ctx=max(512, n_prompt + 16), n_batch=n_prompt)
     ids = _prompt_ids(llm, n_prompt)
     llm.eval(ids[:8])  # warm-up: first-call allocations
@@ -207,7 +209,6 @@ def measure_decode(path: str | Path, threads: int = 2, n_decode: int = 64, n_pro
     early = _check(path, "decode_tok_s", "tok/s", settings)
     if early:
         return early
-    settings.update(_version())
     llm = _open(path, threads, n_ctx=max(256, n_prompt + n_decode + 16), n_batch=max(n_prompt, 32))
     ids = _prompt_ids(llm, n_prompt + n_decode)
     llm.eval(ids[:n_prompt])

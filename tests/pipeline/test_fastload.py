@@ -55,6 +55,14 @@ def sha(b) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def run_python(script: str):
+    """Run ``script`` in a fresh interpreter (its own affinity, its own peak RSS) from the repo;
+    returns the JSON of its last stdout line."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def split_model(tmp_path_factory):
     """A 3-shard MoE model of ~9 MB: 4 layers, 8 experts of 256 x 256 Q8_0."""
@@ -351,15 +359,7 @@ def test_thread_count_is_capped_by_usable_cpus(split_model):
         arena, store, stats = fastload(m, plain_layout(m), threads=16, chunk_bytes=2 << 20)
         print(json.dumps([effective_threads(16), stats.threads]))
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        check=True,
-    )
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [1, 1]
+    assert run_python(script) == [1, 1]
 
 
 def test_peak_rss_is_the_bytes_loaded_and_no_more(tmp_path):
@@ -378,15 +378,7 @@ def test_peak_rss_is_the_bytes_loaded_and_no_more(tmp_path):
         rss1, hwm1 = memory.rss_bytes()
         print(json.dumps(dict(hwm0=hwm0, hwm1=hwm1, loaded=stats.bytes_loaded)))
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        check=True,
-    )
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_python(script)
     assert r["loaded"] > 380 * MiB
     assert r["hwm1"] - r["hwm0"] <= 1.05 * r["loaded"], r
 
