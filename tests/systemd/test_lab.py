@@ -51,11 +51,14 @@ def lab_unavailable_reason() -> str | None:
 
 def service_unavailable_reason() -> str | None:
     """Why the service phase cannot run yet, or None when it can."""
-    probe = ("import sys; from moe_service.cli import main; sys.argv = ['moe-service', 'serve', '--help']; "
-             "sys.exit(main())")
+    if not (REPO / "moe_service/cli.py").is_file():
+        return "`moe-service serve` does not exist yet: no moe_service/cli.py in this checkout"
+    # Run this checkout's CLI (an editable install of another checkout must not answer for it).
+    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import moe_service.cli as c; "
+             f"assert c.__file__.startswith({str(REPO)!r}), c.__file__; "
+             "sys.argv = ['moe-service', 'serve', '--help']; sys.exit(c.main())")
     try:
-        res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+        res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         return "`moe-service serve --help` did not answer within 300 s"
     if res.returncode != 0:
@@ -231,7 +234,7 @@ def test_unit_sandbox_is_in_force(lab_report):
     assert probe["fchown"]["errno_name"] == "EPERM"  # ~@privileged
     assert probe["etc_write"]["errno_name"] == "EROFS"  # ProtectSystem=strict
     assert probe["cache_write"]["ret"] == 0 and probe["cache_directory"] == "/var/cache/moe-service"
-    assert probe["root_visible"] is False  # ProtectHome=yes
+    assert probe["root_visible"] is False and probe["home_listing"]["errno_name"] == "EACCES"  # ProtectHome=yes
     assert probe["memlock_infinite"] is True  # LimitMEMLOCK=infinity
 
 

@@ -152,7 +152,7 @@ def prepare_service_venv() -> dict:
     skipped = []
     for entry in shared.iterdir():
         low = entry.name.lower()
-        if low.startswith(("moe_service", "moe-service", "__editable__.moe_service", "pipeline")):
+        if low.startswith(("moe_service", "moe-service", "__editable__", "pipeline")):
             skipped.append(entry.name)
             continue
         (links / entry.name).symlink_to(entry)

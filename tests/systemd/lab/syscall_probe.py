@@ -12,7 +12,7 @@ placement code needs it records the return value and errno:
 
 and, as controls that show the sandbox is in force: fchown of its own file (in @privileged,
 which the unit denies: expected EPERM), a write under /etc (ProtectSystem=strict: expected
-EROFS), /home (ProtectHome=yes: expected invisible), the Seccomp mode from
+EROFS), listing /home (ProtectHome=yes: expected EACCES), the Seccomp mode from
 /proc/self/status (2 = filter) and RLIMIT_MEMLOCK (LimitMEMLOCK=infinity).
 """
 
@@ -122,7 +122,10 @@ def main() -> None:
         result["etc_write"] = {"ret": 0, "errno_name": None}
     except OSError as exc:
         result["etc_write"] = {"ret": -1, "errno_name": _errname(exc.errno or 0)}
-    result["home_entries"] = sorted(os.listdir("/home")) if os.path.isdir("/home") else None
+    try:
+        result["home_listing"] = {"ret": 0, "entries": sorted(os.listdir("/home"))}
+    except OSError as exc:
+        result["home_listing"] = {"ret": -1, "errno_name": _errname(exc.errno or 0)}
     result["root_visible"] = os.path.exists("/root/.pyenv")
     for line in open("/proc/self/status"):
         if line.startswith(("Seccomp:", "NoNewPrivs:", "CapEff:")):
