@@ -69,3 +69,15 @@ class NumaError(StageError):
 
 class PinError(StageError):
     """cudaHostRegister failed or the pin mode cannot be honoured."""
+
+
+class Interrupted(MoeServiceError):
+    """A shutdown signal arrived before the pipeline finished starting.
+
+    Not a failure: SIGTERM (systemctl stop during a load) exits 0, SIGINT (Ctrl-C) exits 130.
+    """
+
+    def __init__(self, message: str = "interrupted", signal_name: str = "SIGTERM"):
+        super().__init__(message)
+        self.signal_name = signal_name
+        self.exit_code = 130 if signal_name == "SIGINT" else 0

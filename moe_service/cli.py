@@ -1,0 +1,111 @@
+"""Command line: ``moe-service serve|plan|check|config|bench|demo-model``.
+
+Operator mistakes (bad config, missing model, a host that cannot hold the plan) print one clear
+sentence plus the details on stderr and exit with the code of their error class (see
+moe_service/errors.py); only a bug prints a traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moe_service.config import config_source, dump_toml, load_config
+from moe_service.errors import ConfigError, MoeServiceError
+from moe_service.log import configure_logging
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (default: $MOE_SERVICE_CONFIG, else configs/default.toml)")
+    p.add_argument("--model", metavar="PATH", help="shortcut for model.path (any shard of a split set)")
+
+
+def _settings(args):
+    return load_config(getattr(args, "config", None), model=getattr(args, "model", None))
+
+
+def _logging(settings, args=None) -> None:
+    configure_logging(settings.log.level, settings.log.target, settings.log.journal_socket)
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def cmd_serve(args) -> int:
+    from pipeline.lifecycle import run_service
+
+    settings = _settings(args)
+    _logging(settings)
+    return run_service(settings)
+
+
+def cmd_config_show(args) -> int:
+    settings = _settings(args)
+    sys.stdout.write(f"# effective configuration (file: {config_source(settings)}, then environment overrides)\n")
+    sys.stdout.write(dump_toml(settings))
+    return 0
+
+
+def cmd_config_validate(args) -> int:
+    """Exit 0 when FILE is a valid config (tables, keys, values and the stage list), else 2."""
+    import pipeline.stages  # noqa: F401
+    from pipeline.spec import check_stages
+
+    settings = load_config(args.file)
+    check_stages(settings.pipeline.stages)
+    print(f"{args.file}: valid")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-service",
+        description="Serve huge Mixture-of-Experts GGUF models from multi-socket NUMA hosts.",
+        epilog="Exit codes: 0 ok, 1 internal error, 2 config/usage, 3 model file, 4 preflight refused, "
+        "5 stage failed, 130 interrupted.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="load the model through the pipeline and serve the HTTP API")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("config", help="show or validate configuration")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    ps = csub.add_parser("show", help="print the effective configuration as TOML")
+    _add_config_args(ps)
+    ps.set_defaults(func=cmd_config_show)
+    pv = csub.add_parser("validate", help="exit 0 when FILE is valid, 2 with the problems when not")
+    pv.add_argument("file", metavar="FILE")
+    pv.set_defaults(func=cmd_config_validate)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"moe-service: {e}", file=sys.stderr)
+        for line in e.errors:
+            print(f"  {line}", file=sys.stderr)
+        return e.exit_code
+    except MoeServiceError as e:
+        print(f"moe-service: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def print_json(obj) -> None:
+    """Write one JSON object to stdout (the `--json` output of commands)."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

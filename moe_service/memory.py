@@ -1,0 +1,228 @@
+"""Anonymous memory for the weights: reserve, advise, populate, read into, release.
+
+Thin ctypes wrappers over the Linux calls fastload and replication need (x86-64 numbers):
+madvise(2) with MADV_HUGEPAGE (14), MADV_POPULATE_WRITE (23, Linux 5.14+) and
+MADV_DONTNEED (4). ctypes releases the GIL around foreign calls, so a populate of 64 MiB
+running in one Python thread does not stop the others; ``os.preadv`` releases it too.
+
+The arena is ONE private anonymous mapping (never a mapping of the model file: file-backed
+pages of a GGUF on ext4/xfs get no transparent huge pages and stay shared with the page
+cache), aligned to 2 MiB so that every 2 MiB-aligned region can be backed by huge pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from moe_service.errors import CapacityError, ModelFileError
+from moe_service.layout import REGION_ALIGN_BYTES, align_up
+
+MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23
+
+PREAD_MAX_BYTES = 0x7FFFF000
+"""Linux moves at most this many bytes in one read/pread/preadv call (MAX_RW_COUNT)."""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def madvise(address: int, nbytes: int, advice: int) -> None:
+    """madvise(2) on ``[address, address + nbytes)`` (page aligned). The GIL is released
+    during the call. Raises OSError with the errno on failure."""
+    if _libc.madvise(address, nbytes, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({address:#x}, {nbytes}, {advice}): {os.strerror(err)}")
+
+
+def populate_write_supported() -> bool:
+    """True when the kernel knows MADV_POPULATE_WRITE (probe: ``madvise(0, 0, 23)``, which
+    answers 0 when it is known and EINVAL when not)."""
+    try:
+        madvise(0, 0, MADV_POPULATE_WRITE)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def address_of(arr: np.ndarray) -> int:
+    """Virtual address of ``arr``'s first byte."""
+    return int(arr.__array_interface__["data"][0])
+
+
+def reserve_arena(nbytes: int, align: int = REGION_ALIGN_BYTES) -> np.ndarray:
+    """Reserve ``nbytes`` of private anonymous memory starting on an ``align`` boundary.
+
+    Returns uint8 [nbytes] over the mapping (MAP_PRIVATE | MAP_ANONYMOUS, read/write). No
+    page is touched: pages appear at first touch or populate, under whatever memory policy
+    is set on the range by then. The mapping is ``align`` bytes larger than asked so that
+    the start can be aligned; the slack is never touched. Raises CapacityError when the
+    kernel refuses the address space (overcommit limits).
+    """
+    if nbytes <= 0:
+        raise ValueError(f"arena size must be positive (got {nbytes})")
+    try:
+        mm = mmap.mmap(
+            -1,
+            nbytes + align,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+    except OSError as e:
+        raise CapacityError(
+            f"cannot reserve {nbytes} bytes ({nbytes / 2**30:.1f} GiB) of anonymous memory for the "
+            f"arena: {os.strerror(e.errno or 0)} (see /proc/sys/vm/overcommit_memory)"
+        ) from None
+    probe = np.frombuffer(mm, dtype=np.uint8, count=1)
+    base = address_of(probe)
+    del probe
+    skew = align_up(base, align) - base
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=skew)
+
+
+def free_arena(arena: np.ndarray) -> None:
+    """Give an arena's memory back now: MADV_DONTNEED over it (RSS drops at once; any view
+    still held reads zeros afterwards, never faults), then unmap it when no other view
+    of it is alive (otherwise the mapping goes when the last view is garbage collected)."""
+    madvise(address_of(arena), align_up(arena.nbytes, mmap.PAGESIZE), MADV_DONTNEED)
+    mm = arena.base.obj if isinstance(arena.base, memoryview) else None
+    del arena
+    if isinstance(mm, mmap.mmap):
+        try:
+            mm.close()
+        except BufferError:
+            pass
+
+
+def pread_full(
+    fd: int,
+    view: memoryview,
+    offset: int,
+    *,
+    path: Path | str,
+    max_call_bytes: int = PREAD_MAX_BYTES,
+    on_read=None,
+) -> int:
+    """Fill ``view`` (a writable byte memoryview) with the bytes of ``fd`` at ``offset``.
+
+    Loops: one preadv moves at most ``min(max_call_bytes, 0x7ffff000)`` bytes and reads may
+    be short. ``on_read(nbytes)`` is called after each call. Returns the number of calls.
+    Raises ModelFileError naming ``path`` and the offset when the file ends first.
+    """
+    cap = min(max_call_bytes, PREAD_MAX_BYTES)
+    got, n, calls = 0, len(view), 0
+    while got < n:
+        step = os.preadv(fd, [view[got : got + min(cap, n - got)]], offset + got)
+        calls += 1
+        if step == 0:
+            raise ModelFileError(
+                f"{path}: file ends at byte {offset + got} but {n - got} more bytes were expected there "
+                "(file truncated or changed while loading?)"
+            )
+        got += step
+        if on_read is not None:
+            on_read(step)
+    return calls
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which cgroups and taskset narrow)."""
+    return len(os.sched_getaffinity(0))
+
+
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory backed by transparent huge pages (AnonHugePages of
+    /proc/self/smaps_rollup), in bytes."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def thp_mode() -> str:
+    """The bracketed value of /sys/kernel/mm/transparent_hugepage/enabled ('always',
+    'madvise', 'never'), or 'unavailable'."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unavailable"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes: resident now and its peak."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) * 1024
+    return out.get("VmRSS", 0), out.get("VmHWM", 0)
+
+
+# --- minimal NUMA policy calls (x86-64), until moe_service.numa provides them ---------------
+
+MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE = 0, 1, 2, 3
+MPOL_F_ADDR = 2
+_SYS_MBIND, _SYS_GET_MEMPOLICY = 237, 239
+_libc.syscall.restype = ctypes.c_long
+
+
+def _nodemask(nodes: tuple[int, ...] | list[int]) -> tuple[ctypes.Array, int]:
+    words = max(nodes) // 64 + 1 if nodes else 1
+    mask = (ctypes.c_ulong * words)()
+    for n in nodes:
+        mask[n // 64] |= 1 << (n % 64)
+    return mask, words * 64 + 1  # the kernel reads maxnode - 1 bits
+
+
+def mbind(address: int, nbytes: int, mode: int, nodes: tuple[int, ...] | list[int], flags: int = 0) -> None:
+    """mbind(2) (syscall 237): set memory policy ``mode`` (MPOL_BIND, MPOL_INTERLEAVE, ...)
+    over ``nodes`` on ``[address, address + nbytes)``. Pages touched afterwards follow it.
+    Raises OSError naming the range and nodes."""
+    mask, maxnode = _nodemask(nodes)
+    rc = _libc.syscall(
+        ctypes.c_long(_SYS_MBIND),
+        ctypes.c_void_p(address),
+        ctypes.c_ulong(nbytes),
+        ctypes.c_int(mode),
+        mask,
+        ctypes.c_ulong(maxnode),
+        ctypes.c_uint(flags),
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(
+            err, f"mbind({address:#x}, {nbytes}, mode {mode}, nodes {list(nodes)}): {os.strerror(err)}"
+        )
+
+
+def get_mempolicy_at(address: int) -> tuple[int, list[int]]:
+    """(mode, nodes) of the memory policy of the mapping at ``address`` (get_mempolicy with
+    MPOL_F_ADDR, syscall 239); does not fault the page in."""
+    mode = ctypes.c_int(0)
+    mask = (ctypes.c_ulong * 16)()
+    rc = _libc.syscall(
+        ctypes.c_long(_SYS_GET_MEMPOLICY),
+        ctypes.byref(mode),
+        mask,
+        ctypes.c_ulong(16 * 64 + 1),
+        ctypes.c_void_p(address),
+        ctypes.c_ulong(MPOL_F_ADDR),
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"get_mempolicy(addr {address:#x}): {os.strerror(err)}")
+    nodes = [w * 64 + b for w in range(16) for b in range(64) if mask[w] >> b & 1]
+    return mode.value, nodes

