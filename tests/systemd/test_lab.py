@@ -49,31 +49,55 @@ def lab_unavailable_reason() -> str | None:
     return None
 
 
-def service_unavailable_reason() -> str | None:
-    """Why the service phase cannot run yet, or None when it can."""
+def this_checkout(code: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """Run Python code against this checkout's packages (an editable install of another
+    checkout in the venv must not answer for it)."""
+    prelude = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import moe_service; "
+               f"assert moe_service.__file__.startswith({str(REPO)!r}), moe_service.__file__\n")
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def cli_unavailable_reason() -> str | None:
+    """Why the package cannot be installed as the service yet, or None."""
     if not (REPO / "moe_service/cli.py").is_file():
         return "`moe-service serve` does not exist yet: no moe_service/cli.py in this checkout"
-    # Run this checkout's CLI (an editable install of another checkout must not answer for it).
-    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import moe_service.cli as c; "
-             f"assert c.__file__.startswith({str(REPO)!r}), c.__file__; "
-             "sys.argv = ['moe-service', 'serve', '--help']; sys.exit(c.main())")
-    try:
-        res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return "`moe-service serve --help` did not answer within 300 s"
+    res = this_checkout("import moe_service.cli as c; sys.exit(c.main(['serve', '--help']))")
     if res.returncode != 0:
-        return "`moe-service serve` does not exist yet: " + (res.stderr.strip().splitlines() or ["?"])[-1]
-    if service_config() is None:
-        return "no service config for the lab (set MOE_LAB_SERVICE_CONFIG, or add configs/lab.toml)"
+        return "`moe-service serve --help` fails: " + (res.stderr.strip().splitlines() or ["?"])[-1]
     return None
 
 
-def service_config() -> Path | None:
-    for candidate in (os.environ.get("MOE_LAB_SERVICE_CONFIG"), REPO / "configs/lab.toml",
-                      REPO / "configs/default.toml"):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
+def lab_service_config() -> tuple[Path | None, str | None]:
+    """(the TOML the lab service runs with, None) or (None, why the service cannot run yet).
+
+    MOE_LAB_SERVICE_CONFIG is used as it is; otherwise tests/systemd/lab/service.toml with the
+    embedded demo model built here. The config must pass this checkout's
+    `moe-service config validate` (every declared stage exists) and declare a serve stage.
+    """
+    staged = LAB_WORK / "service.toml"  # the VM does not see /tmp: stage it where it can
+    if os.environ.get("MOE_LAB_SERVICE_CONFIG"):
+        shutil.copy(os.environ["MOE_LAB_SERVICE_CONFIG"], staged)
+    else:
+        model = LAB_WORK / "models/smollm2-135m-instruct-moe8.gguf"
+        res = this_checkout("from pathlib import Path; from moe_service.demo_model import build_demo_model; "
+                            f"print(build_demo_model(out=Path({str(model)!r})))")
+        if res.returncode != 0:
+            return None, "the demo model cannot be built: " + (res.stderr.strip().splitlines() or ["?"])[-1]
+        model.chmod(0o644)
+        text = (REPO / "tests/systemd/lab/service.toml").read_text().replace("@DEMO_MODEL@", str(model))
+        staged.write_text(text)
+    staged.chmod(0o644)
+    res = this_checkout("import moe_service.cli as c; "
+                        f"sys.exit(c.main(['config', 'validate', {str(staged)!r}]))")
+    if res.returncode != 0:
+        problems = "; ".join(ln.strip() for ln in res.stderr.strip().splitlines()[:2])
+        return None, f"the pipeline cannot serve yet: `moe-service config validate` rejects the lab config: {problems}"
+    res = this_checkout("import tomllib; from moe_service.config import load_config; "
+                        f"print('serve' in load_config({str(staged)!r}).pipeline.stages)")
+    if res.returncode != 0 or res.stdout.strip() != "True":
+        return None, "the lab config declares no serve stage"
+    return staged, None
 
 
 def build_wheelhouse(dest: Path) -> None:
@@ -97,21 +121,21 @@ def lab_report() -> dict:
         LAB_ANSIBLE_PLAYBOOK=str(Path(sys.executable).parent / "ansible-playbook"),
         LAB_SHARED_SITE_PACKAGES=sysconfig.get_paths()["purelib"],
     )
-    service_reason = service_unavailable_reason()
+    service_reason = cli_unavailable_reason()
     if service_reason is None:
         wheelhouse = LAB_WORK / "wheelhouse"
         build_wheelhouse(wheelhouse)
-        config = service_config()
-        assert config is not None
-        staged = LAB_WORK / "service.toml"  # the VM does not see /tmp: stage it where it can
-        shutil.copy(config, staged)
-        env.update(LAB_MOE_WHEELHOUSE=str(wheelhouse), LAB_MOE_SERVICE_CONFIG=str(staged),
-                   LAB_MOE_HEALTH_URL=os.environ.get("MOE_LAB_HEALTH_URL", "http://127.0.0.1:8000/health"))
+        env["LAB_MOE_WHEELHOUSE"] = str(wheelhouse)
+        config, service_reason = lab_service_config()
+        if config is not None:
+            env.update(LAB_MOE_SERVICE_CONFIG=str(config),
+                       LAB_MOE_HEALTH_URL=os.environ.get("MOE_LAB_HEALTH_URL", "http://127.0.0.1:8000/health"))
+    if service_reason is None:
         timeout_s = int(os.environ.get("LAB_TIMEOUT_S", "5400"))
     else:
-        env.pop("LAB_MOE_WHEELHOUSE", None)
+        env.pop("LAB_MOE_SERVICE_CONFIG", None)
         env["LAB_MOE_SKIP_REASON"] = service_reason
-        timeout_s = int(os.environ.get("LAB_TIMEOUT_S", "3000"))
+        timeout_s = int(os.environ.get("LAB_TIMEOUT_S", "3600"))
     argv = [NUMA_LAB, "--systemd", "--nodes", "2", "--mem-gib", "4", "--timeout", str(timeout_s), "--out", str(out),
             "--", "/usr/bin/python3", "tests/systemd/lab/lab_checks.py"]
     t0 = time.monotonic()
@@ -169,6 +193,16 @@ def test_kernel_settings_persisted_for_boot(lab_report):
     for node, count in HUGEPAGES_2M_LAB.items():
         assert f"node{node}/hugepages/hugepages-2048kB/nr_hugepages - - - - {count}" in now["hugepages_tmpfiles"]
     assert now["sysctl_parse"] == 0 and now["tmpfiles_parse"] == 0
+
+
+def test_boot_services_restore_the_settings(lab_report):
+    """sysctl.d and tmpfiles.d, read by the services a boot runs, restore everything."""
+    s = step(lab_report, "boot_path")
+    assert s["reset_to"] == {"numa_balancing": "1", "thp_enabled": "always", "hugepages_2m": {"0": 0, "1": 0}}
+    assert s["restart_rc"] == 0, s["restart_stderr"]
+    assert s["numa_balancing"] == "0"
+    assert (s["thp_enabled"], s["thp_defrag"]) == ("madvise", "defer+madvise")
+    assert s["hugepages_2m"] == HUGEPAGES_2M_LAB
 
 
 def test_hugepages_reserved_per_node(lab_report):
@@ -236,6 +270,24 @@ def test_unit_sandbox_is_in_force(lab_report):
     assert probe["cache_write"]["ret"] == 0 and probe["cache_directory"] == "/var/cache/moe-service"
     assert probe["root_visible"] is False and probe["home_listing"]["errno_name"] == "EACCES"  # ProtectHome=yes
     assert probe["memlock_infinite"] is True  # LimitMEMLOCK=infinity
+
+
+# --- moe_service role, installation only (while the pipeline cannot serve) ------------
+
+
+def test_moe_service_role_installs_offline_and_idempotently(lab_report):
+    if "moe_service_install" not in lab_report["steps"]:
+        pytest.skip("the whole role ran in the service phase" if not lab_report.get("service_skip_reason")
+                    else f"no package to install: {lab_report['service_skip_reason']}")
+    s = step(lab_report, "moe_service_install")
+    first, second = s["runs"]
+    assert first["rc"] == 0 and first["failed"] == 0, first["stdout_tail"]
+    assert "moe_service : Install moe-service into the virtualenv" in first["changed_task_names"]
+    assert second["rc"] == 0 and second["changed"] == 0, second["changed_task_names"]
+    assert s["entry_point"] and len(s["dist_info"]) == 1, s  # the wheel, in the service's own venv
+    assert s["help_as_service_user"]["rc"] == 0, s["help_as_service_user"]
+    assert s["units_installed"] == {"moe-service.service": True, "moe-service@.service": True}
+    assert "uid=" in s["user"] and "moe-service" in s["user"]
 
 
 # --- service (needs `moe-service serve`) -----------------------------------------------

@@ -8,12 +8,17 @@ order (each step is recorded as it finishes, so a timeout still leaves the earli
   ansible_1      ansible/site.yml applied to the VM itself (connection local)
   host_state     numa_balancing, THP enabled/defrag, per-node 2 MiB pools, boot files
   ansible_2      the same playbook again: must report changed=0
+  boot_path      kernel defaults put back, systemd-sysctl + systemd-tmpfiles-setup rerun
+                 (what a boot runs): the role's files alone restore every setting
   nvidia_skip    nvidia_prereqs took its skip path (no NVIDIA device in the VM)
   units_verify   systemd-analyze verify on both unit files
   units_security systemd-analyze security (exposure) on the loaded units
   syscall_probe  syscall_probe.py run under a copy of the unit: NUMA calls allowed, sandbox on
-  service_*      only when LAB_MOE_WHEELHOUSE is set (moe-service serve exists): active via
-                 READY=1, /health, journal fields, clean stop, watchdog restart
+  moe_service_install  only while the service cannot serve yet (a wheel but no valid lab
+                 config): the role's installation tasks twice (offline, from the wheelhouse)
+  service_*      only when LAB_MOE_SERVICE_CONFIG is set too (the pipeline can serve): the
+                 role starts it; active via READY=1, /health, journal fields, clean stop,
+                 watchdog restart
   hugepages_shortfall  asking for more huge pages than a node has fails with a clear message
 
 Environment (set by the test): LAB_OUT, LAB_REPO (repository root), LAB_ANSIBLE_PLAYBOOK,
@@ -43,6 +48,7 @@ NODE_SYSFS = Path("/sys/devices/system/node")
 THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage")
 HUGEPAGES_2M_LAB = {0: 64, 1: 64}  # must match tests/systemd/lab/inventory.yml
 
+PLAYBOOK_RUNS: list[str] = []
 report: dict[str, object] = {"steps": {}, "order": [], "started_monotonic_s": time.monotonic()}
 
 
@@ -112,7 +118,13 @@ def unit_show(unit: str, *props: str) -> dict[str, str]:
 
 
 def service_phase() -> bool:
-    return bool(os.environ.get("LAB_MOE_WHEELHOUSE"))
+    """The whole moe_service role runs and the service is exercised."""
+    return bool(os.environ.get("LAB_MOE_WHEELHOUSE") and os.environ.get("LAB_MOE_SERVICE_CONFIG"))
+
+
+def install_phase() -> bool:
+    """Only the role's installation tasks run (there is a wheel but the service cannot serve yet)."""
+    return bool(os.environ.get("LAB_MOE_WHEELHOUSE")) and not service_phase()
 
 
 # --- steps -----------------------------------------------------------------------------
@@ -146,7 +158,9 @@ def prepare_service_venv() -> dict:
     """
     shared = Path(os.environ["LAB_SHARED_SITE_PACKAGES"])
     venv = Path("/opt/moe-service/venv")
-    sh(["/usr/bin/python3", "-m", "venv", str(venv)], check=True, timeout_s=900)
+    # --without-pip: pip and setuptools come from the shared venv too (Debian's ensurepip
+    # brings setuptools 66, older than torch 2.13 declares, and the VM cannot fetch a newer).
+    sh(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout_s=900)
     links = Path("/opt/moe-service/lab-site-packages")
     links.mkdir(parents=True, exist_ok=True)
     skipped = []
@@ -161,13 +175,13 @@ def prepare_service_venv() -> dict:
     return {"venv": str(venv), "shared_site_packages": str(shared), "left_out": skipped}
 
 
-def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800) -> dict:
-    argv = [PLAYBOOK_BIN, "-i", str(REPO / "tests/systemd/lab/inventory.yml"), str(REPO / "ansible/site.yml")]
-    if not service_phase():
+def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800, playbook: str = "ansible/site.yml") -> dict:
+    argv = [PLAYBOOK_BIN, "-i", str(REPO / "tests/systemd/lab/inventory.yml"), str(REPO / playbook)]
+    if not service_phase() and playbook == "ansible/site.yml":
         argv += ["--skip-tags", "moe_service"]
     argv += extra or []
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible/ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_FORCE_COLOR="0", PYTHONUNBUFFERED="1")
+               ANSIBLE_FORCE_COLOR="0", PYTHONUNBUFFERED="1", ANSIBLE_ROLES_PATH=str(REPO / "ansible/roles"))
     t0 = time.monotonic()
     res = sh(argv, timeout_s=timeout_s, env=env)
     recap = re.search(
@@ -185,8 +199,9 @@ def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800) -> dic
     if recap:
         out.update(ok=int(recap[1]), changed=int(recap[2]), unreachable=int(recap[3]), failed=int(recap[4]),
                    skipped=int(recap[5]))
-    (OUT / f"ansible-{len([k for k in report['steps'] if k.startswith('ansible')]) + 1}.log").write_text(
-        res["stdout"] + "\n--- stderr ---\n" + res["stderr"])
+    PLAYBOOK_RUNS.append(playbook)
+    out["log"] = f"ansible-{len(PLAYBOOK_RUNS)}.log"
+    (OUT / out["log"]).write_text(res["stdout"] + "\n--- stderr ---\n" + res["stderr"])
     return out
 
 
@@ -204,7 +219,7 @@ def changed_task_names(stdout: str) -> list[str]:
 
 @step("ansible_1")
 def ansible_1() -> dict:
-    prep = prepare_service_venv() if service_phase() else None
+    prep = prepare_service_venv() if (service_phase() or install_phase()) else None
     out = run_playbook()
     out["venv_prep"] = prep
     return out
@@ -235,6 +250,29 @@ def ansible_2() -> dict:
     return run_playbook()
 
 
+@step("boot_path")
+def boot_path() -> dict:
+    """What a reboot would do, without one (the VM's overlay does not survive it): put the
+    kernel defaults back, run the two boot services that read the role's files, read again."""
+    Path("/proc/sys/kernel/numa_balancing").write_text("1")
+    (THP_SYSFS / "enabled").write_text("always")
+    (THP_SYSFS / "defrag").write_text("madvise")
+    for n in nodes():
+        (NODE_SYSFS / f"node{n}/hugepages/hugepages-2048kB/nr_hugepages").write_text("0")
+    reset = {"numa_balancing": read("/proc/sys/kernel/numa_balancing"), "thp_enabled": thp_selected("enabled"),
+             "hugepages_2m": hugepages_2m()}
+    res = sh(["systemctl", "restart", "systemd-sysctl.service", "systemd-tmpfiles-setup.service"], timeout_s=300)
+    return {
+        "reset_to": reset,
+        "restart_rc": res["rc"],
+        "restart_stderr": res["stderr"][-1500:],
+        "numa_balancing": read("/proc/sys/kernel/numa_balancing"),
+        "thp_enabled": thp_selected("enabled"),
+        "thp_defrag": thp_selected("defrag"),
+        "hugepages_2m": hugepages_2m(),
+    }
+
+
 @step("nvidia_skip")
 def nvidia_skip() -> dict:
     log = (OUT / "ansible-1.log").read_text() if (OUT / "ansible-1.log").exists() else ""
@@ -245,6 +283,29 @@ def nvidia_skip() -> dict:
         "skip_message": "No PCI device with vendor 0x10de" in log,
         "blacklist_written": Path("/etc/modprobe.d/blacklist-nouveau.conf").exists(),
         "modules_load_written": Path("/etc/modules-load.d/moe-nvidia.conf").exists(),
+    }
+
+
+@step("moe_service_install")
+def moe_service_install() -> dict:
+    """The role's installation tasks, twice: offline from the wheelhouse, then idempotent."""
+    runs = [run_playbook(playbook="tests/systemd/lab/install-only.yml", timeout_s=1800) for _ in range(2)]
+    venv = Path("/opt/moe-service/venv")
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    helped = sh(["runuser", "-u", "moe-service", "--", str(venv / "bin/moe-service"), "--help"], timeout_s=600)
+    return {
+        "runs": [{k: r.get(k) for k in ("rc", "ok", "changed", "failed", "seconds", "changed_task_names")}
+                 | {"stdout_tail": r["stdout_tail"][-2500:]} for r in runs],
+        "user": sh(["id", "moe-service"])["stdout"].strip(),
+        "entry_point": (venv / "bin/moe-service").exists(),
+        "dist_info": sorted(p.name for p in site.glob("moe_service-*.dist-info")),
+        "help_as_service_user": {"rc": helped["rc"], "stdout": helped["stdout"][-1500:],
+                                 "stderr": helped["stderr"][-1500:]},
+        "units_installed": {n: (Path("/etc/systemd/system") / n).exists()
+                            and (Path("/etc/systemd/system") / n).read_text() == (REPO / "units" / n).read_text()
+                            for n in ("moe-service.service", "moe-service@.service")},
+        "wheelhouse": sorted(p.name for p in Path("/opt/moe-service/wheelhouse").glob("*")),
+        "pip_in_venv": sh([str(venv / "bin/python"), "-m", "pip", "--version"])["stdout"].strip(),
     }
 
 
@@ -446,7 +507,10 @@ def main() -> int:
     ansible_1()
     host_state()
     ansible_2()
+    boot_path()
     nvidia_skip()
+    if install_phase():
+        moe_service_install()
     units_verify()
     units_security()
     syscall_probe()
