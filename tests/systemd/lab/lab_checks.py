@@ -8,7 +8,7 @@ order (each step is recorded as it finishes, so a timeout still leaves the earli
   ansible_1      ansible/site.yml applied to the VM itself (connection local)
   host_state     numa_balancing, THP enabled/defrag, per-node 2 MiB pools, boot files
   ansible_2      the same playbook again: must report changed=0
-  boot_path      kernel defaults put back, systemd-sysctl + systemd-tmpfiles-setup rerun
+  boot_path      kernel defaults put back, systemd-sysctl and the tmpfiles boot pass rerun
                  (what a boot runs): the role's files alone restore every setting
   nvidia_skip    nvidia_prereqs took its skip path (no NVIDIA device in the VM)
   units_verify   systemd-analyze verify on both unit files
@@ -261,11 +261,15 @@ def boot_path() -> dict:
         (NODE_SYSFS / f"node{n}/hugepages/hugepages-2048kB/nr_hugepages").write_text("0")
     reset = {"numa_balancing": read("/proc/sys/kernel/numa_balancing"), "thp_enabled": thp_selected("enabled"),
              "hugepages_2m": hugepages_2m()}
-    res = sh(["systemctl", "restart", "systemd-sysctl.service", "systemd-tmpfiles-setup.service"], timeout_s=300)
+    sysctl = sh(["systemctl", "restart", "systemd-sysctl.service"], timeout_s=300)
+    # systemd-tmpfiles-setup.service refuses a manual restart: run its command line
+    # (`systemd-tmpfiles --create --remove --boot --exclude-prefix=/dev`) without --remove.
+    tmpfiles = sh(["systemd-tmpfiles", "--create", "--boot", "--exclude-prefix=/dev"], timeout_s=300)
     return {
         "reset_to": reset,
-        "restart_rc": res["rc"],
-        "restart_stderr": res["stderr"][-1500:],
+        "sysctl_rc": sysctl["rc"],
+        "tmpfiles_rc": tmpfiles["rc"],
+        "stderr": (sysctl["stderr"] + tmpfiles["stderr"])[-1500:],
         "numa_balancing": read("/proc/sys/kernel/numa_balancing"),
         "thp_enabled": thp_selected("enabled"),
         "thp_defrag": thp_selected("defrag"),
