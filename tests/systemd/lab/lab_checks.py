@@ -16,6 +16,8 @@ order (each step is recorded as it finishes, so a timeout still leaves the earli
   syscall_probe  syscall_probe.py run under a copy of the unit: NUMA calls allowed, sandbox on
   moe_service_install  only while the service cannot serve yet (a wheel but no valid lab
                  config): the role's installation tasks twice (offline, from the wheelhouse)
+  lifecycle_start  in that phase, with LAB_MOE_LIFECYCLE_CONFIG (a load-only pipeline):
+                 the installed unit started by hand, then the service_* steps without /health
   service_*      only when LAB_MOE_SERVICE_CONFIG is set too (the pipeline can serve): the
                  role starts it; active via READY=1, /health, journal fields, clean stop,
                  watchdog restart
@@ -410,6 +412,26 @@ def health_status(url: str) -> int | None:
         return None
 
 
+@step("lifecycle_start")
+def lifecycle_start() -> dict:
+    """Start the unit the role installed with the load-only config (no HTTP yet)."""
+    conf = Path("/etc/moe-service/moe-service.toml")
+    conf.parent.mkdir(exist_ok=True)
+    shutil.copy(os.environ["LAB_MOE_LIFECYCLE_CONFIG"], conf)
+    shutil.chown(conf, "root", "moe-service")
+    conf.chmod(0o640)
+    dropin = Path(f"/run/systemd/system/{UNIT}.d")
+    dropin.mkdir(parents=True, exist_ok=True)
+    start_timeout = int(os.environ.get("LAB_SERVICE_START_TIMEOUT_S", "1800"))
+    # Emulated CPUs: importing torch alone takes minutes before the first sd_notify message.
+    (dropin / "80-lab-slow-cpu.conf").write_text(f"[Service]\nTimeoutStartSec={start_timeout}s\n")
+    sh(["systemctl", "daemon-reload"], check=True)
+    t0 = time.monotonic()
+    res = sh(["systemctl", "start", UNIT], timeout_s=start_timeout + 60)
+    return {"rc": res["rc"], "stderr": res["stderr"][-1500:], "start_seconds": round(time.monotonic() - t0, 1),
+            "config": conf.read_text()}
+
+
 @step("service_active")
 def service_active() -> dict:
     show = unit_show(UNIT, "ActiveState", "SubState", "Type", "NRestarts", "MainPID", "StatusText", "Result",
@@ -514,11 +536,19 @@ def main() -> int:
     boot_path()
     nvidia_skip()
     if install_phase():
-        moe_service_install()
+        install = moe_service_install()
+        if os.environ.get("LAB_MOE_LIFECYCLE_CONFIG") and all(r["rc"] == 0 for r in install.get("runs", [])):
+            report["service_mode"] = "lifecycle"
+            lifecycle_start()
+            service_active()
+            service_journal()
+            service_stop()
+            service_watchdog()
     units_verify()
     units_security()
     syscall_probe()
     if service_phase():
+        report["service_mode"] = "full"
         if report["steps"]["ansible_1"].get("rc") == 0:
             service_active()
             service_journal()
