@@ -12,8 +12,8 @@ Skips (with the reason) when the lab cannot run here (`numa-lab --check` fails: 
 Under emulation one boot takes 15-40 minutes on a busy 2-core machine: marked `lab` and `slow`.
 
 Environment knobs: NUMA_LAB_CMD (the numa-lab script), LAB_WORK_DIR (host folder the VM
-can see; not /tmp, which the VM does not share), LAB_TIMEOUT_S, MOE_LAB_SERVICE_CONFIG
-(TOML for the service phase; default configs/lab.toml, then configs/default.toml),
+and the sandboxed service can see: not /tmp or /var/tmp), LAB_TIMEOUT_S, MOE_LAB_SERVICE_CONFIG
+(TOML for the service phase; default tests/systemd/lab/service.toml with the demo model),
 MOE_LAB_HEALTH_URL, LAB_STALL_AFTER_S, LAB_WATCHDOG_S, LAB_SERVICE_START_TIMEOUT_S.
 """
 
@@ -34,7 +34,9 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 NUMA_LAB = os.environ.get("NUMA_LAB_CMD") or shutil.which("numa-lab") or "/work/shared/numa-lab/numa-lab"
-LAB_WORK = Path(os.environ.get("LAB_WORK_DIR", "/var/tmp/moe-service-systemd-lab"))
+# Not /tmp (the VM does not share it) and not /var/tmp: the unit's PrivateTmp=yes hides both
+# from the service, so a model there is "not found" (the lab caught that once).
+LAB_WORK = Path(os.environ.get("LAB_WORK_DIR", "/srv/moe-service-systemd-lab"))
 EXPOSURE_MAX = 4.5
 HUGEPAGES_2M_LAB = {"0": 64, "1": 64}  # tests/systemd/lab/inventory.yml
 
