@@ -392,7 +392,7 @@ def syscall_probe() -> dict:
 
 
 def journal_json(unit: str) -> list[dict]:
-    out = sh(["journalctl", "-u", unit, "-o", "json", "--no-pager", "--output-fields=*"], timeout_s=120)["stdout"]
+    out = sh(["journalctl", "-u", unit, "-o", "json", "--no-pager"], timeout_s=120)["stdout"]
     entries = []
     for line in out.splitlines():
         try:
@@ -447,10 +447,14 @@ def service_active() -> dict:
 
 @step("service_journal")
 def service_journal() -> dict:
-    entries = [e for e in journal_json(UNIT) if e.get("SYSLOG_IDENTIFIER") == "moe-service"]
+    every = journal_json(UNIT)
+    entries = [e for e in every if e.get("SYSLOG_IDENTIFIER") == "moe-service"]
     fields = sorted({k for e in entries for k in e if not k.startswith("_") and not k.startswith("__")})
     staged = [e for e in entries if "STAGE" in e]
     return {
+        "all_entries": len(every),
+        "identifiers": sorted({str(e.get("SYSLOG_IDENTIFIER")) for e in every}),
+        "transports": sorted({str(e.get("_TRANSPORT")) for e in entries}),
         "entries": len(entries),
         "fields": fields,
         "stages": sorted({str(e["STAGE"]) for e in staged}),
