@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from moe_service.config import config_source, dump_toml, load_config
 from moe_service.errors import ConfigError, MoeServiceError
@@ -58,6 +59,50 @@ def cmd_config_validate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """The placement plan for this host: exit 0 when it fits, 4 when it does not."""
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.numa import Topology
+    from pipeline.plan import format_plan, plan, plan_summary
+
+    settings = _settings(args)
+    catalog = GGUFModel.open(settings.model_path())
+    topology = Topology.read(root=settings.numa.sysfs_root)
+    layout = plan(catalog, topology, settings, strict=False)
+    summary = plan_summary(layout, topology, settings.numa)
+    if args.json:
+        print_json(summary)
+    else:
+        print(format_plan(summary))
+    return 0 if summary["fits"] else 4
+
+
+def cmd_demo_model(args) -> int:
+    """Build (or find) the embedded demo model and print its path."""
+    from moe_service.demo_model import build_demo_model
+
+    configure_logging("info", "auto")
+    path = build_demo_model(args.out, force=args.force)
+    print(path)
+    return 0
+
+
+BENCHES = {
+    "fastload": "bench.fastload",
+    "decode": "bench.decode",
+    "placement": "bench.placement",
+    "serve": "bench.serve",
+}
+
+
+def cmd_bench(args) -> int:
+    """Run one side-by-side benchmark; its own options follow the benchmark's name."""
+    import importlib
+
+    module = importlib.import_module(BENCHES[args.bench])
+    return int(module.main(args.bench_args) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-service",
@@ -80,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     pv.add_argument("file", metavar="FILE")
     pv.set_defaults(func=cmd_config_validate)
 
+    p = sub.add_parser("plan", help="print the placement plan: bytes and experts per node, replicas, what does not fit")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("demo-model", help="build the embedded demo model (SmolLM2-135M as an exact 8-expert MoE)")
+    p.add_argument("--out", metavar="PATH", type=Path, help="where to write it (default: the cache dir)")
+    p.add_argument("--force", action="store_true", help="rebuild even when the file exists")
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("bench", help="side-by-side benchmarks (`moe-service bench NAME --help` for each one's options)")
+    p.add_argument("bench", choices=sorted(BENCHES), metavar="NAME", help=", ".join(sorted(BENCHES)))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -287,7 +287,7 @@ TABLES: dict[str, type[_Table]] = {
     "log": LogConfig,
 }
 
-_FILE_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_FILE_DATA", default={})
+_FILE_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_FILE_DATA", default=None)
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -297,7 +297,7 @@ class _FileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return _FILE_DATA.get()
+        return _FILE_DATA.get() or {}
 
 
 class Settings(BaseSettings):

@@ -36,14 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_service.errors import ModelFileError
-from moe_service.paths import demo_model_path
-
-try:  # the lead's log.py; structlog directly until it lands
-    from moe_service.log import get_logger
-except ImportError:  # pragma: no cover - depends on merge order
-    import structlog
-
-    get_logger = structlog.get_logger
+from moe_service.log import get_logger
+from moe_service.paths import demo_model_path, fsync_dir
 
 log = get_logger(__name__)
 
@@ -192,6 +186,7 @@ def build_demo_model(out: Path | None = None, force: bool = False, source: Path 
         os.fsync(fout.fileno())
         writer.close()
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)

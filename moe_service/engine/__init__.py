@@ -1,0 +1,48 @@
+"""The inference engine: block kernels (quant), worker pool (pool), fused MoE (moe), the forward
+pass (model), tokenizer, sampler, batching.
+
+Importing this package points numba's on-disk kernel cache at a folder keyed by the kernel
+sources. numba invalidates a cached function only when *its own* file changes, yet the pool's
+and the MoE step's compiled code inline the block kernels of quant.py: after an upgrade that
+changes only quant.py they would keep running the old kernels. A folder per source hash makes
+every change a fresh cache, and a restart with unchanged sources reuses it (no recompile).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+_KERNEL_SOURCES = ("quant.py", "pool.py", "moe.py")
+
+
+def kernel_cache_key() -> str:
+    """16 hex digits over the kernel sources, the numba version and the forced ISA."""
+    import numba
+
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in _KERNEL_SOURCES:
+        h.update((here / name).read_bytes())
+    h.update(numba.__version__.encode())
+    h.update(os.environ.get("MOE_SERVICE_KERNEL_ISA", "").encode())
+    return h.hexdigest()[:16]
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are cached: ``$NUMBA_CACHE_DIR`` (else the service cache dir's
+    ``numba/``), then one folder per :func:`kernel_cache_key`."""
+    from moe_service.paths import cache_dir
+
+    base = Path(os.environ["NUMBA_CACHE_DIR"]) if os.environ.get("NUMBA_CACHE_DIR") else cache_dir() / "numba"
+    return base / kernel_cache_key()
+
+
+def _configure_numba_cache() -> None:
+    from numba.core import config as numba_config
+
+    numba_config.CACHE_DIR = str(kernel_cache_dir())
+
+
+_configure_numba_cache()

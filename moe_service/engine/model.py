@@ -14,10 +14,13 @@ width, F dense FFN width, V vocab, C context (cache) length.
       -> rmsnorm -> output head, last token of each sequence -> logits [S, V]
 
 Where each part runs: the routed experts always go through moe_service.engine.moe on the
-placed memory (CPU worker pool, node-homed). Dense matrices (q/k/v/o, dense FFN, output head)
-go through the quantized CPU kernels in place (``dense = "quant"``) or, on a GPU host, are
-dequantized once to the torch device (``dense = "torch"``). Norms, RoPE, attention and the
-router are small torch ops on the dense device.
+placed memory (CPU worker pool, node-homed), except big prefills that a GPU offload takes.
+The dense part follows one of two paths with the same flow (:class:`CpuPath`,
+:class:`TorchPath`): on the CPU (``dense = "quant"``), activations are numpy float32, dense
+matrices go through the quantized kernels in place and the glue (norms, RoPE, attention,
+router) through the numba kernels of cpu_layers, one call per piece per layer; on a GPU
+host (``dense = "torch"``), dense matrices are dequantized once to the torch device and the
+glue runs as torch ops there.
 
 Numerics follow llama.cpp on CPU: activations of quantized matmuls are quantized to the
 weight's 8-bit partner format inside the kernels, the KV cache is float16, attention scores
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_service.engine import torch_quant
+from moe_service.engine import cpu_layers, torch_quant
 from moe_service.errors import ModelFileError
 from moe_service.log import get_logger
 
@@ -98,16 +101,19 @@ class ExpertSet:
 
 
 class LayerWeights:
-    """Everything one transformer block needs: dense QMats, small f32 vectors, experts."""
+    """Everything one transformer block needs: dense QMats, small float32 vectors (numpy on
+    the CPU path, torch on the device path), dequantized dense matrices (device path only),
+    the router and the experts."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.mats: dict[str, QMat] = {}
-        self.vecs: dict[str, torch.Tensor] = {}
+        self.groups: dict[tuple[str, ...], tuple[QMat, ...]] = {}  # projection groups, one dispatch each
+        self.vecs: dict = {}
         self.dense: dict[str, torch.Tensor] = {}  # dequantized on the torch device (dense="torch")
         self.experts: ExpertSet | None = None
-        self.router: torch.Tensor | None = None  # [E, H] float32
-        self.router_bias: torch.Tensor | None = None  # [E] selection bias (exp_probs_b)
+        self.router = None  # [E, H] float32
+        self.router_bias = None  # [E] selection bias (exp_probs_b), or None
 
 
 def _dequantize(weights, name: str) -> np.ndarray:
@@ -124,16 +130,16 @@ def _dequantize(weights, name: str) -> np.ndarray:
 
 
 class KVCache:
-    """Float16 K and V per layer: [S_max, C, NKV, D], plus each sequence's length.
+    """Sequence slots of the float16 KV cache and each slot's length.
 
-    Sequence slots are allocated with :meth:`alloc` and returned with :meth:`free`; a slot's
-    rows beyond its length are garbage, never read.
+    ``k``/``v``: one array per layer, [S, C, NKV, D] float16 values, stored by the dense path
+    (torch float16 tensors on the device, or uint16 bit arrays for the numba glue). Slots are
+    taken with :meth:`alloc` and returned with :meth:`free`; rows beyond a slot's length are
+    garbage, never read.
     """
 
-    def __init__(self, n_layer: int, n_seq: int, n_ctx: int, n_kv: int, head_dim: int, device: torch.device):
-        shape = (n_seq, n_ctx, n_kv, head_dim)
-        self.k = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(n_layer)]
+    def __init__(self, n_seq: int, n_ctx: int, k: list, v: list):
+        self.k, self.v = k, v
         self.length = [0] * n_seq
         self.n_ctx = n_ctx
         self._free = list(range(n_seq - 1, -1, -1))
@@ -159,7 +165,244 @@ class KVCache:
         return len(self._free)
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else t.nbytes for t in self.k + self.v)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two dense paths: same pieces, numpy + numba on the CPU, torch on a device
+
+
+class CpuPath:
+    """Dense part on the CPU: float32 numpy activations, quantized matmuls in place on the
+    worker pool, glue from cpu_layers (numba, ggml rounding)."""
+
+    def __init__(self, model: Model):
+        self.m = model
+
+    def vec(self, name: str) -> np.ndarray:
+        return _dequantize(self.m.weights, name).reshape(-1)
+
+    def matrix(self, name: str) -> np.ndarray:
+        return _dequantize(self.m.weights, name)
+
+    def rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return cos, sin
+
+    def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
+        kv = cpu_layers.KVCacheF16(n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v)
+        self.scratch = (kv.kf, kv.vf, kv.scores)
+        return kv.k, kv.v
+
+    def positions(self, pos: list[int]) -> np.ndarray:
+        return np.asarray(pos, dtype=np.int64)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        m = self.m
+        return m.ops.get_rows(m.weights.arena, m.tok_embd, ids)  # [T, H]
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        cpu_layers.rms_norm(x, w, np.float32(self.m.p.rms_eps), out)
+        return out
+
+    def linear(self, lw: LayerWeights, names: tuple[str, ...], x: np.ndarray) -> list[np.ndarray]:
+        """x [T, n_cols] times each named weight's transpose, one pool dispatch. The QMat
+        tuple per (layer, names) is kept so the pool finds its cached plan by identity."""
+        mats = lw.groups.get(names)
+        if mats is None:
+            mats = lw.groups[names] = tuple(lw.mats[n] for n in names)
+        return self.m.ops.matmul(self.m.weights.arena, mats, np.ascontiguousarray(x))
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        m = self.m
+        (logits,) = m.ops.matmul(m.weights.arena, m.output_group, np.ascontiguousarray(h))
+        return logits
+
+    def attention(self, lw: LayerWeights, h: np.ndarray, positions: np.ndarray, spans) -> np.ndarray:
+        m, p = self.m, self.m.p
+        T = h.shape[0]
+        q, k, v = self.linear(lw, ("attn_q", "attn_k", "attn_v"), h)
+        q = np.ascontiguousarray(q).reshape(T, p.n_head, p.head_dim)  # [T, NH, D]
+        k = np.ascontiguousarray(k).reshape(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
+        v = np.ascontiguousarray(v).reshape(T, p.n_head_kv, p.head_dim_v)
+        eps = np.float32(p.rms_eps)
+        if m.arch.qk_norm:
+            cpu_layers.rms_norm_heads(q, lw.vecs["attn_q_norm"], eps)
+            cpu_layers.rms_norm_heads(k, lw.vecs["attn_k_norm"], eps)
+        neox = m.arch.rope == "neox"
+        cos, sin = m._rope_cache
+        cpu_layers.rope(q, positions, cos, sin, m.rope_dim, neox)
+        cpu_layers.rope(k, positions, cos, sin, m.rope_dim, neox)
+        kc, vc = m.kv.k[lw.index], m.kv.v[lw.index]
+        out = np.empty((T, p.n_head, p.head_dim_v), np.float32)
+        scale = np.float32(1.0 / math.sqrt(p.head_dim))
+        for s, a, e, n0 in spans:
+            cpu_layers.store_kv(k[a:e], v[a:e], kc, vc, s, n0)
+            cpu_layers.attention(q[a:e], kc, vc, s, n0, scale, out[a:e], *self.scratch)
+        (o,) = self.linear(lw, ("attn_output",), out.reshape(T, -1))
+        return o
+
+    def dense_ffn(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
+        g, u = self.linear(lw, ("ffn_gate", "ffn_up"), h)
+        act = np.empty(g.shape, np.float32)
+        cpu_layers.silu_mul(g, u, act)
+        (y,) = self.linear(lw, ("ffn_down",), act)
+        return y
+
+    def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
+        out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
+        cpu_layers.router_logits(h, lw.router, out)
+        return out
+
+    def route(self, lw: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        m = self.m
+        logits = np.ascontiguousarray(self.router_logits(lw, h), dtype=np.float32)
+        T, K = h.shape[0], m.p.n_expert_used
+        ids = np.empty((T, K), np.int32)
+        w = np.empty((T, K), np.float32)
+        bias = lw.router_bias if lw.router_bias is not None else np.zeros(0, np.float32)
+        cpu_layers.route(logits, K, 0 if m.arch.gating == "softmax" else 1, m.arch.norm_topk,
+                         np.float32(m.expert_weights_scale), bias, lw.router_bias is not None, ids, w)
+        return ids, w
+
+    def moe(self, lw: LayerWeights, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return self.m.ops.moe(self.m.weights.arena, np.ascontiguousarray(h), ids, w, lw.experts)
+
+    def gather_rows(self, x: np.ndarray, rows: list[int]) -> np.ndarray:
+        return np.ascontiguousarray(x[rows])
+
+    def logits_out(self, logits: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+
+
+class TorchPath:
+    """Dense part on a torch device (a GPU host; the CPU device in tests): dense matrices
+    dequantized there once, glue as torch ops; routed experts on the CPU pool (hidden states
+    cross over and back per layer) or, for big batches, the GPU offload."""
+
+    def __init__(self, model: Model):
+        self.m = model
+
+    def vec(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(_dequantize(self.m.weights, name).reshape(-1)).to(self.m.device)
+
+    def matrix(self, name: str) -> torch.Tensor:
+        return self.m._to_device(name, torch.float32)
+
+    def rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(cos).to(self.m.device), torch.from_numpy(sin).to(self.m.device)
+
+    def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
+        dev = self.m.device
+        k = [torch.zeros((n_seq, n_ctx, n_kv, head_dim), dtype=torch.float16, device=dev) for _ in range(n_layer)]
+        v = [torch.zeros((n_seq, n_ctx, n_kv, head_dim_v), dtype=torch.float16, device=dev) for _ in range(n_layer)]
+        return k, v
+
+    def positions(self, pos: list[int]) -> torch.Tensor:
+        return torch.as_tensor(pos, dtype=torch.long, device=self.m.device)
+
+    def embed(self, ids: np.ndarray) -> torch.Tensor:
+        m = self.m
+        return torch.from_numpy(m.ops.get_rows(m.weights.arena, m.tok_embd, ids)).to(m.device)
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """As cpu_layers.rms_norm: float64 sum of float32 squares, correctly rounded sqrt
+        (torch's float32 sqrt is not)."""
+        ss = (x * x).double().sum(-1, keepdim=True)
+        mean = (ss / x.shape[-1]).float()
+        var = mean + torch.tensor(self.m.p.rms_eps, dtype=torch.float32, device=x.device)
+        scale = 1.0 / torch.sqrt(var.double()).float()
+        return (x * scale) * w
+
+    def linear(self, lw: LayerWeights, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        xd = x.to(self.m.dense_dtype)
+        return [(xd @ lw.dense[n].T).float() for n in names]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return (h.to(self.m.dense_dtype) @ self.m.output_dense.T).float()
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate the first rope_dim dims of each head. x [T, heads, D]."""
+        m = self.m
+        cos, sin = (c[positions][:, None, :] for c in m._rope_cache)  # [T, 1, R/2]
+        r = m.rope_dim
+        xr, rest = x[..., :r], x[..., r:]
+        if m.arch.rope == "neox":
+            a, b = xr[..., : r // 2], xr[..., r // 2 :]
+            out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        else:
+            a, b = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+    def attention(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor, spans) -> torch.Tensor:
+        m, p = self.m, self.m.p
+        T = h.shape[0]
+        q, k, v = self.linear(lw, ("attn_q", "attn_k", "attn_v"), h)
+        q = q.view(T, p.n_head, p.head_dim)  # [T, NH, D]
+        k = k.view(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
+        v = v.view(T, p.n_head_kv, p.head_dim_v)
+        if m.arch.qk_norm:
+            q = self.rmsnorm(q, lw.vecs["attn_q_norm"])
+            k = self.rmsnorm(k, lw.vecs["attn_k_norm"])
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        kc, vc = m.kv.k[lw.index], m.kv.v[lw.index]
+        out = torch.empty(T, p.n_head, p.head_dim_v, dtype=torch.float32, device=m.device)
+        group = p.n_head // p.n_head_kv
+        scale = 1.0 / math.sqrt(p.head_dim)
+        for s, a, e, n0 in spans:
+            n = e - a
+            kc[s, n0 : n0 + n] = k[a:e].to(torch.float16)
+            vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
+            keys = kc[s, : n0 + n].float().repeat_interleave(group, dim=1)  # [L, NH, D]
+            vals = vc[s, : n0 + n].float().repeat_interleave(group, dim=1)
+            qs = q[a:e].to(torch.float16).float()  # ggml computes K·Q with Q converted to f16
+            scores = torch.einsum("thd,lhd->htl", qs, keys) * scale  # [NH, n, L]
+            if n > 1:
+                qpos = torch.arange(n0, n0 + n, device=m.device)[:, None]
+                kpos = torch.arange(0, n0 + n, device=m.device)[None, :]
+                scores = scores.masked_fill(kpos > qpos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
+            out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
+        (o,) = self.linear(lw, ("attn_output",), out.view(T, -1))
+        return o
+
+    def dense_ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        g, u = self.linear(lw, ("ffn_gate", "ffn_up"), h)
+        (y,) = self.linear(lw, ("ffn_down",), torch.nn.functional.silu(g) * u)
+        return y
+
+    def router_logits(self, lw: LayerWeights, h: torch.Tensor) -> np.ndarray:
+        return (h @ lw.router.T).cpu().numpy()
+
+    def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        m = self.m
+        logits = h @ lw.router.T  # [T, E]
+        probs = torch.softmax(logits, dim=-1) if m.arch.gating == "softmax" else torch.sigmoid(logits)
+        select = probs + lw.router_bias if lw.router_bias is not None else probs
+        _, ids = torch.topk(select, m.p.n_expert_used, dim=-1, sorted=True)
+        w = probs.gather(-1, ids)
+        if m.arch.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        if m.expert_weights_scale != 1.0:
+            w = w * m.expert_weights_scale
+        return (
+            np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int32),
+            np.ascontiguousarray(w.float().cpu().numpy(), dtype=np.float32),
+        )
+
+    def moe(self, lw: LayerWeights, h: torch.Tensor, ids: np.ndarray, w: np.ndarray) -> torch.Tensor:
+        m = self.m
+        if m.offload is not None and h.shape[0] >= m.offload.min_batch_tokens:
+            return m.offload.moe(lw.experts, h, ids, w)  # [T, H] float32 on the device
+        xs = np.ascontiguousarray(h.detach().cpu().numpy(), dtype=np.float32)
+        return torch.from_numpy(m.ops.moe(m.weights.arena, xs, ids, w, lw.experts)).to(m.device)
+
+    def gather_rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return x[torch.as_tensor(rows, device=x.device)]
+
+    def logits_out(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float().cpu()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,16 +415,19 @@ class Model:
 
     ``catalog``: GGUFModel; ``weights``: WeightStore over the placed arena; ``ops``: the CPU
     kernel backend (moe_service.engine.ops.CpuOps) used for quantized matmuls and the fused
-    MoE; ``device``: torch device of the dense part; ``dense``: "quant" (matmuls in place on
-    the CPU) or "torch" (dense matrices dequantized to ``device``); ``n_seq``: sequence slots;
-    ``n_ctx``: tokens per sequence. ``dense_dtype``: dtype of the dequantized dense matrices
-    with ``dense = "torch"`` (float32 default: the same values as the CPU path's weights;
-    bfloat16 halves the GPU memory at ~0.4% relative error per matmul). ``offload``: an
-    moe_service.engine.offload.ExpertOffload; batches of at least its ``min_batch_tokens``
-    tokens compute their routed experts through it (on the GPU) instead of ``ops.moe``.
-    Choosing ``device``/``dense`` from the config: moe_service.engine.device.resolve_device.
+    MoE; ``device``: torch device of the dense part; ``dense``: "quant" (the CPU path:
+    matmuls in place, numba glue; needs ``device = "cpu"``) or "torch" (dense matrices
+    dequantized to ``device``, glue as torch ops); ``n_seq``: sequence slots; ``n_ctx``: tokens
+    per sequence. ``dense_dtype``: dtype of the dequantized dense matrices with ``dense =
+    "torch"`` (float32 default: the same values as the CPU path's weights; bfloat16 halves the
+    GPU memory at ~0.4% relative error per matmul). ``offload``: an
+    moe_service.engine.offload.ExpertOffload; with ``dense = "torch"``, batches of at least
+    its ``min_batch_tokens`` tokens compute their routed experts through it (on the GPU)
+    instead of ``ops.moe``. Choosing ``device``/``dense`` from the config:
+    moe_service.engine.device.resolve_device.
 
-    Raises ModelFileError naming the architecture or tensor when the file cannot be run.
+    Raises ModelFileError naming the architecture or tensor when the file cannot be run;
+    ValueError for ``dense = "quant"`` on a non-CPU device.
     """
 
     def __init__(
@@ -194,9 +440,12 @@ class Model:
         self.catalog, self.weights, self.ops, self.p = catalog, weights, ops, p
         self.arch = ARCHS[p.arch]
         self.device = torch.device(device)
+        if dense == "quant" and self.device.type != "cpu":
+            raise ValueError(f"dense = 'quant' runs on the CPU (device {device!r} needs dense = 'torch')")
         self.dense_mode = dense
         self.dense_dtype = dense_dtype
         self.offload = offload
+        self.path = CpuPath(self) if dense == "quant" else TorchPath(self)
         md = catalog.metadata
         self.n_ctx = min(n_ctx or p.n_ctx_train, p.n_ctx_train) if p.n_ctx_train else n_ctx
         self.rope_dim = p.rope_dim or p.head_dim
@@ -204,11 +453,13 @@ class Model:
         self.layers = [self._load_layer(i) for i in range(p.n_layer)]
         self.tok_embd = self._qmat("token_embd.weight")
         self.output = self._qmat("output.weight") if "output.weight" in catalog.tensors else self.tok_embd
-        self.output_norm = self._vec("output_norm.weight")
+        self.output_group = (self.output,)
+        self.output_norm = self.path.vec("output_norm.weight")
         if dense == "torch":
             self.output_dense = self._to_device(self.output.name)
-        self.kv = KVCache(p.n_layer, n_seq, self.n_ctx, p.n_head_kv, p.head_dim, self.device)
-        self._rope_cache = self._rope_tables()
+        k, v = self.path.kv_storage(p.n_layer, n_seq, self.n_ctx, p.n_head_kv, p.head_dim, p.head_dim_v)
+        self.kv = KVCache(n_seq, self.n_ctx, k, v)
+        self._rope_cache = self.path.rope_tables(*self._rope_tables())
         self._lock = threading.Lock()
 
     # -- loading --------------------------------------------------------------------------
@@ -220,9 +471,6 @@ class Model:
         if len(t.shape) != 2:
             raise ModelFileError(f"{self.catalog.shards[0].path}: tensor {name!r} should be 2-D (shape {t.shape})")
         return QMat(name, self.weights.tensor_offset(name), t.ggml_type, t.shape[0], t.shape[1])
-
-    def _vec(self, name: str) -> torch.Tensor:
-        return torch.from_numpy(_dequantize(self.weights, name).reshape(-1)).to(self.device)
 
     def _to_device(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A whole tensor as values on the dense device: its raw block bytes are uploaded and
@@ -249,13 +497,13 @@ class Model:
                 lw.dense[n] = self._to_device(f"{pre}{n}.weight")
         for n in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"):
             if f"{pre}{n}.weight" in t:
-                lw.vecs[n] = self._vec(f"{pre}{n}.weight")
+                lw.vecs[n] = self.path.vec(f"{pre}{n}.weight")
         if self.arch.qk_norm and not {"attn_q_norm", "attn_k_norm"} <= set(lw.vecs):
             raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} lacks attn_q_norm/attn_k_norm")
         if f"{pre}ffn_gate_inp.weight" in t:
-            lw.router = self._to_device(f"{pre}ffn_gate_inp.weight", torch.float32)  # [E, H]
+            lw.router = self.path.matrix(f"{pre}ffn_gate_inp.weight")  # [E, H] float32
             if f"{pre}exp_probs_b.bias" in t:
-                lw.router_bias = self._vec(f"{pre}exp_probs_b.bias")
+                lw.router_bias = self.path.vec(f"{pre}exp_probs_b.bias")
             kinds = self.catalog.expert_layers.get(i)
             if not kinds:
                 raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} has a router but no expert tensors")
@@ -271,14 +519,21 @@ class Model:
             raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} has neither a dense FFN nor experts")
         return lw
 
-    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [C, rope_dim/2] float32 for positions 0..C-1 (theta_j = base^(-2j/rope_dim))."""
+    def _rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [C, rope_dim/2] float32, rounded as ggml's rope cache: theta_scale =
+        powf(base, -2/rope_dim); per position p, theta_0 = p and theta_{j+1} = theta_j *
+        theta_scale in float32 (not p * base^(-2j/d) exactly); divided by the rope_freqs
+        factor when the file has one (llama3); cos/sin correctly rounded to float32."""
         half = self.rope_dim // 2
-        inv = 1.0 / (self.p.rope_freq_base ** (torch.arange(0, half, dtype=torch.float64) * 2 / self.rope_dim))
-        if "rope_freqs.weight" in self.catalog.tensors:  # llama3-style per-dimension factors
-            inv = inv / torch.from_numpy(_dequantize(self.weights, "rope_freqs.weight").astype(np.float64))
-        ang = torch.arange(self.n_ctx, dtype=torch.float64)[:, None] * inv[None, :]
-        return torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device)
+        theta_scale = np.float32(np.float32(self.p.rope_freq_base) ** np.float32(-2.0 / self.rope_dim))
+        theta = np.empty((self.n_ctx, half), dtype=np.float32)
+        theta[:, 0] = np.arange(self.n_ctx, dtype=np.float32)
+        for j in range(1, half):
+            theta[:, j] = theta[:, j - 1] * theta_scale
+        if "rope_freqs.weight" in self.catalog.tensors:
+            theta = theta / _dequantize(self.weights, "rope_freqs.weight").reshape(1, -1)[:, :half]
+        ang = theta.astype(np.float64)
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -302,111 +557,26 @@ class Model:
                 tokens.extend(toks)
                 pos.extend(range(n0, n0 + len(toks)))
                 t0 += len(toks)
-            ids = np.asarray(tokens, dtype=np.int64)
-            positions = torch.as_tensor(pos, dtype=torch.long, device=self.device)
+            path = self.path
+            positions = path.positions(pos)
             if self.offload is not None and len(tokens) >= self.offload.min_batch_tokens:
                 self.offload.start_step()  # the first MoE layer's slabs start moving during attention
-            x = torch.from_numpy(self.ops.get_rows(self.weights.arena, self.tok_embd, ids)).to(self.device)  # [T, H]
+            x = path.embed(np.asarray(tokens, dtype=np.int64))  # [T, H]
             for lw in self.layers:
-                x = x + self._attention(lw, self._rmsnorm(x, lw.vecs["attn_norm"]), positions, spans)
-                x = x + self._ffn(lw, self._rmsnorm(x, lw.vecs["ffn_norm"]))
-            last = torch.as_tensor([e - 1 for _, _, e, _ in spans], device=self.device)
-            h = self._rmsnorm(x[last], self.output_norm)  # [S, H]
-            if self.dense_mode == "torch":
-                logits = (h.to(self.dense_dtype) @ self.output_dense.T).float()
-            else:
-                (logits,) = self._matmul([self.output], h)
+                x += path.attention(lw, path.rmsnorm(x, lw.vecs["attn_norm"]), positions, spans)
+                x += self._ffn(lw, path.rmsnorm(x, lw.vecs["ffn_norm"]))
+            last = path.gather_rows(x, [e - 1 for _, _, e, _ in spans])
+            logits = path.head(path.rmsnorm(last, self.output_norm))  # [S, V]
             for s, a, e, n0 in spans:
                 self.kv.length[s] = n0 + (e - a)
-            return logits.float().cpu()
+            return path.logits_out(logits)
 
-    # -- pieces ------------------------------------------------------------------------------
-
-    def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x / sqrt(mean(x^2) + eps) * w, over the last axis (as ggml_rms_norm then ggml_mul)."""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.p.rms_eps) * w
-
-    def _matmul(self, mats: list[QMat], x: torch.Tensor, names: list[str] | None = None, lw: LayerWeights | None = None) -> list[torch.Tensor]:
-        """x [T, n_cols] times each weight's transpose -> [T, n_rows] each (one dispatch)."""
-        if self.dense_mode == "torch":
-            xd = x.to(self.dense_dtype)
-            return [(xd @ lw.dense[n].T).float() for n in names]
-        xs = np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)
-        outs = self.ops.matmul(self.weights.arena, mats, xs)
-        return [torch.from_numpy(o).to(self.device) for o in outs]
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate the first rope_dim dims of each head. x [T, heads, D]."""
-        cos, sin = (c[positions][:, None, :] for c in self._rope_cache)  # [T, 1, R/2]
-        r = self.rope_dim
-        xr, rest = x[..., :r], x[..., r:]
-        if self.arch.rope == "neox":
-            a, b = xr[..., : r // 2], xr[..., r // 2 :]
-            out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
-        else:
-            a, b = xr[..., 0::2], xr[..., 1::2]
-            out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
-
-    def _attention(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor, spans) -> torch.Tensor:
-        p = self.p
-        T = h.shape[0]
-        names = ["attn_q", "attn_k", "attn_v"]
-        q, k, v = self._matmul([lw.mats[n] for n in names], h, names, lw)
-        q = q.view(T, p.n_head, p.head_dim)  # [T, NH, D]
-        k = k.view(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
-        v = v.view(T, p.n_head_kv, p.head_dim_v)
-        if self.arch.qk_norm:
-            q = self._rmsnorm(q, lw.vecs["attn_q_norm"])
-            k = self._rmsnorm(k, lw.vecs["attn_k_norm"])
-        q = self._rope(q, positions)
-        k = self._rope(k, positions)
-        kc, vc = self.kv.k[lw.index], self.kv.v[lw.index]
-        out = torch.empty(T, p.n_head, p.head_dim_v, dtype=torch.float32, device=self.device)
-        group = p.n_head // p.n_head_kv
-        scale = 1.0 / math.sqrt(p.head_dim)
-        for s, a, e, n0 in spans:
-            n = e - a
-            kc[s, n0 : n0 + n] = k[a:e].to(torch.float16)
-            vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
-            keys = kc[s, : n0 + n].float().repeat_interleave(group, dim=1)  # [L, NH, D]
-            vals = vc[s, : n0 + n].float().repeat_interleave(group, dim=1)
-            qs = q[a:e].to(torch.float16).float()  # ggml computes K·Q with Q converted to f16
-            scores = torch.einsum("thd,lhd->htl", qs, keys) * scale  # [NH, n, L]
-            if n > 1:
-                qpos = torch.arange(n0, n0 + n, device=self.device)[:, None]
-                kpos = torch.arange(0, n0 + n, device=self.device)[None, :]
-                scores = scores.masked_fill(kpos > qpos, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
-        (o,) = self._matmul([lw.mats["attn_output"]], out.view(T, -1), ["attn_output"], lw)
-        return o
-
-    def _ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, lw: LayerWeights, h):
         if lw.experts is None:
-            names = ["ffn_gate", "ffn_up"]
-            g, u = self._matmul([lw.mats[n] for n in names], h, names, lw)
-            (y,) = self._matmul([lw.mats["ffn_down"]], torch.nn.functional.silu(g) * u, ["ffn_down"], lw)
-            return y
+            return self.path.dense_ffn(lw, h)
         ids, w = self.route(lw, h)
-        if self.offload is not None and h.shape[0] >= self.offload.min_batch_tokens:
-            return self.offload.moe(lw.experts, h, ids, w)  # [T, H] float32 on the device
-        xs = np.ascontiguousarray(h.detach().cpu().numpy(), dtype=np.float32)
-        y = self.ops.moe(self.weights.arena, xs, ids, w, lw.experts)
-        return torch.from_numpy(y).to(self.device)
+        return self.path.moe(lw, h, ids, w)
 
-    def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def route(self, lw: LayerWeights, h) -> tuple[np.ndarray, np.ndarray]:
         """Router (REFERENCE.md "MoE routing"): ids int32 [T, K] and weights float32 [T, K]."""
-        logits = h @ lw.router.T  # [T, E]
-        probs = torch.softmax(logits, dim=-1) if self.arch.gating == "softmax" else torch.sigmoid(logits)
-        select = probs + lw.router_bias if lw.router_bias is not None else probs
-        _, ids = torch.topk(select, self.p.n_expert_used, dim=-1, sorted=True)
-        w = probs.gather(-1, ids)
-        if self.arch.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
-        if self.expert_weights_scale != 1.0:
-            w = w * self.expert_weights_scale
-        return (
-            np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int32),
-            np.ascontiguousarray(w.float().cpu().numpy(), dtype=np.float32),
-        )
+        return self.path.route(lw, h)

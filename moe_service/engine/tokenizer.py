@@ -42,13 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_service.errors import ModelFileError
-
-try:  # the lead's log.py; structlog directly until it lands
-    from moe_service.log import get_logger
-except ImportError:  # pragma: no cover - depends on merge order
-    import structlog
-
-    get_logger = structlog.get_logger
+from moe_service.log import get_logger
 
 log = get_logger(__name__)
 
@@ -291,6 +285,8 @@ class Tokenizer:
             raise ModelFileError(
                 f"{source}: tokenizer.ggml.scores has {len(self.scores)} entries for {n_vocab} tokens.")
         for i, t in enumerate(self.tokens):
+            if "\0" in t:  # llama.cpp reads token texts as C strings: they end at a NUL
+                t = self.tokens[i] = t.split("\0", 1)[0]
             if not t:  # llama.cpp renames empty tokens
                 self.tokens[i] = f"[EMPTY_{i}]"
         self.token_to_id: dict[str, int] = {t: i for i, t in enumerate(self.tokens)}

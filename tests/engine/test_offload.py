@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from moe_service.engine.model import ARCHS, ExpertSet, LayerWeights, Model
+from moe_service.engine.model import ARCHS, ExpertSet, LayerWeights, Model, TorchPath
 from moe_service.engine.offload import ExpertOffload
 
 Q = GGMLQuantizationType
@@ -215,6 +215,7 @@ def _bare_model(layer: SynthLayer, offload) -> tuple[Model, LayerWeights]:
     m.arch, m.p = ARCHS["llama"], SimpleNamespace(n_expert_used=2)
     m.expert_weights_scale, m.device, m.offload = 1.0, torch.device("cpu"), offload
     m.weights = SimpleNamespace(arena=layer.arena)
+    m.path = TorchPath(m)  # the offload is the torch (device) path's
     lw = LayerWeights(layer.layer)
     lw.experts = layer.es
     lw.router = torch.from_numpy(np.random.default_rng(5).standard_normal((layer.E, layer.H)).astype(np.float32))

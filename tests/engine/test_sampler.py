@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_service.engine.sampler import SamplingParams, Sampler, StopSequenceMatcher, greedy
+from moe_service.engine.sampler import Sampler, SamplingParams, StopSequenceMatcher, greedy
 
 
 def test_greedy_picks_max_and_lowest_id_on_tie():

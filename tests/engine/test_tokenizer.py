@@ -21,7 +21,6 @@ from tests.fixtures.golden import (
 )
 
 
-
 def _have_smollm2() -> bool:
     try:
         from moe_service.demo_model import smollm2_gguf_path

@@ -33,6 +33,16 @@ def built(tmp_path_factory):
     return build_demo_model(out)
 
 
+@pytest.fixture(scope="module")
+def tensors(built):
+    """(dense, moe): name -> gguf ReaderTensor, read once for the module."""
+    import gguf
+
+    dense = {x.name: x for x in gguf.GGUFReader(str(smollm2_gguf_path())).tensors}
+    moe = {x.name: x for x in gguf.GGUFReader(str(built)).tensors}
+    return dense, moe
+
+
 def test_missing_distribution_tells_how_to_install(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -52,7 +62,7 @@ def test_built_file_matches_the_golden_sha256(built):
 
 
 @needs_smollm2
-def test_metadata_and_tensor_layout(built):
+def test_metadata_and_tensor_layout(built, tensors):
     import gguf
 
     from moe_service.engine.tokenizer import read_gguf_metadata
@@ -64,8 +74,7 @@ def test_metadata_and_tensor_layout(built):
     for k, v in src_meta.items():
         if k not in ("llama.feed_forward_length", "general.name"):
             assert meta[k] == v, k
-    r = gguf.GGUFReader(str(built))
-    t = {x.name: x for x in r.tensors}
+    t = tensors[1]
     assert len(t) == 272 - 3 * 30 + 4 * 30
     assert [int(v) for v in t["blk.0.ffn_gate_exps.weight"].shape] == [576, 192, 8]
     assert [int(v) for v in t["blk.0.ffn_down_exps.weight"].shape] == [192, 576, 8]
@@ -77,11 +86,8 @@ def test_metadata_and_tensor_layout(built):
 
 
 @needs_smollm2
-def test_expert_bytes_are_the_dense_bytes_rearranged(built):
-    import gguf
-
-    d = {x.name: x for x in gguf.GGUFReader(str(smollm2_gguf_path())).tensors}
-    m = {x.name: x for x in gguf.GGUFReader(str(built)).tensors}
+def test_expert_bytes_are_the_dense_bytes_rearranged(tensors):
+    d, m = tensors
     for layer in (0, 29):
         dense_gate = np.asarray(d[f"blk.{layer}.ffn_gate.weight"].data).reshape(-1)
         assert np.array_equal(np.asarray(m[f"blk.{layer}.ffn_gate_exps.weight"].data).reshape(-1), dense_gate)
@@ -97,13 +103,11 @@ def test_expert_bytes_are_the_dense_bytes_rearranged(built):
 
 
 @needs_smollm2
-def test_moe_ffn_computes_the_dense_ffn_exactly(built):
+def test_moe_ffn_computes_the_dense_ffn_exactly(tensors):
     """Dequantize both forms and run one FFN in float64: zero router -> weights 1/8 each."""
-    import gguf
     from gguf.quants import dequantize
 
-    d = {x.name: x for x in gguf.GGUFReader(str(smollm2_gguf_path())).tensors}
-    m = {x.name: x for x in gguf.GGUFReader(str(built)).tensors}
+    d, m = tensors
 
     def dq(t):
         return dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)

@@ -116,7 +116,7 @@ def test_blocks_are_valid_and_have_the_target_scale(qtype):
     assert np.isfinite(x).all()
     assert 0.8 * std < x.std() < 1.25 * std
     assert abs(x.mean()) < 0.15 * std  # Q4_0's (q - 8) leaves a small negative mean by design
-    assert len(np.unique(x)) > 100  # not degenerate
+    assert len(np.unique(x)) > (10 if qtype == "MXFP4" else 100)  # not degenerate (MXFP4: 15 codes x 2 scales)
 
 
 def test_k_scale_packing_inverts_ggml_unpacking():

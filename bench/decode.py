@@ -1,0 +1,218 @@
+"""`moe-service bench decode`: our decode and prefill tok/s beside llama.cpp's, plus the roofline.
+
+In one run, on the same GGUF file and thread count:
+
+- ours: decode tok/s (single-token steps after a short prompt, greedy, fed back) and prefill
+  tok/s (one prompt of --prompt tokens in ubatch-sized steps), medians of --repeats runs;
+- llama.cpp (llama-cpp-python, use_mmap=False, n_threads = n_threads_batch = --threads):
+  the same measurements (bench/peer.py), said clearly when it is not installed;
+- the roofline: bytes read per decoded token (dense matrices, the output head, and K of E
+  experts' slabs per MoE layer: the routed share of the file) / measured memory read
+  bandwidth (numba reduction over 1 GiB on --threads threads), and the fraction of it our
+  decode reaches (``bandwidth_fraction``); the MoE step alone at T=1 over every layer
+  (``moe_bandwidth_fraction``).
+
+Speed is compared as ratios, never asserted. Quote medians with the command line.
+Examples::
+
+    moe-service bench decode                           # the demo model, all usable CPUs
+    moe-service bench decode --model qwen3-30b.gguf --threads 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def active_bytes_per_token(catalog) -> dict[str, int]:
+    """Bytes a decode step reads: every dense 2-D matrix once (q/k/v/o, dense FFN, the output
+    head), and per MoE layer K/E of its expert tensors (K experts' slabs); embeddings read one
+    row (not counted), norms are negligible."""
+    p = catalog.params
+    expert_names = {et.tensor.name for kinds in catalog.expert_layers.values() for et in kinds.values()}
+    dense = 0
+    for t in catalog.tensors.values():
+        if t.name in expert_names or t.name == "token_embd.weight" or len(t.shape) != 2:
+            continue
+        dense += t.nbytes
+    if "output.weight" not in catalog.tensors:  # tied: the head reads the embedding matrix
+        dense += catalog.tensors["token_embd.weight"].nbytes
+    experts = 0
+    for kinds in catalog.expert_layers.values():
+        for et in kinds.values():
+            experts += et.slab_bytes * min(p.n_expert_used, et.n_expert)
+    return {"dense_bytes": dense, "expert_bytes": experts, "total_bytes": dense + experts}
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def measure_ours(path: Path, threads: int, n_prompt: int, n_decode: int, repeats: int, ubatch: int) -> dict:
+    """Our engine on ``path``: decode and prefill tok/s (medians), and the MoE step's GB/s."""
+    import torch
+
+    torch.set_num_threads(1)
+    from moe_service.engine.model import Model
+    from moe_service.engine.ops import CpuOps
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.weights import WeightStore
+
+    catalog = GGUFModel.open(path)
+    weights = WeightStore.load_simple(catalog)
+    ops = CpuOps(threads=threads)
+    try:
+        model = Model(catalog, weights, ops, n_seq=1, n_ctx=n_prompt + n_decode + 8)
+        vocab = catalog.params.n_vocab
+        rng = np.random.default_rng(0)
+        prompt = [int(t) for t in rng.integers(10, min(vocab, 30000), n_prompt)]
+        # warm-up: compile every kernel for these shapes (prefill chunk and decode)
+        s = model.kv.alloc()
+        model.step([(s, prompt[: min(ubatch, n_prompt)])])
+        model.step([(s, [prompt[0]])])
+        model.kv.free(s)
+        decode, prefill = [], []
+        for _ in range(repeats):
+            s = model.kv.alloc()
+            t0 = time.perf_counter()
+            for a in range(0, n_prompt, ubatch):
+                logits = model.step([(s, prompt[a : a + ubatch])])
+            prefill.append(n_prompt / (time.perf_counter() - t0))
+            tok = int(np.argmax(logits[0].numpy()))
+            t0 = time.perf_counter()
+            for _ in range(n_decode):
+                tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
+            decode.append(n_decode / (time.perf_counter() - t0))
+            model.kv.free(s)
+        moe = _moe_step_gbps(model, ops, repeats=max(20, repeats * 10))
+    finally:
+        ops.close()
+    return {"decode_tok_s": _median(decode), "prefill_tok_s": _median(prefill), "decode_runs": decode,
+            "prefill_runs": prefill, **moe}
+
+
+def _moe_step_gbps(model, ops, repeats: int) -> dict:
+    """The fused MoE step alone at T=1 over every MoE layer, with routing spread over the
+    experts: GB/s of expert slab bytes read (K slabs of gate, up, down per layer)."""
+    layers = [lw for lw in model.layers if lw.experts is not None]
+    if not layers:
+        return {"moe_gbps": None}
+    p = model.p
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, p.n_embd)).astype(np.float32)
+    w = np.full((1, p.n_expert_used), 1.0 / p.n_expert_used, np.float32)
+    per_layer = sum(et.slab_bytes * p.n_expert_used for et in model.catalog.expert_layers[layers[0].index].values())
+    times = []
+    for _ in range(repeats):
+        ids = rng.choice(p.n_expert, p.n_expert_used, replace=False).astype(np.int32).reshape(1, -1)
+        t0 = time.perf_counter()
+        for lw in layers:
+            ops.moe(model.weights.arena, x, ids, w, lw.experts)
+        times.append(time.perf_counter() - t0)
+    return {"moe_gbps": per_layer * len(layers) / _median(times) / 1e9, "moe_bytes_per_step": per_layer * len(layers)}
+
+
+def run(path: Path, threads: int, n_prompt: int, n_decode: int, repeats: int, ubatch: int, peer: bool) -> dict:
+    from bench.kernels import memory_bandwidth_gbps
+    from bench.peer import measure_decode, measure_prefill
+    from moe_service.gguf_model import GGUFModel
+
+    catalog = GGUFModel.open(path)
+    active = active_bytes_per_token(catalog)
+    bandwidth = memory_bandwidth_gbps(threads)
+    ours = measure_ours(path, threads, n_prompt, n_decode, repeats, ubatch)
+    if peer:
+        pd = measure_decode(path, threads=threads, n_decode=n_decode, n_prompt=16)
+        pp = measure_prefill(path, threads=threads, n_prompt=n_prompt, repeats=repeats)
+    else:
+        pd = pp = None
+    ll_decode = pd.value if pd else None
+    ll_prefill = pp.value if pp else None
+    reason = (pd.reason if pd and pd.value is None else None) if peer else "skipped (--no-peer)"
+    decode_gbps = active["total_bytes"] * ours["decode_tok_s"] / 1e9
+    return {
+        "model": str(path),
+        "file_bytes": path.stat().st_size,
+        "threads": threads,
+        "decode_tok_s": ours["decode_tok_s"],
+        "llamacpp_decode_tok_s": ll_decode,
+        "decode_ratio_vs_llamacpp": ours["decode_tok_s"] / ll_decode if ll_decode else None,
+        "prefill_tok_s": ours["prefill_tok_s"],
+        "llamacpp_prefill_tok_s": ll_prefill,
+        "prefill_ratio_vs_llamacpp": ours["prefill_tok_s"] / ll_prefill if ll_prefill else None,
+        "active_bytes_per_token": active["total_bytes"],
+        "active_bytes": active,
+        "memory_read_gbps": bandwidth,
+        "decode_gbps": decode_gbps,
+        "bandwidth_fraction": decode_gbps / bandwidth,
+        "llamacpp_bandwidth_fraction": active["total_bytes"] * ll_decode / 1e9 / bandwidth if ll_decode else None,
+        "moe_gbps": ours["moe_gbps"],
+        "moe_bandwidth_fraction": ours["moe_gbps"] / bandwidth if ours["moe_gbps"] else None,
+        "llamacpp": reason or "measured",
+        "settings": {"n_prompt": n_prompt, "n_decode": n_decode, "repeats": repeats, "ubatch": ubatch},
+        "runs": {"decode_tok_s": ours["decode_runs"], "prefill_tok_s": ours["prefill_runs"]},
+        "peer_machine": {"decode": pd.machine if pd else None, "prefill": pp.machine if pp else None},
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def _fmt(v, spec=".1f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"bench decode: {r['model']} ({r['file_bytes'] / 1e9:.2f} GB), {r['threads']} thread(s), "
+        f"load average {r['load_average'][0]:.2f}",
+        "",
+        f"{'':22s}{'moe-service':>14s}{'llama.cpp':>14s}{'ratio':>10s}",
+        f"{'decode tok/s':22s}{_fmt(r['decode_tok_s']):>14s}{_fmt(r['llamacpp_decode_tok_s']):>14s}"
+        f"{_fmt(r['decode_ratio_vs_llamacpp'], '.2f'):>10s}",
+        f"{'prefill tok/s':22s}{_fmt(r['prefill_tok_s']):>14s}{_fmt(r['llamacpp_prefill_tok_s']):>14s}"
+        f"{_fmt(r['prefill_ratio_vs_llamacpp'], '.2f'):>10s}",
+        "",
+        f"roofline: {r['active_bytes_per_token'] / 1e6:.1f} MB read per token, memory read bandwidth "
+        f"{r['memory_read_gbps']:.1f} GB/s",
+        f"  decode reads {r['decode_gbps']:.1f} GB/s = {r['bandwidth_fraction']:.2f} of bandwidth "
+        f"(llama.cpp {_fmt(r['llamacpp_bandwidth_fraction'], '.2f')})",
+        f"  MoE step alone (T=1): {_fmt(r['moe_gbps'])} GB/s = {_fmt(r['moe_bandwidth_fraction'], '.2f')} of bandwidth",
+    ]
+    if r["llamacpp"] != "measured":
+        lines.append(f"llama.cpp: {r['llamacpp']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="moe-service bench decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, help="GGUF file (default: the demo model)")
+    ap.add_argument("--threads", type=int, default=0, help="threads for both engines (default: usable CPUs)")
+    ap.add_argument("--prompt", type=int, default=128, help="prefill prompt tokens (default 128)")
+    ap.add_argument("--decode", type=int, default=64, help="decode steps timed (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians; default 3)")
+    ap.add_argument("--ubatch", type=int, default=128, help="our prefill step size in tokens (default 128)")
+    ap.add_argument("--no-peer", action="store_true", help="do not run llama.cpp")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    a = ap.parse_args(argv)
+    if a.model is None:
+        from moe_service.paths import demo_model_path
+
+        a.model = demo_model_path()
+    if not a.model.is_file():
+        print(f"moe-service bench decode: {a.model} does not exist (run `moe-service demo-model`)", file=sys.stderr)
+        return 2
+    threads = a.threads or len(os.sched_getaffinity(0))
+    r = run(a.model, threads, a.prompt, a.decode, a.repeats, a.ubatch, not a.no_peer)
+    print(json.dumps(r, indent=1) if a.json else format_report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Block-kernel throughput against the machine's memory read bandwidth.
+
+Reports, per weight format: GB/s of weight bytes streamed by the matmul kernels for T=1
+(decode matvec) and T=4 (each block unpacked once for 4 activation rows), on 1 thread
+(the kernel called directly) and on N threads (the WorkerPool splitting rows); the memory
+read bandwidth of this machine on 1 and N threads (a numba reduction over 1 GiB); the
+round-trip cost of an empty pool dispatch; and the cold compile time of the engine's numba
+code (fresh NUMBA_CACHE_DIR, in a subprocess) next to the warm (cached) start.
+
+    PYTHONPATH=. python bench/kernels.py                    # everything, default formats
+    PYTHONPATH=. python bench/kernels.py --formats Q8_0,Q4_K --tokens 1 --threads 1,2
+    PYTHONPATH=. python bench/kernels.py --json out.json    # also write the numbers
+
+Tensors are ~256 MiB (well past the L3 cache) of random valid blocks, rows of 2048
+columns. Speed numbers are only meaningful on an otherwise idle machine: the report
+prints the load average at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+from numba import njit
+
+from moe_service.engine import quant as q
+from moe_service.engine.pool import Job, WorkerPool
+from moe_service.engine.quant import ld
+
+DEFAULT_FORMATS = "Q8_0,Q4_K,Q4_1,Q6_K,Q4_0,Q5_K,Q5_0,Q5_1,MXFP4,F16,BF16,F32"
+BY_NAME = {f.name: t for t, f in q.FORMATS.items()}
+
+
+@njit(nogil=True, cache=True)
+def _sum_u64(a, lo, hi):
+    s = np.uint64(0)
+    for i in range(lo, hi):
+        s += ld(a, i)  # no negative-index wraparound check: the loop vectorizes
+    return s
+
+
+def memory_bandwidth_gbps(n_threads: int, gib: float = 1.0, repeats: int = 3) -> float:
+    """Read bandwidth: n_threads numba reductions over disjoint parts of a `gib` GiB array."""
+    a = np.ones(int(gib * (1 << 30)) // 8, np.uint64)
+    _sum_u64(a, 0, 1024)
+    bounds = np.linspace(0, a.size, n_threads + 1).astype(np.int64)
+    best = float("inf")
+    for _ in range(repeats):
+        ts = [threading.Thread(target=_sum_u64, args=(a, int(bounds[i]), int(bounds[i + 1])))
+              for i in range(n_threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def numpy_sum_gbps(gib: float = 1.0) -> float:
+    a = np.ones(int(gib * (1 << 30)) // 8, np.float64)
+    a.sum()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def make_rows(tid: int, n_rows: int, n_cols: int, rng) -> np.ndarray:
+    """n_rows random valid ``tid`` rows (64 distinct rows tiled: building is cheap)."""
+    rb = q.row_bytes(tid, n_cols)
+    tile = q.random_blocks(rng, tid, 64, n_cols)
+    arena = np.empty(n_rows * rb, np.uint8)
+    for r in range(0, n_rows, 64):
+        m = min(64, n_rows - r)
+        arena[r * rb: (r + m) * rb] = tile[: m * rb]
+    return arena
+
+
+def make_tensor(tid: int, n_cols: int, mib: int, rng) -> tuple[np.ndarray, int]:
+    """~mib MiB of random valid ``tid`` rows; returns (bytes, n_rows)."""
+    n_rows = max(64, (mib << 20) // q.row_bytes(tid, n_cols))
+    return make_rows(tid, n_rows, n_cols, rng), n_rows
+
+
+def kernel_gbps(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng, repeats: int) -> float:
+    """Single thread: quant.matmul_rows over the whole tensor (no pool)."""
+    rb = q.row_bytes(tid, n_cols)
+    pa = q.quantize_activations(rng.standard_normal((n_tok, n_cols)).astype(np.float32), q.FORMATS[tid].partner)
+    rows = np.arange(n_tok, dtype=np.int64)
+    out = np.empty(n_tok * n_rows, np.float32)
+    args = (arena, 0, tid, n_cols, rb, 0, n_rows, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows, rows, out, n_rows, 0,
+            q.ensure_kernels([tid]))
+    q.matmul_rows(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        q.matmul_rows(*args)
+        best = min(best, time.perf_counter() - t0)
+    return arena.nbytes / best / 1e9
+
+
+def pool_gbps(pool: WorkerPool, tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng,
+              repeats: int) -> float:
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    tens = [(0, tid, n_rows, n_cols)]
+    pool.matmul(arena, tens, x)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pool.matmul(arena, tens, x)
+        best = min(best, time.perf_counter() - t0)
+    return arena.nbytes / best / 1e9
+
+
+def dispatch_us(pool: WorkerPool, n: int = 20000) -> float:
+    """Round trip of an empty job (one no-op item): publish, take part, wait."""
+    job = Job.build([[[(0,)]]], np.zeros(1, np.int64))
+    for _ in range(100):
+        pool.run(job)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        pool.run(job)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+# ---------------------------------------------------------------------------------------
+# Decode-step scenarios: the kernels and the pool on real layer shapes (no attention math,
+# norms or sampling: those are the engine's). Weights are random valid blocks in one arena.
+
+SCENARIOS = {
+    # SmolLM2-135M cut into 8 experts of 192 (all Q4_1), tied Q8_0 output head; all 8 chosen.
+    "smollm2-moe": dict(hidden=576, q_rows=576, kv_rows=192, o_cols=576, n_expert=8, width=192, top_k=8,
+                        attn_type="Q4_1", expert_type="Q4_1", head_type="Q8_0", vocab=49152, layers=30),
+    # Qwen3-30B-A3B shapes: 32 q heads x 128, 4 kv heads x 128, 128 experts of 768, top-8.
+    "qwen3-30b-a3b": dict(hidden=2048, q_rows=4096, kv_rows=512, o_cols=4096, n_expert=128, width=768, top_k=8,
+                          attn_type="Q8_0", expert_type="Q8_0", head_type="Q8_0", vocab=151936, layers=48),
+}
+
+
+def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = None, expert_type: str | None = None,
+                         steps: int = 20, rng=None) -> dict:
+    """Time decode steps (T=1): per layer one q/k/v dispatch, one o dispatch, one MoE step;
+    then the output head. Builds ``layers`` layers (default: all) and scales the per-layer
+    time to the model's layer count. Returns ms per layer, head ms, tok/s and GB/s of the
+    weight bytes a token reads."""
+    from moe_service.engine.moe import ExpertWeights, MoE
+
+    c = dict(SCENARIOS[name])
+    if expert_type:
+        c["expert_type"] = expert_type
+    rng = rng or np.random.default_rng(0)
+    n_layers = layers or c["layers"]
+    h, w_, e_n = c["hidden"], c["width"], c["n_expert"]
+    ta, te, th = (BY_NAME[c[k]] for k in ("attn_type", "expert_type", "head_type"))
+    rb = {t: q.row_bytes(t, h) for t in (ta, te, th)}
+    rb_down = q.row_bytes(te, w_)
+    rb_o = q.row_bytes(ta, c["o_cols"])
+    parts, off = [], 0
+
+    def add(t, rows, cols):
+        nonlocal off
+        o = off
+        parts.append(make_rows(t, rows, cols, rng))
+        off += rows * q.row_bytes(t, cols)
+        return o
+
+    layer_specs = []
+    for _ in range(n_layers):
+        qkv = [(add(ta, c["q_rows"], h), ta, c["q_rows"], h), (add(ta, c["kv_rows"], h), ta, c["kv_rows"], h),
+               (add(ta, c["kv_rows"], h), ta, c["kv_rows"], h)]
+        o_t = [(add(ta, h, c["o_cols"]), ta, h, c["o_cols"])]
+        g = np.array([add(te, w_, h) for _ in range(e_n)], np.int64).reshape(e_n, 1)
+        u = np.array([add(te, w_, h) for _ in range(e_n)], np.int64).reshape(e_n, 1)
+        d = np.array([add(te, h, w_) for _ in range(e_n)], np.int64).reshape(e_n, 1)
+        z = np.zeros((e_n, 1), np.int32)
+        ex = ExpertWeights(e_n, h, w_, {"gate": te, "up": te, "down": te}, {"gate": (g, z), "up": (u, z), "down": (d, z)})
+        layer_specs.append((qkv, o_t, ex))
+    head = [(add(th, c["vocab"], h), th, c["vocab"], h)]
+    arena = np.concatenate(parts)
+    parts.clear()
+    moe = MoE(pool)
+    x = rng.standard_normal((1, h)).astype(np.float32)
+    xo = rng.standard_normal((1, c["o_cols"])).astype(np.float32)
+
+    def step():
+        for qkv, o_t, ex in layer_specs:
+            pool.matmul(arena, qkv, x)
+            pool.matmul(arena, o_t, xo)
+            ids = rng.choice(e_n, c["top_k"], replace=False).astype(np.int32).reshape(1, -1)
+            wts = np.full((1, c["top_k"]), 1.0 / c["top_k"], np.float32)
+            moe.forward(arena, x, ids, wts, ex)
+
+    step()
+    t_layers = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        t_layers.append((time.perf_counter() - t0) / n_layers)
+    pool.matmul(arena, head, x)
+    t_head = []
+    for _ in range(max(3, steps // 4)):
+        t0 = time.perf_counter()
+        pool.matmul(arena, head, x)
+        t_head.append(time.perf_counter() - t0)
+    per_layer = float(np.median(t_layers))
+    head_s = float(np.median(t_head))
+    token_s = per_layer * c["layers"] + head_s
+    layer_bytes = (sum(r * rb[ta] for _, _, r, _ in layer_specs[0][0]) + h * rb_o
+                   + c["top_k"] * (2 * w_ * rb[te] + h * rb_down))
+    token_bytes = layer_bytes * c["layers"] + c["vocab"] * rb[th]
+    return {"scenario": name, "expert_type": c["expert_type"], "layers_built": n_layers,
+            "layers_model": c["layers"], "ms_per_layer": per_layer * 1e3, "head_ms": head_s * 1e3,
+            "tok_s": 1.0 / token_s, "token_mb": token_bytes / 1e6, "gbps": token_bytes / token_s / 1e9}
+
+
+_COMPILE_SNIPPET = r"""
+import time, numpy as np
+t0 = time.perf_counter()
+from moe_service.engine import quant as q, moe as M
+from moe_service.engine.pool import WorkerPool
+t_import = time.perf_counter() - t0
+rng = np.random.default_rng(0)
+with WorkerPool(pin_caller=False) as pool:
+    for t in q.FORMATS:                                   # every format, both kernel shapes
+        a = q.random_blocks(rng, t, 8, 256)
+        for n_tok in (1, 5):
+            pool.matmul(a, [(0, t, 8, 256)], rng.standard_normal((n_tok, 256)).astype(np.float32))
+    parts = [q.random_blocks(rng, q.GGML_Q8_0, 256, 256) for _ in range(12)]
+    arena = np.concatenate(parts)
+    rb = q.row_bytes(q.GGML_Q8_0, 256) * 256
+    cp = lambda k: (np.arange(4 * k, 4 * k + 4, dtype=np.int64).reshape(4, 1) * rb, np.zeros((4, 1), np.int32))
+    ex = M.ExpertWeights(4, 256, 256, {"gate": 8, "up": 8, "down": 8}, {"gate": cp(0), "up": cp(1), "down": cp(2)})
+    M.MoE(pool).forward(arena, rng.standard_normal((2, 256)).astype(np.float32), np.array([[0, 1], [2, 3]], np.int32),
+                        np.full((2, 2), 0.5, np.float32), ex)
+print(f"{t_import:.2f} {time.perf_counter() - t0:.2f}")
+"""
+
+
+_ASM_SNIPPET = r"""
+import re, json
+from moe_service.engine import quant as q
+q.ensure_kernels(list(q.FORMATS))
+out = {}
+for t, f in q.FORMATS.items():
+    asm = q._KERNEL_CFUNCS[q._KERNEL_PY[t]]._library.get_asm_str()
+    ops = re.findall(r"^\s+(v[a-z0-9]+)", asm, re.M)
+    out[f.name] = {k: sum(1 for o in ops if o == k) for k in
+                   ("vpmaddubsw", "vpmaddwd", "vpdpbusd", "vpdpwssd", "vfmadd231ps", "vcvtph2ps", "vpinsrw")}
+print(json.dumps(out))
+"""
+
+
+def kernel_instruction_counts() -> dict:
+    """Vector instructions in each compiled format kernel (fresh cache: numba does not keep
+    assembly for cached code)."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="numba-asm-") as d:
+        env["NUMBA_CACHE_DIR"] = d
+        out = subprocess.run([sys.executable, "-c", _ASM_SNIPPET], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compile_seconds() -> dict[str, float]:
+    """Cold (empty cache) and warm (cached) time to import and run every engine kernel once."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="numba-cold-") as d:
+        env["NUMBA_CACHE_DIR"] = d
+        res = {}
+        for label in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET], env=env, capture_output=True, text=True,
+                                 check=True)
+            t_import, total = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
+            res[f"{label}_s"] = total
+            res[f"{label}_import_s"] = t_import
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default=DEFAULT_FORMATS)
+    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}")
+    ap.add_argument("--cols", type=int, default=2048)
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-compile", action="store_true", help="skip the cold compile measurement")
+    ap.add_argument("--no-formats", action="store_true", help="skip the per-format GB/s table")
+    ap.add_argument("--scenario", action="append", default=[], choices=sorted(SCENARIOS),
+                    help="also time decode steps on these model shapes (repeatable)")
+    ap.add_argument("--scenario-layers", type=int, default=0, help="layers to build (0: all; time scales)")
+    ap.add_argument("--scenario-expert-type", default=None, help="override the scenario's expert type")
+    ap.add_argument("--asm", action="store_true", help="count vector instructions in each compiled kernel")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    formats = [BY_NAME[n.strip().upper()] for n in args.formats.split(",") if n.strip()]
+    tokens = [int(v) for v in args.tokens.split(",")]
+    threads = [int(v) for v in args.threads.split(",")]
+    rng = np.random.default_rng(0)
+    res: dict = {"load_avg_start": os.getloadavg(), "cpus": sorted(os.sched_getaffinity(0))}
+
+    print(f"load average at start: {res['load_avg_start']}")
+    res["memory_gbps"] = {n: memory_bandwidth_gbps(n) for n in threads}
+    res["numpy_sum_gbps"] = numpy_sum_gbps()
+    for n, v in res["memory_gbps"].items():
+        print(f"memory read bandwidth, {n} thread(s): {v:6.1f} GB/s")
+    print(f"numpy sum over 1 GiB (1 thread):      {res['numpy_sum_gbps']:6.1f} GB/s")
+
+    pools = {n: WorkerPool(n_threads=n, pin_caller=False) for n in threads if n > 1}
+    try:
+        res["dispatch_us"] = {1: dispatch_us(WorkerPool(n_threads=1, pin_caller=False))}
+        for n, p in pools.items():
+            res["dispatch_us"][n] = dispatch_us(p)
+        for n, v in res["dispatch_us"].items():
+            print(f"empty dispatch round trip, {n} worker(s): {v:6.2f} us")
+
+        res["kernels_gbps"] = {}
+        if args.no_formats:
+            formats = []
+        header = "format  " + "".join(f"  T={t} {n}thr" for t in tokens for n in threads)
+        print(f"\nGB/s of weight bytes (rows of {args.cols} columns, {args.mib} MiB tensors)")
+        print(header)
+        for tid in formats:
+            name = q.FORMATS[tid].name
+            arena, n_rows = make_tensor(tid, args.cols, args.mib, rng)
+            row = {}
+            line = f"{name:7s} "
+            for t in tokens:
+                for n in threads:
+                    if n == 1:
+                        v = kernel_gbps(tid, arena, n_rows, args.cols, t, rng, args.repeats)
+                    else:
+                        v = pool_gbps(pools[n], tid, arena, n_rows, args.cols, t, rng, args.repeats)
+                    row[f"T{t}_{n}thr"] = v
+                    line += f"  {v:10.1f}"
+            res["kernels_gbps"][name] = row
+            print(line, flush=True)
+            del arena
+        res["scenarios"] = []
+        for sc_name in args.scenario:
+            for n in threads:
+                pool = pools[n] if n > 1 else WorkerPool(n_threads=1, pin_caller=False)
+                r = decode_step_scenario(sc_name, pool, layers=args.scenario_layers or None,
+                                         expert_type=args.scenario_expert_type, rng=rng)
+                r["threads"] = n
+                res["scenarios"].append(r)
+                print(f"\n{sc_name} ({r['expert_type']} experts), {n} thread(s): {r['ms_per_layer']:.3f} ms/layer, "
+                      f"head {r['head_ms']:.2f} ms -> {r['tok_s']:.1f} tok/s (kernels only), "
+                      f"{r['token_mb']:.0f} MB/token = {r['gbps']:.1f} GB/s", flush=True)
+    finally:
+        for p in pools.values():
+            p.close()
+    if not args.no_compile:
+        res["compile"] = compile_seconds()
+        c = res["compile"]
+        print(f"\nengine numba code, import + first run of every kernel: cold {c['cold_s']:.1f} s "
+              f"(import {c['cold_import_s']:.1f} s), warm from cache {c['warm_s']:.1f} s")
+    if args.asm:
+        res["asm"] = kernel_instruction_counts()
+        print("\nvector instructions per compiled format kernel:")
+        for name, c in res["asm"].items():
+            print(f"  {name:6s} " + " ".join(f"{k}={v}" for k, v in c.items()))
+    res["load_avg_end"] = os.getloadavg()
+    print(f"load average at end: {res['load_avg_end']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""The dense glue of a transformer layer on the CPU, as numba kernels with ggml's rounding.
+
+The quantized matmuls and the fused MoE step run on the worker pool (pool.py, moe.py); what is
+left per layer (RMSNorm, RoPE, the float16 KV cache and attention, the router's softmax and
+top-k, SwiGLU) is small work whose cost on a 30-layer model is the Python and torch per-op
+overhead, not arithmetic. Each function here is one call per layer, on the calling thread.
+
+Rounding follows ggml's CPU backend (so that our activations reach the next 8-bit
+quantization with the same bits as llama.cpp's):
+
+- rms_norm: squares in float32 summed in float64, mean rounded to float32,
+  scale = 1/sqrtf(mean + eps), y = (x * scale) * w;
+- K and V stored as float16; attention (non-flash path): Q rounded to float16, K·Q in float32,
+  softmax of (scores * scale) with the exponentials summed in float64 and scaled by
+  float32(1/sum), probabilities rounded to float16, then P·V in float32;
+- SwiGLU: silu(g) * u with silu(x) = x / (1 + expf(-x)).
+
+Shapes: T tokens, H hidden, NH / NKV heads, D head dim, C cache length, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, x):
+    """float32 -> IEEE half (nearest even) bits as uint16."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        half = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(half, ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, h):
+    """IEEE half bits (uint16) -> float32, exact."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(**_JIT)
+def rms_norm(x, w, eps, out):
+    """out[t] = (x[t] * 1/sqrtf(mean(x[t]^2) + eps)) * w, as ggml_rms_norm then ggml_mul.
+
+    x, out: float32 [T, H] (may alias); w: float32 [H]; eps: float32.
+    """
+    n = x.shape[1]
+    for t in range(x.shape[0]):
+        s = 0.0
+        for i in range(n):
+            v = x[t, i]
+            s += np.float64(v * v)
+        mean = np.float32(s / n)
+        scale = np.float32(1.0) / np.sqrt(mean + eps)
+        for i in range(n):
+            out[t, i] = (x[t, i] * scale) * w[i]
+
+
+@njit(**_JIT)
+def rms_norm_heads(x, w, eps):
+    """rms_norm over each head vector in place: x float32 [T, heads, D], w float32 [D]
+    (qwen3moe's q/k norms)."""
+    d = x.shape[2]
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            s = 0.0
+            for i in range(d):
+                v = x[t, h, i]
+                s += np.float64(v * v)
+            mean = np.float32(s / d)
+            scale = np.float32(1.0) / np.sqrt(mean + eps)
+            for i in range(d):
+                x[t, h, i] = (x[t, h, i] * scale) * w[i]
+
+
+@njit(**_JIT)
+def rope(x, positions, cos, sin, rope_dim, neox):
+    """Rotate the first ``rope_dim`` dims of every head in place.
+
+    x: float32 [T, heads, D]; positions: int64 [T]; cos, sin: float32 [C, rope_dim/2] (the
+    model's ggml-rounded tables); neox: pairs (i, i + rope_dim/2) (qwen) instead of adjacent
+    pairs (2i, 2i+1) (llama).
+    """
+    half = rope_dim // 2
+    for t in range(x.shape[0]):
+        p = positions[t]
+        for h in range(x.shape[1]):
+            for j in range(half):
+                c = cos[p, j]
+                s = sin[p, j]
+                if neox:
+                    a = x[t, h, j]
+                    b = x[t, h, j + half]
+                    x[t, h, j] = a * c - b * s
+                    x[t, h, j + half] = a * s + b * c
+                else:
+                    a = x[t, h, 2 * j]
+                    b = x[t, h, 2 * j + 1]
+                    x[t, h, 2 * j] = a * c - b * s
+                    x[t, h, 2 * j + 1] = a * s + b * c
+
+
+@njit(**_JIT)
+def store_kv(k, v, kc, vc, seq, n0):
+    """Append k, v (float32 [n, NKV, D]) to the float16 caches kc, vc (uint16 [S, C, NKV, D])
+    of sequence ``seq`` at positions n0 .. n0+n-1."""
+    for t in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            for i in range(k.shape[2]):
+                kc[seq, n0 + t, h, i] = _f32_to_f16_bits(k[t, h, i])
+            for i in range(v.shape[2]):
+                vc[seq, n0 + t, h, i] = _f32_to_f16_bits(v[t, h, i])
+
+
+@njit(**_JIT)
+def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
+    """Causal attention of n new tokens (positions n0..n0+n-1) of one sequence over its cache.
+
+    q: float32 [n, NH, D]; kc, vc: uint16 float16 caches [S, C, NKV, D] already holding the new
+    tokens; out: float32 [n, NH, Dv]; kf, vf: float32 scratch [>= n0 + n, NKV, D|Dv];
+    scores: float32 scratch [>= n0 + n]. Query head h reads KV head h // (NH / NKV) (GQA).
+    Rounding as ggml's non-flash path (module docstring). The cache rows are widened to
+    float32 once per call and read by every query and every head of their group.
+    """
+    n, nh, d = q.shape
+    nkv = kc.shape[2]
+    dv = vc.shape[3]
+    group = nh // nkv
+    for j in range(n0 + n):
+        for g in range(nkv):
+            for i in range(d):
+                kf[j, g, i] = _f16_bits_to_f32(kc[seq, j, g, i])
+            for i in range(dv):
+                vf[j, g, i] = _f16_bits_to_f32(vc[seq, j, g, i])
+    qh = np.empty(d, np.float32)
+    acc_v = np.empty(dv, np.float32)
+    for t in range(n):
+        L = n0 + t + 1
+        for h in range(nh):
+            g = h // group
+            for i in range(d):
+                qh[i] = _f16_bits_to_f32(_f32_to_f16_bits(q[t, h, i]))
+            mx = np.float32(-np.inf)
+            for j in range(L):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += qh[i] * kf[j, g, i]
+                sc = acc * scale
+                scores[j] = sc
+                if sc > mx:
+                    mx = sc
+            total = 0.0
+            for j in range(L):
+                e = np.exp(scores[j] - mx)
+                scores[j] = e
+                total += np.float64(e)
+            inv = np.float32(1.0 / total)
+            for i in range(dv):
+                acc_v[i] = 0.0
+            for j in range(L):
+                pj = _f16_bits_to_f32(_f32_to_f16_bits(scores[j] * inv))
+                for i in range(dv):
+                    acc_v[i] += pj * vf[j, g, i]
+            for i in range(dv):
+                out[t, h, i] = acc_v[i]
+
+
+@njit(**_JIT)
+def router_logits(h, r, out):
+    """out[t, e] = sum_i h[t, i] * r[e, i] in float32 (h [T, H], r [E, H], out [T, E])."""
+    for t in range(h.shape[0]):
+        for e in range(r.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(h.shape[1]):
+                acc += h[t, i] * r[e, i]
+            out[t, e] = acc
+
+
+@njit(**_JIT)
+def silu_mul(g, u, out):
+    """out = silu(g) * u elementwise (float32 [T, F]), silu(x) = x / (1 + expf(-x))."""
+    for t in range(g.shape[0]):
+        for i in range(g.shape[1]):
+            a = g[t, i]
+            out[t, i] = (a / (np.float32(1.0) + np.exp(-a))) * u[t, i]
+
+
+@njit(**_JIT)
+def route(logits, k, gating, norm, scale, bias, has_bias, ids, weights):
+    """Router (REFERENCE.md "MoE routing"): per token, probabilities (gating 0: softmax,
+    1: sigmoid) of logits float32 [T, E]; the k largest of probs (+ bias when has_bias) by
+    selection score, ties to the lower id; weights = probs at the picked ids, renormalised to
+    sum 1 when ``norm``, times ``scale``. Writes ids int32 [T, K] and weights float32 [T, K].
+    """
+    n_e = logits.shape[1]
+    probs = np.empty(n_e, np.float32)
+    score = np.empty(n_e, np.float32)
+    taken = np.zeros(n_e, np.bool_)
+    for t in range(logits.shape[0]):
+        if gating == 0:
+            mx = logits[t, 0]
+            for e in range(n_e):
+                mx = max(mx, logits[t, e])
+            total = 0.0
+            for e in range(n_e):
+                v = np.exp(logits[t, e] - mx)
+                probs[e] = v
+                total += np.float64(v)
+            inv = np.float32(1.0 / total)
+            for e in range(n_e):
+                probs[e] = probs[e] * inv
+        else:
+            for e in range(n_e):
+                probs[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits[t, e]))
+        for e in range(n_e):
+            score[e] = probs[e] + (bias[e] if has_bias else np.float32(0.0))
+            taken[e] = False
+        wsum = np.float32(0.0)
+        for j in range(k):
+            best = -1
+            for e in range(n_e):
+                if not taken[e] and (best < 0 or score[e] > score[best]):
+                    best = e
+            taken[best] = True
+            ids[t, j] = best
+            weights[t, j] = probs[best]
+            wsum += probs[best]
+        for j in range(k):
+            w = weights[t, j] / wsum if norm else weights[t, j]
+            weights[t, j] = w * scale
+
+
+class KVCacheF16:
+    """Per-layer float16 K and V caches as uint16 bit arrays [S, C, NKV, D] (numba has no
+    float16 type), plus each sequence slot's length; the CPU counterpart of model.KVCache."""
+
+    def __init__(self, n_layer: int, n_seq: int, n_ctx: int, n_kv: int, head_dim: int, head_dim_v: int):
+        self.k = [np.zeros((n_seq, n_ctx, n_kv, head_dim), np.uint16) for _ in range(n_layer)]
+        self.v = [np.zeros((n_seq, n_ctx, n_kv, head_dim_v), np.uint16) for _ in range(n_layer)]
+        self.n_ctx = n_ctx
+        self.scores = np.empty(n_ctx, np.float32)
+        self.kf = np.empty((n_ctx, n_kv, head_dim), np.float32)
+        self.vf = np.empty((n_ctx, n_kv, head_dim_v), np.float32)
+
+    def bytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v)

@@ -1,0 +1,2129 @@
+"""GGUF block kernels: dequantize, quantize activations, dot products, matmul over an arena.
+
+Shape legend: T tokens (1 in decode, up to a few hundred in a prefill ubatch), N output rows
+of a weight tensor, C input columns (ggml ``ne[0]``), B = C / block_elems blocks per row.
+
+::
+
+    x [T, C] f32 ──quantize_activations(partner)──> Activations: xq int8 [T, C], xd f32 [T, C/32|256], ...
+                                                                    │  (once per token row, reused by every weight row)
+    arena uint8 ── w = N rows x row_bytes at a byte offset ─────────┤
+                                                                    v
+                                     matmul_rows(row_lo, row_hi): out [T, N] f32
+
+Weights are read in place from the arena in their GGUF block format; nothing is
+dequantized at load. As in ggml's CPU backend, each weight format has a *partner*
+activation format (``Partner``): the activation row is quantized to 8 bits once
+(ggml's quantize_row_q8_0 / q8_1 / q8_K) and every block dot product is an integer sum
+of products scaled by the two block scales, so results agree closely with llama.cpp.
+F32 / F16 / BF16 weights are dotted against the activation rounded to the weight's own
+precision (ggml's vec_dot_type for those types), accumulating in float32.
+
+Performance (the point of this module; bench/kernels.py measures GB/s of weight bytes per
+format against the machine's read bandwidth):
+
+- The block dot products are written in LLVM vector IR (numba intrinsics): a block's
+  weights become 32 bytes, multiplied with the activation's 32 int8 by vpmaddubsw and
+  vpmaddwd (512-bit for the K-quants where AVX-512BW exists), scaled into float
+  accumulators that stay in registers; the horizontal sum happens once per row.
+- Each weight row is read from memory once per call and dotted with the activation rows
+  4 at a time (each block unpacked once per 4 rows) while it sits in L1.
+- The format kernels are C-ABI functions (numba cfunc) called through an address table:
+  each compiles once and only when a model uses the format (``ensure_kernels``), and no
+  reference counting runs per row (they take raw pointers).
+- Scalar helpers (quantizers, dequantization) rely on LLVM's SLP vectorizer, which this
+  module switches on (numba ships with it off).
+
+All kernels are compiled with ``nogil=True, cache=True``; numba's on-disk cache honours
+NUMBA_CACHE_DIR, which the service sets before numba is imported. Requires an x86-64 CPU
+with AVX2 (and SSSE3 pshufb for MXFP4).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+
+import llvmlite.binding as _llb
+import numpy as np
+from llvmlite import ir
+from numba import cfunc, njit, types
+from numba.core import cgutils
+from numba.core import config as _numba_config
+from numba.extending import intrinsic
+
+from moe_service.errors import ModelFileError
+
+# The scalar kernels (quantizers, dequantization) rely on LLVM's SLP vectorizer to turn
+# unrolled element loops into vector code (measured ~6x on a scalar Q8_0 dot). numba keeps
+# it off by default; it is read when each function is optimized, so setting it here covers
+# every function compiled in this process (the rest of the engine's numba code only gains).
+_numba_config.SLP_VECTORIZE = 1
+
+# ld_f16x2 uses two instructions of inline assembly; LLVM needs its assembly parser for that.
+_llb.initialize_native_asmparser()
+
+__all__ = [
+    "GGML_F32", "GGML_F16", "GGML_BF16", "GGML_Q4_0", "GGML_Q4_1", "GGML_Q5_0", "GGML_Q5_1",
+    "GGML_Q8_0", "GGML_Q4_K", "GGML_Q5_K", "GGML_Q6_K", "GGML_MXFP4",
+    "Partner", "BlockFormat", "FORMATS", "block_format", "row_bytes",
+    "Activations", "PartnerArrays", "quantize_activations", "dequantize", "matmul",
+    "matmul_rows", "dequantize_rows", "random_blocks", "check_tensor", "ensure_kernels", "kernel_table", "quantize_partner_rows", "quantize_partner_row",
+]
+
+# ---------------------------------------------------------------------------------------
+# Format table (one place): GGML type id -> block elements, block bytes, partner format
+# ---------------------------------------------------------------------------------------
+
+GGML_F32 = 0
+GGML_F16 = 1
+GGML_Q4_0 = 2
+GGML_Q4_1 = 3
+GGML_Q5_0 = 6
+GGML_Q5_1 = 7
+GGML_Q8_0 = 8
+GGML_Q4_K = 12
+GGML_Q5_K = 13
+GGML_Q6_K = 14
+GGML_BF16 = 30
+GGML_MXFP4 = 39
+
+QK = 32    # elements per block of the 32-element formats and of Q8_0 / Q8_1 activations
+QK_K = 256  # elements per K-quant super-block and per Q8_K activation block
+
+
+class Partner(IntEnum):
+    """Activation format a weight format is dotted against (ggml's ``vec_dot_type``)."""
+
+    F32 = 0   # activation as is
+    F16 = 1   # activation rounded to float16 (nearest even)
+    BF16 = 2  # activation rounded to bfloat16 (nearest even, as ggml_compute_fp32_to_bf16)
+    Q8_0 = 3  # 32-element blocks: int8 q, f16 d = amax/127
+    Q8_1 = 4  # Q8_0 plus f16 s = d * sum(q)
+    Q8_K = 5  # 256-element blocks: int8 q, f32 d, int16 sums of each 16 q
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF tensor type as the kernels see it.
+
+    ``block_bytes`` is written as the field arithmetic of the block (gguf-py style);
+    ``layout`` names the fields in byte order.
+    """
+
+    type_id: int
+    name: str
+    block_elems: int
+    block_bytes: int
+    partner: Partner
+    layout: str
+
+    def row_bytes(self, n_cols: int) -> int:
+        """Bytes of one row of ``n_cols`` elements (``n_cols`` a multiple of block_elems)."""
+        return n_cols // self.block_elems * self.block_bytes
+
+
+FORMATS: dict[int, BlockFormat] = {
+    f.type_id: f
+    for f in (
+        BlockFormat(GGML_F32, "F32", 1, 4, Partner.F32, "f32"),
+        BlockFormat(GGML_F16, "F16", 1, 2, Partner.F16, "f16"),
+        BlockFormat(GGML_BF16, "BF16", 1, 2, Partner.BF16, "bf16 (f32 bits = u16 << 16)"),
+        BlockFormat(GGML_Q4_0, "Q4_0", QK, 2 + 16, Partner.Q8_0, "f16 d | 16 B nibbles; x = d*(q-8)"),
+        BlockFormat(GGML_Q4_1, "Q4_1", QK, 2 + 2 + 16, Partner.Q8_1, "f16 d | f16 m | 16 B nibbles; x = d*q + m"),
+        BlockFormat(GGML_Q5_0, "Q5_0", QK, 2 + 4 + 16, Partner.Q8_0, "f16 d | u32 qh | 16 B nibbles; x = d*(q-16)"),
+        BlockFormat(GGML_Q5_1, "Q5_1", QK, 2 + 2 + 4 + 16, Partner.Q8_1,
+                    "f16 d | f16 m | u32 qh | 16 B nibbles; x = d*q + m"),
+        BlockFormat(GGML_Q8_0, "Q8_0", QK, 2 + 32, Partner.Q8_0, "f16 d | 32 int8; x = d*q"),
+        BlockFormat(GGML_Q4_K, "Q4_K", QK_K, 2 + 2 + 12 + QK_K // 2, Partner.Q8_K,
+                    "f16 d | f16 dmin | 12 B 6-bit scales/mins | 128 B nibbles"),
+        BlockFormat(GGML_Q5_K, "Q5_K", QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2, Partner.Q8_K,
+                    "f16 d | f16 dmin | 12 B scales/mins | 32 B high bits | 128 B nibbles"),
+        BlockFormat(GGML_Q6_K, "Q6_K", QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2, Partner.Q8_K,
+                    "128 B low nibbles | 64 B high 2 bits | 16 int8 scales | f16 d"),
+        BlockFormat(GGML_MXFP4, "MXFP4", QK, 1 + 16, Partner.Q8_0,
+                    "u8 E8M0 e | 16 B E2M1 codes; x = kvalue[code] * 2^(e-128)"),
+    )
+}
+
+# Partner block geometry: elements per activation scale block (1 = no scales).
+PARTNER_BLOCK = {Partner.F32: 1, Partner.F16: 1, Partner.BF16: 1, Partner.Q8_0: QK,
+                 Partner.Q8_1: QK, Partner.Q8_K: QK_K}
+
+
+def block_format(ggml_type: int) -> BlockFormat:
+    """The BlockFormat of a GGML type id; ModelFileError names the type when unsupported."""
+    try:
+        return FORMATS[int(ggml_type)]
+    except KeyError:
+        supported = ", ".join(f"{f.name}({t})" for t, f in sorted(FORMATS.items()))
+        raise ModelFileError(
+            f"GGML tensor type {int(ggml_type)} is not supported by the CPU kernels (supported: {supported})"
+        ) from None
+
+
+def row_bytes(ggml_type: int, n_cols: int) -> int:
+    """Bytes of one row of ``n_cols`` elements of ``ggml_type``; ValueError if not whole blocks."""
+    f = block_format(ggml_type)
+    if n_cols % f.block_elems:
+        raise ValueError(f"row of {n_cols} columns is not a whole number of {f.name} blocks of {f.block_elems}")
+    return f.row_bytes(n_cols)
+
+
+# ---------------------------------------------------------------------------------------
+# Intrinsics: raw loads, f16/bf16 conversions, rounding, atomics (used by pool.py as well)
+# ---------------------------------------------------------------------------------------
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+
+
+def _data(context, builder, aryty, ary):
+    """Data pointer of a numba array, or the pointer itself for a CPointer."""
+    if isinstance(aryty, types.CPointer):
+        return ary
+    return context.make_array(aryty)(context, builder, ary).data
+
+
+def _byte_ptr(context, builder, aryty, ary, off, llty):
+    data = builder.bitcast(_data(context, builder, aryty, ary), _I8.as_pointer())
+    return builder.bitcast(builder.gep(data, [off]), llty.as_pointer())
+
+
+@intrinsic
+def ld(typingctx, arr, idx):
+    """Element ``idx`` of a 1-D C array: no bounds check and no negative-index wraparound."""
+    sig = arr.dtype(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        data = _data(context, builder, signature.args[0], args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.load(builder.gep(data, [i]))
+
+    return sig, codegen
+
+
+@intrinsic
+def data_ptr(typingctx, arr):
+    """The data pointer of a 1-D array as a CPointer (no reference count: the kernels' inner
+    functions take pointers so no NRT incref/decref runs per row; the array must outlive it)."""
+    sig = types.CPointer(arr.dtype)(arr)
+
+    def codegen(context, builder, signature, args):
+        return _data(context, builder, signature.args[0], args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def st(typingctx, arr, idx, val):
+    """``arr[idx] = val`` for a 1-D C array: no bounds check and no wraparound."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        data = _data(context, builder, signature.args[0], args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.int64)
+        v = context.cast(builder, args[2], signature.args[2], signature.args[0].dtype)
+        builder.store(v, builder.gep(data, [i]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _byte_loader(llty, retty, convert, doc):
+    @intrinsic
+    def loader(typingctx, arena, off):
+        sig = retty(arena, off)
+
+        def codegen(context, builder, signature, args):
+            o = context.cast(builder, args[1], signature.args[1], types.int64)
+            v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], o, llty))
+            v.align = 1
+            return convert(builder, v)
+
+        return sig, codegen
+
+    loader.__doc__ = doc
+    return loader
+
+
+ld_i8 = _byte_loader(_I8, types.int32, lambda b, v: b.sext(v, _I32), "int8 at a byte offset, as int32.")
+ld_u8 = _byte_loader(_I8, types.int32, lambda b, v: b.zext(v, _I32), "uint8 at a byte offset, as int32.")
+ld_i16 = _byte_loader(_I16, types.int32, lambda b, v: b.sext(v, _I32), "int16 at a byte offset, as int32.")
+ld_u32 = _byte_loader(_I32, types.int64, lambda b, v: b.zext(v, _I64), "uint32 at a byte offset, as int64.")
+ld_f32 = _byte_loader(_F32, types.float32, lambda b, v: v, "float32 at a byte offset.")
+ld_f16 = _byte_loader(_I16, types.float32, lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), _F32),
+                      "float16 at a byte offset, widened exactly to float32 (vcvtph2ps).")
+ld_bf16 = _byte_loader(_I16, types.float32,
+                       lambda b, v: b.bitcast(b.shl(b.zext(v, _I32), ir.Constant(_I32, 16)), _F32),
+                       "bfloat16 at a byte offset, widened exactly to float32.")
+
+
+@intrinsic
+def ld_f16x2(typingctx, arena, off):
+    """The two float16 at byte offsets ``off`` and ``off + 2``, widened to float32, as a tuple.
+
+    The block kernels read their float16 scales with this: one 4-byte load into a general
+    register, then ``vmovd`` + ``vcvtph2ps`` (inline asm). Left to itself LLVM narrows the
+    load and inserts it into a live xmm register with ``vpinsrw``, which chains every block
+    on the previous block's scale arithmetic (measured 2.8x slower on Q4_0).
+    """
+    retty = types.UniTuple(types.float32, 2)
+    sig = retty(arena, off)
+
+    def codegen(context, builder, signature, args):
+        o = context.cast(builder, args[1], signature.args[1], types.int64)
+        v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], o, _I32))
+        v.align = 1
+        f4 = builder.asm(ir.FunctionType(ir.VectorType(_F32, 4), [_I32]),
+                         "vmovd $1, $0\n\tvcvtph2ps $0, $0", "=x,r", [v], False)
+        a = builder.extract_element(f4, ir.Constant(_I32, 0))
+        b = builder.extract_element(f4, ir.Constant(_I32, 1))
+        return context.make_tuple(builder, retty, [a, b])
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_round(typingctx, x):
+    """float32 -> float16 (nearest even, as GGML_FP32_TO_FP16) -> float32."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), _F32)
+
+    return sig, codegen
+
+
+def _unary_f32_intrinsic(llvm_name, doc):
+    @intrinsic
+    def fn(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32]), llvm_name)
+            return builder.call(f, [args[0]])
+
+        return sig, codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+roundf = _unary_f32_intrinsic("llvm.round.f32", "C roundf: round half away from zero.")
+rintf = _unary_f32_intrinsic("llvm.rint.f32", "Round half to even (ggml's nearest_int for |x| < 2^22).")
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The IEEE-754 bits of a float32, as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_f32(typingctx, x):
+    """The float32 whose IEEE-754 bits are the low 32 bits of the integer ``x``."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint32)
+        return builder.bitcast(v, _F32)
+
+    return sig, codegen
+
+
+def _elem_ptr(context, builder, aryty, ary, idx, idxty):
+    data = _data(context, builder, aryty, ary)
+    return builder.gep(data, [context.cast(builder, idx, idxty, types.int64)])
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """Sequentially consistent load of int64 element ``idx`` (a volatile read for spin loops)."""
+    sig = types.int64(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        return builder.load_atomic(p, "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """Sequentially consistent store into int64 element ``idx``."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(v, p, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """Atomically add ``val`` to int64 element ``idx`` (``lock xadd``); returns the old value."""
+    sig = types.int64(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", p, v, "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """Spin-wait hint (x86 ``pause``)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                           "llvm.x86.sse2.pause")
+        builder.call(f, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cycle_counter(typingctx):
+    """The CPU cycle counter (``rdtsc`` via llvm.readcyclecounter), as int64."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), "llvm.readcyclecounter")
+        return builder.call(f, [])
+
+    return sig, codegen
+
+
+def _addr_view(dtype):
+    arrty = types.Array(dtype, 1, "C")
+
+    @intrinsic
+    def view(typingctx, addr, n):
+        sig = arrty(addr, n)
+
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[0], signature.args[0], types.int64)
+            count = context.cast(builder, args[1], signature.args[1], types.int64)
+            llelem = context.get_data_type(dtype)
+            ary = context.make_array(arrty)(context, builder)
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(llelem))
+            context.populate_array(ary, data=builder.inttoptr(a, llelem.as_pointer()),
+                                   shape=cgutils.pack_array(builder, [count]),
+                                   strides=cgutils.pack_array(builder, [itemsize]),
+                                   itemsize=itemsize, meminfo=None)
+            return ary._getvalue()
+
+        return sig, codegen
+
+    view.__doc__ = f"A 1-D {dtype} array of ``n`` elements at raw address ``addr`` (no ownership)."
+    return view
+
+
+view_u8 = _addr_view(types.uint8)
+view_i8 = _addr_view(types.int8)
+view_i16 = _addr_view(types.int16)
+view_i32 = _addr_view(types.int32)
+view_i64 = _addr_view(types.int64)
+view_f32 = _addr_view(types.float32)
+
+_JIT = dict(nogil=True, cache=True)
+_JIT_FLOAT = dict(nogil=True, cache=True, fastmath={"reassoc", "contract", "nsz"})
+_JIT_INLINE = dict(nogil=True, cache=True, inline="always")
+
+# ---------------------------------------------------------------------------------------
+# Scalar helpers
+# ---------------------------------------------------------------------------------------
+
+
+@njit(**_JIT_INLINE)
+def _e8m0_half(e):
+    """2^(e-128) as float32 for an E8M0 byte ``e``: ggml's GGML_E8M0_TO_FP32_HALF."""
+    if e < 2:
+        return bits_f32(np.uint32(0x00200000) << np.uint32(e))
+    return bits_f32(np.uint32(e - 1) << np.uint32(23))
+
+
+@njit(**_JIT_INLINE)
+def _mxfp4_value(c):
+    """Doubled E2M1 value of a 4-bit code: {0,1,2,3,4,6,8,12}, bit 3 the sign (kvalues_mxfp4)."""
+    m = c & 7
+    mag = m if m < 4 else (2 + (m & 1)) << ((m >> 1) - 1)
+    return mag - ((c >> 3) & 1) * 2 * mag
+
+
+@njit(**_JIT_INLINE)
+def _k4_scale(arena, so, j):
+    """6-bit scale j (0..7) of the 12 packed Q4_K/Q5_K scale bytes at byte offset ``so``."""
+    if j < 4:
+        return ld_u8(arena, so + j) & 63
+    return (ld_u8(arena, so + j + 4) & 15) | ((ld_u8(arena, so + j - 4) >> 6) << 4)
+
+
+@njit(**_JIT_INLINE)
+def _k4_min(arena, so, j):
+    """6-bit min j (0..7) of the 12 packed Q4_K/Q5_K scale bytes at byte offset ``so``."""
+    if j < 4:
+        return ld_u8(arena, so + j + 4) & 63
+    return (ld_u8(arena, so + j + 4) >> 4) | ((ld_u8(arena, so + j) >> 6) << 4)
+
+
+@njit(**_JIT_INLINE)
+def _bf16_round(x):
+    """float32 -> bfloat16 -> float32, as ggml_compute_fp32_to_bf16 (nearest even, NaN quieted)."""
+    u = np.int64(f32_bits(x))
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        h = (u >> 16) | 64
+    else:
+        h = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    return bits_f32((h & 0xFFFF) << 16)
+
+
+# ---------------------------------------------------------------------------------------
+# Dequantization: one row of C elements at byte offset ``wo`` -> out[oo : oo + C]
+# (bit-exact with gguf.quants.dequantize: same float32 operations in the same order)
+# ---------------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def _dequant_row(arena, wo, ggml_type, n_cols, out, oo):
+    if ggml_type == GGML_F32:
+        for j in range(n_cols):
+            st(out, oo + j, ld_f32(arena, wo + 4 * j))
+    elif ggml_type == GGML_F16:
+        for j in range(n_cols):
+            st(out, oo + j, ld_f16(arena, wo + 2 * j))
+    elif ggml_type == GGML_BF16:
+        for j in range(n_cols):
+            st(out, oo + j, ld_bf16(arena, wo + 2 * j))
+    elif ggml_type == GGML_Q4_0:
+        for b in range(n_cols // QK):
+            o = wo + b * 18
+            d = ld_f16(arena, o)
+            for j in range(16):
+                v = ld_u8(arena, o + 2 + j)
+                st(out, oo + b * QK + j, d * np.float32((v & 15) - 8))
+                st(out, oo + b * QK + 16 + j, d * np.float32((v >> 4) - 8))
+    elif ggml_type == GGML_Q4_1:
+        for b in range(n_cols // QK):
+            o = wo + b * 20
+            d = ld_f16(arena, o)
+            m = ld_f16(arena, o + 2)
+            for j in range(16):
+                v = ld_u8(arena, o + 4 + j)
+                st(out, oo + b * QK + j, d * np.float32(v & 15) + m)
+                st(out, oo + b * QK + 16 + j, d * np.float32(v >> 4) + m)
+    elif ggml_type == GGML_Q5_0:
+        for b in range(n_cols // QK):
+            o = wo + b * 22
+            d = ld_f16(arena, o)
+            qh = ld_u32(arena, o + 2)
+            for j in range(16):
+                v = ld_u8(arena, o + 6 + j)
+                x0 = ((v & 15) | (((qh >> j) & 1) << 4)) - 16
+                x1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
+                st(out, oo + b * QK + j, d * np.float32(x0))
+                st(out, oo + b * QK + 16 + j, d * np.float32(x1))
+    elif ggml_type == GGML_Q5_1:
+        for b in range(n_cols // QK):
+            o = wo + b * 24
+            d = ld_f16(arena, o)
+            m = ld_f16(arena, o + 2)
+            qh = ld_u32(arena, o + 4)
+            for j in range(16):
+                v = ld_u8(arena, o + 8 + j)
+                x0 = (v & 15) | (((qh >> j) & 1) << 4)
+                x1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                st(out, oo + b * QK + j, d * np.float32(x0) + m)
+                st(out, oo + b * QK + 16 + j, d * np.float32(x1) + m)
+    elif ggml_type == GGML_Q8_0:
+        for b in range(n_cols // QK):
+            o = wo + b * 34
+            d = ld_f16(arena, o)
+            for j in range(QK):
+                st(out, oo + b * QK + j, np.float32(ld_i8(arena, o + 2 + j)) * d)
+    elif ggml_type == GGML_MXFP4:
+        for b in range(n_cols // QK):
+            o = wo + b * 17
+            d = _e8m0_half(ld_u8(arena, o))
+            for j in range(16):
+                v = ld_u8(arena, o + 1 + j)
+                st(out, oo + b * QK + j, d * np.float32(_mxfp4_value(v & 15)))
+                st(out, oo + b * QK + 16 + j, d * np.float32(_mxfp4_value(v >> 4)))
+    elif ggml_type == GGML_Q4_K or ggml_type == GGML_Q5_K:
+        is_q5 = ggml_type == GGML_Q5_K
+        bb = 176 if is_q5 else 144
+        qo = 48 if is_q5 else 16
+        for b in range(n_cols // QK_K):
+            o = wo + b * bb
+            d = ld_f16(arena, o)
+            dmin = ld_f16(arena, o + 2)
+            for g in range(4):
+                for h in range(2):
+                    j = 2 * g + h
+                    ds = d * np.float32(_k4_scale(arena, o + 4, j))
+                    dm = dmin * np.float32(_k4_min(arena, o + 4, j))
+                    for k in range(32):
+                        q = (ld_u8(arena, o + qo + 32 * g + k) >> (4 * h)) & 15
+                        if is_q5:
+                            q |= ((ld_u8(arena, o + 16 + k) >> j) & 1) << 4
+                        st(out, oo + b * QK_K + 32 * j + k, ds * np.float32(q) - dm)
+    elif ggml_type == GGML_Q6_K:
+        for b in range(n_cols // QK_K):
+            o = wo + b * 210
+            d = ld_f16(arena, o + 208)
+            for i in range(8):
+                n = i // 4
+                k = i % 4
+                for el in range(32):
+                    lo = (ld_u8(arena, o + 64 * n + 32 * (k % 2) + el) >> (4 * (k // 2))) & 15
+                    hi = (ld_u8(arena, o + 128 + 32 * n + el) >> (2 * k)) & 3
+                    q = (lo | (hi << 4)) - 32
+                    sc = d * np.float32(ld_i8(arena, o + 192 + 2 * i + el // 16))
+                    st(out, oo + b * QK_K + 32 * i + el, sc * np.float32(q))
+    else:
+        raise ValueError("unsupported ggml type")
+
+
+@njit(**_JIT)
+def dequantize_rows(arena, w_off, ggml_type, n_cols, row_bytes_, rows, out):
+    """Dequantize selected rows of a tensor to float32.
+
+    arena: uint8 [*]; w_off: byte offset of row 0; rows: int64 [R] row indices;
+    out: float32 [R * n_cols] (row-major). Used for embedding lookups and as a test oracle.
+    """
+    for i in range(rows.shape[0]):
+        _dequant_row(arena, w_off + ld(rows, i) * row_bytes_, ggml_type, n_cols, out, i * n_cols)
+
+
+# ---------------------------------------------------------------------------------------
+# Activation quantization (ggml-quants.c reference rows), one row at x[xo : xo + n]
+# ---------------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
+    """As ggml-cpu's x86 quantize_row_q8_0 (the AVX2/AVX-512 path llama.cpp runs on these
+    hosts): per 32: d = amax/127 stored as f16, id = 127/amax, q = round-half-to-even(x*id)
+    (_mm256_round_ps with _MM_ROUND_NEAREST). The portable quantize_row_q8_0_ref differs (id =
+    1/d and roundf, half away from zero): a few elements per block land one step apart, which
+    moved logits by ~0.5% against llama.cpp.
+
+    x: float32 (row at element ``xo``, ``n`` a multiple of 32); writes qs[qo:qo+n] int8 and
+    d_out[do_ : do_ + n/32] float32 (the f16-rounded d the dot products use).
+    """
+    for b in range(n // QK):
+        base = xo + b * QK
+        amax = np.float32(0.0)
+        for j in range(QK):
+            amax = max(amax, abs(ld(x, base + j)))
+        d = amax / np.float32(127.0)
+        idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        st(d_out, do_ + b, f16_round(d))
+        for j in range(QK):
+            st(qs, qo + b * QK + j, np.int8(rintf(ld(x, base + j) * idd)))
+
+
+@njit(**_JIT)
+def quantize_row_q8_1(x, xo, n, qs, qo, d_out, s_out, do_):
+    """As ggml-cpu's x86 quantize_row_q8_1: the Q8_0 rule above (id = 127/amax, half to even)
+    plus s = f16(d * sum(q)) per 32-element block."""
+    for b in range(n // QK):
+        base = xo + b * QK
+        amax = np.float32(0.0)
+        for j in range(QK):
+            amax = max(amax, abs(ld(x, base + j)))
+        d = amax / np.float32(127.0)
+        idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        st(d_out, do_ + b, f16_round(d))
+        total = 0
+        for j in range(QK):
+            q = np.int32(rintf(ld(x, base + j) * idd))
+            total += q
+            st(qs, qo + b * QK + j, np.int8(q))
+        st(s_out, do_ + b, f16_round(np.float32(total) * d))
+
+
+@njit(**_JIT)
+def quantize_row_q8_k(x, xo, n, qs, qo, d_out, do_, bsums, bo):
+    """As ggml's quantize_row_q8_K_ref: per 256: iscale = -127/max (max = the first element of
+    largest magnitude), q = min(127, nearest_int(iscale*x)), d = 1/iscale (f32), int16 sums of
+    each 16 q into bsums[bo + 16*b : ...]. An all-zero block gets d = 0, q = 0, sums 0.
+    """
+    for b in range(n // QK_K):
+        base = xo + b * QK_K
+        vmax = np.float32(0.0)
+        amax = np.float32(0.0)
+        for j in range(QK_K):
+            v = ld(x, base + j)
+            if abs(v) > amax:
+                amax = abs(v)
+                vmax = v
+        if amax == 0:
+            st(d_out, do_ + b, np.float32(0.0))
+            for j in range(QK_K):
+                st(qs, qo + b * QK_K + j, np.int8(0))
+            for j in range(QK_K // 16):
+                st(bsums, bo + b * 16 + j, np.int16(0))
+            continue
+        iscale = np.float32(-127.0) / vmax
+        for j in range(QK_K):
+            q = np.int32(rintf(iscale * ld(x, base + j)))
+            st(qs, qo + b * QK_K + j, np.int8(min(127, q)))
+        for j in range(QK_K // 16):
+            total = 0
+            for k in range(16):
+                total += np.int32(ld(qs, qo + b * QK_K + 16 * j + k))
+            st(bsums, bo + b * 16 + j, np.int16(total))
+        st(d_out, do_ + b, np.float32(1.0) / iscale)
+
+
+@njit(**_JIT)
+def quantize_partner_row(partner, x, xo, n, xf, xq, xd, xs, xbs, row):
+    """Encode activation row x[xo:xo+n] in ``partner`` format into row ``row`` of the partner
+    arrays (xf float32 [*, n], xq int8 [*, n], xd/xs float32 [*, n/32|256], xbs int16 [*, n/16]).
+    """
+    if partner == 0:
+        for j in range(n):
+            st(xf, row * n + j, ld(x, xo + j))
+    elif partner == 1:
+        for j in range(n):
+            st(xf, row * n + j, f16_round(ld(x, xo + j)))
+    elif partner == 2:
+        for j in range(n):
+            st(xf, row * n + j, _bf16_round(ld(x, xo + j)))
+    elif partner == 3:
+        quantize_row_q8_0(x, xo, n, xq, row * n, xd, row * (n // QK))
+    elif partner == 4:
+        quantize_row_q8_1(x, xo, n, xq, row * n, xd, xs, row * (n // QK))
+    else:
+        quantize_row_q8_k(x, xo, n, xq, row * n, xd, row * (n // QK_K), xbs, row * (n // 16))
+
+
+@njit(**_JIT)
+def quantize_partner_rows(partner, x, n_rows, n, xf, xq, xd, xs, xbs):
+    """quantize_partner_row for rows 0..n_rows-1 of x float32 [n_rows * n]."""
+    for r in range(n_rows):
+        quantize_partner_row(partner, x, r * n, n, xf, xq, xd, xs, xbs, r)
+
+
+@njit(**_JIT)
+def quantize_partner_rows_range(partner, x, row_lo, row_hi, n, xf, xq, xd, xs, xbs):
+    """quantize_partner_row for rows row_lo..row_hi-1 of x float32 [*, n] (worker share)."""
+    for r in range(row_lo, row_hi):
+        quantize_partner_row(partner, x, r * n, n, xf, xq, xd, xs, xbs, r)
+
+
+# ---------------------------------------------------------------------------------------
+# Vector block intrinsics: one weight block x 1 or 4 activation rows, in LLVM vector IR
+# ---------------------------------------------------------------------------------------
+# As ggml's AVX2 kernels: a block's 32 weights become 32 bytes (unpacked nibbles, or the
+# int8 values), multiplied with the activation's 32 int8 by vpmaddubsw (unsigned x signed
+# bytes -> 16 int16 pair sums; signed weights go through the sign trick |w| x sign(a, w))
+# and vpmaddwd (int16 pairs -> 8 int32, times 1 or times the sub-block scale). No pair sum
+# can saturate int16: |w| <= 128 and |a| <= 127 (both quantizers clamp to 127), so
+# 2 * 128 * 127 = 32512. The 8 int32 are then scaled into a float accumulator (fma:
+# 32-element formats) or added into an int32 accumulator (K-quants, flushed once per
+# super-block). Accumulators are 4 slots of <8 x float> / <8 x i32> in a stack slot the
+# kernel allocates once; LLVM keeps them in registers. The horizontal sum happens once per
+# row (as ggml's AVX kernels do), not once per block. The 4-row form unpacks each weight
+# block once for 4 activation rows (prefill, batched decode, experts chosen by several
+# tokens). Only AVX2 instructions are required (plus SSSE3 pshufb for MXFP4).
+
+def _target_has_avx512bw() -> bool:
+    """Whether numba compiles for a CPU with AVX-512BW (the host, unless NUMBA_CPU_NAME is set).
+    MOE_SERVICE_KERNEL_ISA=avx2 forces the AVX2 code (use a separate NUMBA_CACHE_DIR: numba's
+    cache key does not include this choice)."""
+    if os.environ.get("MOE_SERVICE_KERNEL_ISA", "").lower() == "avx2":
+        return False
+    if _numba_config.CPU_NAME:
+        return "+avx512bw" in (_numba_config.CPU_FEATURES or "")
+    return bool(_llb.get_host_cpu_features().get("avx512bw", False))
+
+
+# K-quant pieces use 512-bit vpmaddubsw/vpmaddwd (64 bytes: two 32-element sub-blocks per
+# instruction) where the target has AVX-512BW; AVX2 elsewhere. Integer sums are exact, so
+# both give bit-identical results.
+_AVX512 = _target_has_avx512bw()
+_IW = 16 if _AVX512 else 8  # lanes of the K-quant int32 accumulators
+
+_ACC = types.CPointer(types.float32)   # -> [8 x <8 x float>]: two per activation row (block parity)
+_IACC = types.CPointer(types.int32)    # -> [4 x <_IW x i32>]
+_VF = ir.VectorType(_F32, 8)
+_VI = ir.VectorType(_I32, 8)
+_VIW = ir.VectorType(_I32, _IW)
+
+
+def _vt(t, n):
+    return ir.VectorType(t, n)
+
+
+def _cvec(t, vals):
+    return ir.Constant(_vt(t, len(vals)), list(vals))
+
+
+def _splat(builder, val, n):
+    v = builder.insert_element(ir.Constant(_vt(val.type, n), None), val, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _cvec(_I32, [0] * n))
+
+
+def _i64(context, builder, val, ty):
+    return context.cast(builder, val, ty, types.int64)
+
+
+def _bytes(context, builder, aryty, ary, off, n):
+    """<n x i8> at byte offset ``off`` (i64) of a uint8/int8 array or pointer, unaligned."""
+    v = builder.load(_byte_ptr(context, builder, aryty, ary, off, _vt(_I8, n)))
+    v.align = 1
+    return v
+
+
+def _add(builder, off, k):
+    return builder.add(off, ir.Constant(_I64, k)) if k else off
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _nibbles(builder, v16):
+    """16 packed bytes -> <32 x i8>: the 16 low nibbles, then the 16 high nibbles."""
+    lo = builder.and_(v16, _cvec(_I8, [15] * 16))
+    hi = builder.lshr(v16, _cvec(_I8, [4] * 16))
+    return builder.shuffle_vector(lo, hi, _cvec(_I32, range(32)))
+
+
+def _high_bits(builder, qh32):
+    """u32 (i32) qh -> <32 x i8> whose lane j is bit j of qh shifted to bit 4 (Q5_0/Q5_1):
+    byte j // 8 of qh spread to lane j (vpshufb), tested against bit j % 8 (as ggml's
+    bytes_from_bits_32)."""
+    b4 = builder.bitcast(qh32, _vt(_I8, 4))
+    spread = builder.shuffle_vector(b4, b4, _cvec(_I32, [j // 8 for j in range(32)]))
+    hit = builder.icmp_unsigned("!=", builder.and_(spread, _cvec(_I8, [1 << (j % 8) for j in range(32)])),
+                                _cvec(_I8, [0] * 32))
+    return builder.select(hit, _cvec(_I8, [16] * 32), _cvec(_I8, [0] * 32))
+
+
+def _maddubs(builder, w_u8, a_s8):
+    """vpmaddubsw: <32 x u8> . <32 x s8> -> <16 x i16> sums of adjacent products."""
+    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(_I16, 16), [w_u8, a_s8])
+
+
+def _madd(builder, p16, m16):
+    """vpmaddwd: <16 x i16> . <16 x i16> -> <8 x i32> sums of adjacent products."""
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [p16, m16])
+
+
+def _maddubs512(builder, w_u8, a_s8):
+    """512-bit vpmaddubsw: <64 x u8> . <64 x s8> -> <32 x i16> (AVX-512BW)."""
+    return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vt(_I16, 32), [w_u8, a_s8])
+
+
+def _madd512(builder, p16, m16):
+    """512-bit vpmaddwd: <32 x i16> . <32 x i16> -> <16 x i32> (AVX-512BW)."""
+    return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vt(_I32, 16), [p16, m16])
+
+
+def _concat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, _cvec(_I32, range(2 * n)))
+
+
+def _lanes16(builder, scales, per):
+    """<len(scales) * per x i16>: each scale repeated ``per`` times."""
+    parts = [_splat(builder, sc, per) for sc in scales]
+    while len(parts) > 1:
+        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _iacc_add(builder, iaccp, t, v):
+    """iacc[t] += v, v <8 x i32> or <_IW x i32> (an 8-lane v goes into the low lanes)."""
+    p = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
+    if v.type.count != _IW:
+        v = builder.shuffle_vector(v, ir.Constant(_VI, [0] * 8), _cvec(_I32, range(16)))
+    builder.store(builder.add(builder.load(p), v), p)
+
+
+def _abs8(builder, w):
+    return _call(builder, "llvm.abs.v32i8", _vt(_I8, 32), [w, ir.Constant(ir.IntType(1), 0)])
+
+
+def _sign8(builder, a, w):
+    """vpsignb: a where w > 0, -a where w < 0, 0 where w == 0."""
+    return _call(builder, "llvm.x86.avx2.psign.b", _vt(_I8, 32), [a, w])
+
+
+_ONES16 = _cvec(_I16, [1] * 16)
+
+
+class _Weights:
+    """A weight block unpacked to 32 bytes; ``signed`` selects the sign trick."""
+
+    def __init__(self, builder, w8, signed):
+        self.w8 = w8
+        self.signed = signed
+        self.u8 = _abs8(builder, w8) if signed else w8
+
+    def pairs(self, builder, a8):
+        """<16 x i16> adjacent pair sums of w . a."""
+        return _maddubs(builder, self.u8, _sign8(builder, a8, self.w8) if self.signed else a8)
+
+
+def _slot(builder, ptr, slot, vty):
+    base = builder.bitcast(ptr, ir.ArrayType(vty, 8 if vty.element == _F32 else 4).as_pointer())
+    return builder.gep(base, [ir.Constant(_I32, 0), slot])
+
+
+def _fma_into(builder, accp, slot, i32v, scale):
+    p = _slot(builder, accp, slot, _VF)
+    f = builder.sitofp(i32v, _VF)
+    builder.store(_call(builder, "llvm.fma.v8f32", _VF, [f, _splat(builder, scale, 8), builder.load(p)]), p)
+
+
+def _unpack_q8_0(context, builder, aryty, arena, wo):
+    return _Weights(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 2), 32), True)
+
+
+def _unpack_q4_0(context, builder, aryty, arena, wo):
+    q = _nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 2), 16))
+    return _Weights(builder, builder.sub(q, _cvec(_I8, [8] * 32)), True)
+
+
+def _unpack_q4_1(context, builder, aryty, arena, wo):
+    return _Weights(builder, _nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 4), 16)),
+                    False)
+
+
+def _unpack_q5(context, builder, aryty, arena, wo, qh_off, qs_off, bias):
+    qh = builder.load(_byte_ptr(context, builder, aryty, arena, _add(builder, wo, qh_off), _I32))
+    qh.align = 1
+    q = builder.or_(_nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, qs_off), 16)),
+                    _high_bits(builder, qh))
+    if bias:
+        return _Weights(builder, builder.sub(q, _cvec(_I8, [bias] * 32)), True)
+    return _Weights(builder, q, False)
+
+
+def _unpack_q5_0(context, builder, aryty, arena, wo):
+    return _unpack_q5(context, builder, aryty, arena, wo, 2, 6, 16)
+
+
+def _unpack_q5_1(context, builder, aryty, arena, wo):
+    return _unpack_q5(context, builder, aryty, arena, wo, 4, 8, 0)
+
+
+_MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _unpack_mxfp4(context, builder, aryty, arena, wo):
+    table = _cvec(_I8, [v & 0xFF for v in _MXFP4_KVALUES])
+    v = _bytes(context, builder, aryty, arena, _add(builder, wo, 1), 16)
+    lo = _call(builder, "llvm.x86.ssse3.pshuf.b.128", _vt(_I8, 16), [table, builder.and_(v, _cvec(_I8, [15] * 16))])
+    hi = _call(builder, "llvm.x86.ssse3.pshuf.b.128", _vt(_I8, 16), [table, builder.lshr(v, _cvec(_I8, [4] * 16))])
+    return _Weights(builder, builder.shuffle_vector(lo, hi, _cvec(_I32, range(32))), True)
+
+
+def _blk32_codegen(unpack, nt):
+    def codegen(context, builder, sig, args):
+        k = 1
+        accp = args[0]
+        par = _i64(context, builder, args[1], sig.args[1])  # nt == 1: the slot; nt == 4: block parity
+        arena, wo, xq = args[1 + k], args[2 + k], args[3 + k]
+        w = unpack(context, builder, sig.args[1 + k], arena, _i64(context, builder, wo, sig.args[2 + k]))
+        for t in range(nt):
+            xo = _i64(context, builder, args[4 + k + t], sig.args[4 + k + t])
+            a8 = _bytes(context, builder, sig.args[3 + k], xq, xo, 32)
+            s = context.cast(builder, args[4 + k + nt + t], sig.args[4 + k + nt + t], types.float32)
+            i32 = _madd(builder, w.pairs(builder, a8), _ONES16)
+            slot = par if nt == 1 else builder.add(ir.Constant(_I64, 2 * t), par)
+            _fma_into(builder, accp, slot, i32, s)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _blk32_pair(unpack, name):
+    """(blk1, blk4) intrinsics of one 32-element format.
+
+    blk1(acc, slot, arena, wo, xq, xo, s): acc[slot] += s * (W_block . xq[xo:xo+32]) (8 partial
+    int32 sums); blk4(acc, par, arena, wo, xq, xo0..xo3, s0..s3): the same for 4 activation
+    blocks into slots 2t + par, unpacking the weight block once. wo: the block's byte offset;
+    s: d_w * d_x. Row kernels alternate par / slot with block parity, the same way for 1 and
+    4 rows, so a row's result does not depend on how activation rows were grouped.
+    """
+
+    @intrinsic
+    def blk1(typingctx, acc, slot, arena, wo, xq, xo, s):
+        sig = types.void(acc, slot, arena, wo, xq, xo, types.float32)
+        return sig, _blk32_codegen(unpack, 1)
+
+    @intrinsic
+    def blk4(typingctx, acc, par, arena, wo, xq, xo0, xo1, xo2, xo3, s0, s1, s2, s3):
+        f = types.float32
+        sig = types.void(acc, par, arena, wo, xq, xo0, xo1, xo2, xo3, f, f, f, f)
+        return sig, _blk32_codegen(unpack, 4)
+
+    blk1.__doc__ = f"{name} block x 1 activation block into acc[slot]."
+    blk4.__doc__ = f"{name} block x 4 activation blocks into acc[0..3]."
+    return blk1, blk4
+
+
+_blk1_q8_0, _blk4_q8_0 = _blk32_pair(_unpack_q8_0, "Q8_0")
+_blk1_q4_0, _blk4_q4_0 = _blk32_pair(_unpack_q4_0, "Q4_0")
+_blk1_q4_1, _blk4_q4_1 = _blk32_pair(_unpack_q4_1, "Q4_1")
+_blk1_q5_0, _blk4_q5_0 = _blk32_pair(_unpack_q5_0, "Q5_0")
+_blk1_q5_1, _blk4_q5_1 = _blk32_pair(_unpack_q5_1, "Q5_1")
+_blk1_mxfp4, _blk4_mxfp4 = _blk32_pair(_unpack_mxfp4, "MXFP4")
+
+
+# K-quant pieces: one 64-element pair of sub-blocks (Q4_K/Q5_K, index g: unsigned 4/5-bit
+# values) or one 32-element group (Q6_K, index i: unsigned 6-bit values, the -32 offset is
+# applied once per super-block through the Q8_K 16-sums, _q6k_corr*) times the activation,
+# weighted by the int sub-block scales inside vpmaddwd, added into the int32 accumulators.
+
+
+def _piece_q45k(context, builder, aryty, arena, wo, g, q5):
+    off = builder.add(wo, builder.add(ir.Constant(_I64, 48 if q5 else 16), builder.mul(g, ir.Constant(_I64, 32))))
+    qs = _bytes(context, builder, aryty, arena, off, 32)
+    lo = builder.and_(qs, _cvec(_I8, [15] * 32))
+    hi = builder.lshr(qs, _cvec(_I8, [4] * 32))
+    if q5:
+        qh = _bytes(context, builder, aryty, arena, _add(builder, wo, 16), 32)
+        sh = builder.mul(builder.trunc(g, _I8), ir.Constant(_I8, 2))
+        one = _cvec(_I8, [1] * 32)
+        hb_lo = builder.and_(builder.lshr(qh, _splat(builder, sh, 32)), one)
+        hb_hi = builder.and_(builder.lshr(qh, _splat(builder, builder.add(sh, ir.Constant(_I8, 1)), 32)), one)
+        lo = builder.or_(lo, builder.shl(hb_lo, _cvec(_I8, [4] * 32)))
+        hi = builder.or_(hi, builder.shl(hb_hi, _cvec(_I8, [4] * 32)))
+    return lo, hi
+
+
+def _q6k_group(context, builder, aryty, arena, wo, i, delta):
+    """The 32 unsigned 6-bit values of 32-element group i + delta of a Q6_K block (i even)."""
+    n = builder.lshr(i, ir.Constant(_I64, 2))
+    k = builder.add(builder.and_(i, ir.Constant(_I64, 3)), ir.Constant(_I64, delta))
+    ql_off = builder.add(wo, builder.add(builder.mul(n, ir.Constant(_I64, 64)), ir.Constant(_I64, 32 * delta)))
+    qh_off = builder.add(wo, builder.add(ir.Constant(_I64, 128), builder.mul(n, ir.Constant(_I64, 32))))
+    ql = _bytes(context, builder, aryty, arena, ql_off, 32)
+    qh = _bytes(context, builder, aryty, arena, qh_off, 32)
+    sh_l = builder.trunc(builder.mul(builder.lshr(k, ir.Constant(_I64, 1)), ir.Constant(_I64, 4)), _I8)
+    sh_h = builder.trunc(builder.mul(k, ir.Constant(_I64, 2)), _I8)
+    lo = builder.and_(builder.lshr(ql, _splat(builder, sh_l, 32)), _cvec(_I8, [15] * 32))
+    hi = builder.and_(builder.lshr(qh, _splat(builder, sh_h, 32)), _cvec(_I8, [3] * 32))
+    return builder.or_(lo, builder.shl(hi, _cvec(_I8, [4] * 32)))
+
+
+def _kpiece_codegen(kind, nt):
+    def codegen(context, builder, sig, args):
+        iaccp, arena, wo, xq = args[0], args[1], _i64(context, builder, args[2], sig.args[2]), args[3]
+        xos = [_i64(context, builder, args[4 + t], sig.args[4 + t]) for t in range(nt)]
+        j = _i64(context, builder, args[4 + nt], sig.args[4 + nt])
+        sc = [builder.trunc(context.cast(builder, args[5 + nt + m], sig.args[5 + nt + m], types.int32), _I16)
+              for m in range(4)]
+        if kind == "q6k":  # groups j and j + 1 (j even): 64 elements, 4 scales of 16
+            q0 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 0)
+            q1 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 1)
+            a_off = builder.mul(j, ir.Constant(_I64, 32))
+            if _AVX512:
+                w64 = _concat(builder, q0, q1)
+                scv = _lanes16(builder, sc, 8)
+            else:
+                sc01, sc23 = _lanes16(builder, sc[:2], 8), _lanes16(builder, sc[2:], 8)
+        else:  # Q4_K / Q5_K sub-block pair j: 64 elements, scales sc[0], sc[1]
+            lo, hi = _piece_q45k(context, builder, sig.args[1], arena, wo, j, kind == "q5k")
+            a_off = builder.mul(j, ir.Constant(_I64, 64))
+            if _AVX512:
+                w64 = _concat(builder, lo, hi)
+                scv = _lanes16(builder, sc[:2], 16)
+            else:
+                q0, q1 = lo, hi
+                sc01, sc23 = _lanes16(builder, sc[:1], 16), _lanes16(builder, sc[1:2], 16)
+        for t in range(nt):
+            base = builder.add(xos[t], a_off)
+            if _AVX512:
+                a64 = _bytes(context, builder, sig.args[3], xq, base, 64)
+                v = _madd512(builder, _maddubs512(builder, w64, a64), scv)
+            else:
+                a0 = _bytes(context, builder, sig.args[3], xq, base, 32)
+                a1 = _bytes(context, builder, sig.args[3], xq, _add(builder, base, 32), 32)
+                v = builder.add(_madd(builder, _maddubs(builder, q0, a0), sc01),
+                                _madd(builder, _maddubs(builder, q1, a1), sc23))
+            _iacc_add(builder, iaccp, t, v)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _kpiece_pair(kind):
+    @intrinsic
+    def piece1(typingctx, iacc, arena, wo, xq, xo, j, s0, s1, s2, s3):
+        i32 = types.int32
+        sig = types.void(iacc, arena, wo, xq, xo, j, i32, i32, i32, i32)
+        return sig, _kpiece_codegen(kind, 1)
+
+    @intrinsic
+    def piece4(typingctx, iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, s0, s1, s2, s3):
+        i32 = types.int32
+        sig = types.void(iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, i32, i32, i32, i32)
+        return sig, _kpiece_codegen(kind, 4)
+
+    piece1.__doc__ = piece4.__doc__ = (
+        f"{kind}: 64 elements of the super-block at byte wo (Q4_K/Q5_K: sub-block pair j, scales s0, "
+        "s1; Q6_K: groups j, j+1, 16-element scales s0..s3) x the activation super-block(s) at xo: "
+        "iacc[t] += scale-weighted partial int32 sums."
+    )
+    return piece1, piece4
+
+
+_piece1_q4k, _piece4_q4k = _kpiece_pair("q4k")
+_piece1_q5k, _piece4_q5k = _kpiece_pair("q5k")
+_piece1_q6k, _piece4_q6k = _kpiece_pair("q6k")
+
+
+def _q6k_corr_codegen(nt):
+    def codegen(context, builder, sig, args):
+        iaccp, arena = args[0], args[1]
+        o = _i64(context, builder, args[2], sig.args[2])
+        xbs = args[3]
+        sc = builder.load(_byte_ptr(context, builder, sig.args[1], arena, _add(builder, o, 192), _vt(_I8, 16)))
+        sc.align = 1
+        sc16 = builder.sext(sc, _vt(_I16, 16))
+        for t in range(nt):
+            so = _i64(context, builder, args[4 + t], sig.args[4 + t])
+            boff = builder.mul(so, ir.Constant(_I64, 2))
+            bs = builder.load(_byte_ptr(context, builder, sig.args[3], xbs, boff, _vt(_I16, 16)))
+            bs.align = 1
+            corr = builder.mul(_madd(builder, sc16, bs), _cvec(_I32, [-32] * 8))
+            _iacc_add(builder, iaccp, t, corr)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _q6k_corr1(typingctx, iacc, arena, o, xbs, so):
+    """Q6_K's -32: iacc[0] += -32 * (16 int8 scales . 16 Q8_K sums at xbs[so]) in 8 lanes (the
+    values are q - 32; the kernels multiply the unsigned q and correct once per super-block,
+    in int32, as ggml's AVX2 q6_K kernel does)."""
+    sig = types.void(iacc, arena, o, xbs, so)
+    return sig, _q6k_corr_codegen(1)
+
+
+@intrinsic
+def _q6k_corr4(typingctx, iacc, arena, o, xbs, so0, so1, so2, so3):
+    """_q6k_corr1 for 4 activation rows (iacc slots 0..3)."""
+    sig = types.void(iacc, arena, o, xbs, so0, so1, so2, so3)
+    return sig, _q6k_corr_codegen(4)
+
+
+@intrinsic
+def _k4_min_dot(typingctx, m_lo, m_hi, xbs, so):
+    """sum_j min_j * (bsums[2j] + bsums[2j+1]) for the 8 packed 6-bit mins of a Q4_K/Q5_K block
+    (bytes of m_lo: mins 0-3, of m_hi: mins 4-7) and the 16 Q8_K sums at xbs[so]: one
+    vpmaddwd and a horizontal add (exact int32)."""
+    sig = types.int32(types.int64, types.int64, xbs, so)
+
+    def codegen(context, builder, signature, args):
+        lo = builder.trunc(args[0], _I32)
+        hi = builder.trunc(args[1], _I32)
+        w = builder.or_(builder.zext(lo, _I64), builder.shl(builder.zext(hi, _I64), ir.Constant(_I64, 32)))
+        m8 = builder.bitcast(w, _vt(_I8, 8))
+        m16 = builder.zext(builder.shuffle_vector(m8, m8, _cvec(_I32, [j // 2 for j in range(16)])), _vt(_I16, 16))
+        so64 = _i64(context, builder, args[3], signature.args[3])
+        bs = builder.load(_byte_ptr(context, builder, signature.args[2], args[2],
+                                    builder.mul(so64, ir.Constant(_I64, 2)), _vt(_I16, 16)))
+        bs.align = 1
+        v = _madd(builder, m16, bs)
+        n = 8
+        while n > 1:
+            h = n // 2
+            v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(h))),
+                            builder.shuffle_vector(v, v, _cvec(_I32, range(h, n))))
+            n = h
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+@intrinsic
+def _acc_alloc(typingctx):
+    """A stack slot of 8 x <8 x float> accumulators (in the calling kernel's frame)."""
+    sig = _ACC()
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VF, 8)), _F32.as_pointer())
+
+    return sig, codegen
+
+
+@intrinsic
+def _iacc_alloc(typingctx):
+    """A stack slot of 4 x <_IW x i32> accumulators (in the calling kernel's frame)."""
+    sig = _IACC()
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VIW, 4)), _I32.as_pointer())
+
+    return sig, codegen
+
+
+@intrinsic
+def _acc_clear(typingctx, acc, iacc):
+    """Zero all 8 float and 4 int accumulators."""
+    sig = types.void(acc, iacc)
+
+    def codegen(context, builder, signature, args):
+        for t in range(8):
+            builder.store(ir.Constant(_VF, [0.0] * 8), _slot(builder, args[0], ir.Constant(_I64, t), _VF))
+        for t in range(4):
+            builder.store(ir.Constant(_VIW, [0] * _IW), _slot(builder, args[1], ir.Constant(_I64, t), _VIW))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _flush_codegen(nt):
+    def codegen(context, builder, sig, args):
+        accp, iaccp = args[0], args[1]
+        slot = _i64(context, builder, args[2], sig.args[2]) if nt == 1 else None
+        first = 3 if nt == 1 else 2
+        for t in range(nt):
+            s = context.cast(builder, args[first + t], sig.args[first + t], types.float32)
+            ip = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
+            v = builder.load(ip)
+            if _IW == 16:  # fold to 8 lanes (exact: integers)
+                v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(8))),
+                                builder.shuffle_vector(v, v, _cvec(_I32, range(8, 16))))
+            _fma_into(builder, accp, slot if nt == 1 else ir.Constant(_I64, 2 * t), v, s)
+            builder.store(ir.Constant(_VIW, [0] * _IW), ip)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _flush1(typingctx, acc, iacc, slot, s):
+    """acc[slot] += s * float(iacc[0]); iacc[0] = 0 (end of a K-quant super-block)."""
+    sig = types.void(acc, iacc, slot, types.float32)
+    return sig, _flush_codegen(1)
+
+
+@intrinsic
+def _flush4(typingctx, acc, iacc, s0, s1, s2, s3):
+    """acc[2t] += s_t * float(iacc[t]); iacc[t] = 0 for t < 4 (the slots row 1 kernels use)."""
+    f = types.float32
+    sig = types.void(acc, iacc, f, f, f, f)
+    return sig, _flush_codegen(4)
+
+
+@intrinsic
+def _acc_sum(typingctx, acc, slot):
+    """Horizontal sum of accumulator ``slot`` (pairwise tree, deterministic)."""
+    sig = types.float32(acc, slot)
+
+    def codegen(context, builder, signature, args):
+        v = builder.load(_slot(builder, args[0], _i64(context, builder, args[1], signature.args[1]), _VF))
+        n = 8
+        while n > 1:
+            h = n // 2
+            a = builder.shuffle_vector(v, v, _cvec(_I32, range(h)))
+            b = builder.shuffle_vector(v, v, _cvec(_I32, range(h, n)))
+            v = builder.fadd(a, b)
+            n = h
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------
+# Row dots: one weight row (byte offset wo, nb blocks) x 1 or 4 activation rows
+# ---------------------------------------------------------------------------------------
+# Activation row a (an index into the partner arrays) starts at xq[a*C], its block scales at
+# xd[a*nbx], Q8_1 sums at xs[a*nbx], Q8_K 16-sums at xbs[a*C/16]. One-row kernels alternate
+# two accumulators by block parity so consecutive blocks' fma's do not wait on each other.
+
+
+@njit(**_JIT_INLINE)
+def _row1_q8_0(arena, wo, nb, xq, xd, xs, a):
+    """Q8_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 34
+        _blk1_q8_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
+        o = wo + (b + 1) * 34
+        _blk1_q8_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 34
+        _blk1_q8_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
+    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
+
+
+@njit(**_JIT_INLINE)
+def _row4_q8_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
+    """Q8_0 row x activation rows a0..a3, each weight block unpacked once; the same
+    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 34
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q8_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
+                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
+        o = wo + (b + 1) * 34
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q8_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
+                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
+                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 34
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q8_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
+                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
+    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
+            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
+
+
+@njit(**_JIT_INLINE)
+def _row1_q4_0(arena, wo, nb, xq, xd, xs, a):
+    """Q4_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 18
+        _blk1_q4_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
+        o = wo + (b + 1) * 18
+        _blk1_q4_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 18
+        _blk1_q4_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
+    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
+
+
+@njit(**_JIT_INLINE)
+def _row4_q4_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
+    """Q4_0 row x activation rows a0..a3, each weight block unpacked once; the same
+    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 18
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q4_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
+                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
+        o = wo + (b + 1) * 18
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q4_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
+                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
+                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 18
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q4_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
+                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
+    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
+            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
+
+
+@njit(**_JIT_INLINE)
+def _row1_q4_1(arena, wo, nb, xq, xd, xs, a):
+    """Q4_1 row x activation row a; blocks alternate between accumulators 0 and 1."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    m0 = np.float32(0.0)
+    m1 = np.float32(0.0)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 20
+        dm = ld_f16x2(arena, o)
+        _blk1_q4_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
+        m0 += dm[1] * ld(xs, a * nb + b)
+        o = wo + (b + 1) * 20
+        dm = ld_f16x2(arena, o)
+        _blk1_q4_1(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, dm[0] * ld(xd, a * nb + b + 1))
+        m1 += dm[1] * ld(xs, a * nb + b + 1)
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 20
+        dm = ld_f16x2(arena, o)
+        _blk1_q4_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
+        m0 += dm[1] * ld(xs, a * nb + b)
+    return _acc_sum(acc, 0) + _acc_sum(acc, 1) + (m0 + m1)
+
+
+@njit(**_JIT_INLINE)
+def _row4_q4_1(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
+    """Q4_1 row x activation rows a0..a3, each weight block unpacked once; the same
+    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    m00 = m10 = m20 = m30 = np.float32(0.0)
+    m01 = m11 = m21 = m31 = np.float32(0.0)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 20
+        dm = ld_f16x2(arena, o)
+        _blk4_q4_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
+                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
+        m00 += dm[1] * ld(xs, a0 * nb + b)
+        m10 += dm[1] * ld(xs, a1 * nb + b)
+        m20 += dm[1] * ld(xs, a2 * nb + b)
+        m30 += dm[1] * ld(xs, a3 * nb + b)
+        o = wo + (b + 1) * 20
+        dm = ld_f16x2(arena, o)
+        _blk4_q4_1(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
+                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, dm[0] * ld(xd, a0 * nb + b + 1),
+                    dm[0] * ld(xd, a1 * nb + b + 1), dm[0] * ld(xd, a2 * nb + b + 1), dm[0] * ld(xd, a3 * nb + b + 1))
+        m01 += dm[1] * ld(xs, a0 * nb + b + 1)
+        m11 += dm[1] * ld(xs, a1 * nb + b + 1)
+        m21 += dm[1] * ld(xs, a2 * nb + b + 1)
+        m31 += dm[1] * ld(xs, a3 * nb + b + 1)
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 20
+        dm = ld_f16x2(arena, o)
+        _blk4_q4_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
+                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
+        m00 += dm[1] * ld(xs, a0 * nb + b)
+        m10 += dm[1] * ld(xs, a1 * nb + b)
+        m20 += dm[1] * ld(xs, a2 * nb + b)
+        m30 += dm[1] * ld(xs, a3 * nb + b)
+    return (_acc_sum(acc, 0) + _acc_sum(acc, 1) + (m00 + m01), _acc_sum(acc, 2) + _acc_sum(acc, 3) + (m10 + m11),
+            _acc_sum(acc, 4) + _acc_sum(acc, 5) + (m20 + m21), _acc_sum(acc, 6) + _acc_sum(acc, 7) + (m30 + m31))
+
+
+@njit(**_JIT_INLINE)
+def _row1_q5_0(arena, wo, nb, xq, xd, xs, a):
+    """Q5_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 22
+        _blk1_q5_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
+        o = wo + (b + 1) * 22
+        _blk1_q5_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 22
+        _blk1_q5_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
+    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
+
+
+@njit(**_JIT_INLINE)
+def _row4_q5_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
+    """Q5_0 row x activation rows a0..a3, each weight block unpacked once; the same
+    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 22
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q5_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
+                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
+        o = wo + (b + 1) * 22
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q5_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
+                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
+                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 22
+        d = ld_f16x2(arena, o)[0]
+        _blk4_q5_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
+                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
+    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
+            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
+
+
+@njit(**_JIT_INLINE)
+def _row1_q5_1(arena, wo, nb, xq, xd, xs, a):
+    """Q5_1 row x activation row a; blocks alternate between accumulators 0 and 1."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    m0 = np.float32(0.0)
+    m1 = np.float32(0.0)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 24
+        dm = ld_f16x2(arena, o)
+        _blk1_q5_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
+        m0 += dm[1] * ld(xs, a * nb + b)
+        o = wo + (b + 1) * 24
+        dm = ld_f16x2(arena, o)
+        _blk1_q5_1(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, dm[0] * ld(xd, a * nb + b + 1))
+        m1 += dm[1] * ld(xs, a * nb + b + 1)
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 24
+        dm = ld_f16x2(arena, o)
+        _blk1_q5_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
+        m0 += dm[1] * ld(xs, a * nb + b)
+    return _acc_sum(acc, 0) + _acc_sum(acc, 1) + (m0 + m1)
+
+
+@njit(**_JIT_INLINE)
+def _row4_q5_1(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
+    """Q5_1 row x activation rows a0..a3, each weight block unpacked once; the same
+    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    m00 = m10 = m20 = m30 = np.float32(0.0)
+    m01 = m11 = m21 = m31 = np.float32(0.0)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 24
+        dm = ld_f16x2(arena, o)
+        _blk4_q5_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
+                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
+        m00 += dm[1] * ld(xs, a0 * nb + b)
+        m10 += dm[1] * ld(xs, a1 * nb + b)
+        m20 += dm[1] * ld(xs, a2 * nb + b)
+        m30 += dm[1] * ld(xs, a3 * nb + b)
+        o = wo + (b + 1) * 24
+        dm = ld_f16x2(arena, o)
+        _blk4_q5_1(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
+                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, dm[0] * ld(xd, a0 * nb + b + 1),
+                    dm[0] * ld(xd, a1 * nb + b + 1), dm[0] * ld(xd, a2 * nb + b + 1), dm[0] * ld(xd, a3 * nb + b + 1))
+        m01 += dm[1] * ld(xs, a0 * nb + b + 1)
+        m11 += dm[1] * ld(xs, a1 * nb + b + 1)
+        m21 += dm[1] * ld(xs, a2 * nb + b + 1)
+        m31 += dm[1] * ld(xs, a3 * nb + b + 1)
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 24
+        dm = ld_f16x2(arena, o)
+        _blk4_q5_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
+                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
+        m00 += dm[1] * ld(xs, a0 * nb + b)
+        m10 += dm[1] * ld(xs, a1 * nb + b)
+        m20 += dm[1] * ld(xs, a2 * nb + b)
+        m30 += dm[1] * ld(xs, a3 * nb + b)
+    return (_acc_sum(acc, 0) + _acc_sum(acc, 1) + (m00 + m01), _acc_sum(acc, 2) + _acc_sum(acc, 3) + (m10 + m11),
+            _acc_sum(acc, 4) + _acc_sum(acc, 5) + (m20 + m21), _acc_sum(acc, 6) + _acc_sum(acc, 7) + (m30 + m31))
+
+
+@njit(**_JIT_INLINE)
+def _row1_mxfp4(arena, wo, nb, xq, xd, xs, a):
+    """MXFP4 row x activation row a; blocks alternate between accumulators 0 and 1."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 17
+        _blk1_mxfp4(acc, 0, arena, o, xq, (a * nb + b) * QK, ld(xd, a * nb + b) * _e8m0_half(ld_u8(arena, o)))
+        o = wo + (b + 1) * 17
+        _blk1_mxfp4(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld(xd, a * nb + b + 1) * _e8m0_half(ld_u8(arena, o)))
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 17
+        _blk1_mxfp4(acc, 0, arena, o, xq, (a * nb + b) * QK, ld(xd, a * nb + b) * _e8m0_half(ld_u8(arena, o)))
+    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
+
+
+@njit(**_JIT_INLINE)
+def _row4_mxfp4(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
+    """MXFP4 row x activation rows a0..a3, each weight block unpacked once; the same
+    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(0, nb - 1, 2):
+        o = wo + b * 17
+        e = _e8m0_half(ld_u8(arena, o))
+        _blk4_mxfp4(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, ld(xd, a0 * nb + b) * e,
+                    ld(xd, a1 * nb + b) * e, ld(xd, a2 * nb + b) * e, ld(xd, a3 * nb + b) * e)
+        o = wo + (b + 1) * 17
+        e = _e8m0_half(ld_u8(arena, o))
+        _blk4_mxfp4(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
+                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, ld(xd, a0 * nb + b + 1) * e,
+                    ld(xd, a1 * nb + b + 1) * e, ld(xd, a2 * nb + b + 1) * e, ld(xd, a3 * nb + b + 1) * e)
+    if nb & 1:
+        b = nb - 1
+        o = wo + b * 17
+        e = _e8m0_half(ld_u8(arena, o))
+        _blk4_mxfp4(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
+                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, ld(xd, a0 * nb + b) * e,
+                    ld(xd, a1 * nb + b) * e, ld(xd, a2 * nb + b) * e, ld(xd, a3 * nb + b) * e)
+    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
+            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
+
+
+@njit(**_JIT_INLINE)
+def _k4_scales(arena, so):
+    """The 12 packed 6-bit scale/min bytes of a Q4_K/Q5_K block at byte ``so`` -> (scales 0-3,
+    scales 4-7, mins 0-3, mins 4-7), each as 4 bytes of an int (as ggml's utmp unpacking)."""
+    u0 = ld_u32(arena, so)
+    u1 = ld_u32(arena, so + 4)
+    u2 = ld_u32(arena, so + 8)
+    sc_lo = u0 & 0x3F3F3F3F
+    sc_hi = (u2 & 0x0F0F0F0F) | (((u0 >> 6) & 0x03030303) << 4)
+    m_lo = u1 & 0x3F3F3F3F
+    m_hi = ((u2 >> 4) & 0x0F0F0F0F) | (((u1 >> 6) & 0x03030303) << 4)
+    return sc_lo, sc_hi, m_lo, m_hi
+
+
+@njit(**_JIT_INLINE)
+def _byte(v, k):
+    return np.int32((v >> (8 * k)) & 0xFF)
+
+
+@njit(**_JIT_INLINE)
+def _row1_q4_k(arena, wo, nb, xq, xd, xbs, a, is_q5):
+    """Q4_K (or Q5_K when is_q5) row x Q8_K activation row a."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    bb = 176 if is_q5 else 144
+    mins = np.float32(0.0)
+    for b in range(nb):
+        o = wo + b * bb
+        sc_lo, sc_hi, m_lo, m_hi = _k4_scales(arena, o + 4)
+        xo = (a * nb + b) * QK_K
+        if is_q5:
+            for g in range(2):
+                _piece1_q5k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
+            for g in range(2):
+                _piece1_q5k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
+        else:
+            for g in range(2):
+                _piece1_q4k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
+            for g in range(2):
+                _piece1_q4k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
+        dd = ld_f16x2(arena, o)
+        yd = ld(xd, a * nb + b)
+        _flush1(acc, iacc, 0, dd[0] * yd)
+        mins += (dd[1] * yd) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a * nb + b) * 16))
+    return _acc_sum(acc, 0) - mins
+
+
+@njit(**_JIT_INLINE)
+def _row4_q4_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3, is_q5):
+    """Q4_K (or Q5_K) row x Q8_K activation rows a0..a3 (each weight block unpacked once)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    bb = 176 if is_q5 else 144
+    mins0 = mins1 = mins2 = mins3 = np.float32(0.0)
+    for b in range(nb):
+        o = wo + b * bb
+        sc_lo, sc_hi, m_lo, m_hi = _k4_scales(arena, o + 4)
+        x0 = (a0 * nb + b) * QK_K
+        x1 = (a1 * nb + b) * QK_K
+        x2 = (a2 * nb + b) * QK_K
+        x3 = (a3 * nb + b) * QK_K
+        if is_q5:
+            for g in range(2):
+                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
+                            0, 0)
+            for g in range(2):
+                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
+                            _byte(sc_hi, 2 * g + 1), 0, 0)
+        else:
+            for g in range(2):
+                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
+                            0, 0)
+            for g in range(2):
+                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
+                            _byte(sc_hi, 2 * g + 1), 0, 0)
+        dd = ld_f16x2(arena, o)
+        y0 = ld(xd, a0 * nb + b)
+        y1 = ld(xd, a1 * nb + b)
+        y2 = ld(xd, a2 * nb + b)
+        y3 = ld(xd, a3 * nb + b)
+        _flush4(acc, iacc, dd[0] * y0, dd[0] * y1, dd[0] * y2, dd[0] * y3)
+        mins0 += (dd[1] * y0) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a0 * nb + b) * 16))
+        mins1 += (dd[1] * y1) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a1 * nb + b) * 16))
+        mins2 += (dd[1] * y2) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a2 * nb + b) * 16))
+        mins3 += (dd[1] * y3) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a3 * nb + b) * 16))
+    return (_acc_sum(acc, 0) - mins0, _acc_sum(acc, 2) - mins1, _acc_sum(acc, 4) - mins2,
+            _acc_sum(acc, 6) - mins3)
+
+
+@njit(**_JIT_INLINE)
+def _row1_q6_k(arena, wo, nb, xq, xd, xbs, a):
+    """Q6_K row x Q8_K activation row a."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(nb):
+        o = wo + b * 210
+        xo = (a * nb + b) * QK_K
+        for i in range(0, 8, 2):
+            _piece1_q6k(iacc, arena, o, xq, xo, i, ld_i8(arena, o + 192 + 2 * i), ld_i8(arena, o + 193 + 2 * i),
+                        ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
+        _q6k_corr1(iacc, arena, o, xbs, (a * nb + b) * 16)
+        _flush1(acc, iacc, 0, ld_f16x2(arena, o + 206)[1] * ld(xd, a * nb + b))
+    return _acc_sum(acc, 0)
+
+
+@njit(**_JIT_INLINE)
+def _row4_q6_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3):
+    """Q6_K row x Q8_K activation rows a0..a3 (each weight block unpacked once)."""
+    acc = _acc_alloc()
+    iacc = _iacc_alloc()
+    _acc_clear(acc, iacc)
+    for b in range(nb):
+        o = wo + b * 210
+        x0 = (a0 * nb + b) * QK_K
+        x1 = (a1 * nb + b) * QK_K
+        x2 = (a2 * nb + b) * QK_K
+        x3 = (a3 * nb + b) * QK_K
+        for i in range(0, 8, 2):
+            _piece4_q6k(iacc, arena, o, xq, x0, x1, x2, x3, i, ld_i8(arena, o + 192 + 2 * i),
+                        ld_i8(arena, o + 193 + 2 * i), ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
+        _q6k_corr4(iacc, arena, o, xbs, (a0 * nb + b) * 16, (a1 * nb + b) * 16, (a2 * nb + b) * 16,
+                   (a3 * nb + b) * 16)
+        d = ld_f16x2(arena, o + 206)[1]
+        _flush4(acc, iacc, d * ld(xd, a0 * nb + b), d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b),
+                d * ld(xd, a3 * nb + b))
+    return _acc_sum(acc, 0), _acc_sum(acc, 2), _acc_sum(acc, 4), _acc_sum(acc, 6)
+
+
+@njit(**_JIT_INLINE)
+def _row1_float(ggml_type, arena, wo, n, xf, a):
+    """F32 / F16 / BF16 row x activation row a (already rounded to the weight's precision)."""
+    s = np.float32(0.0)
+    xo = a * n
+    if ggml_type == GGML_F32:
+        for j in range(n):
+            s += ld_f32(arena, wo + 4 * j) * ld(xf, xo + j)
+    elif ggml_type == GGML_F16:
+        for j in range(n):
+            s += ld_f16(arena, wo + 2 * j) * ld(xf, xo + j)
+    else:
+        for j in range(n):
+            s += ld_bf16(arena, wo + 2 * j) * ld(xf, xo + j)
+    return s
+
+
+# ---------------------------------------------------------------------------------------
+# Format kernels: compiled once each, as C-ABI functions (numba cfunc), called through an
+# address table
+# ---------------------------------------------------------------------------------------
+# numba re-optimizes a callee's whole code inside every jitted caller that links it, so the
+# big format kernels would be recompiled once per call site (matmul, the pool's items, the
+# MoE items, ...). Compiled as cfuncs and called through addresses read at run time from
+# ``kernel_table()`` (never baked into cached code), each is compiled exactly once, and only
+# for the formats a model uses (``ensure_kernels``). All share one signature:
+#   (arena u8*, w_off, row_bytes, n_cols, row_lo, row_hi, xf f32*, xq i8*, xd f32*, xs f32*,
+#    xbs i16*, a_rows i64*, o_rows i64*, n_items, out f32*, out_stride, out_col, ggml_type)
+
+
+def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q8_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q8_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                          ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q8_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q4_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q4_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                          ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q4_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q4_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                          ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q5_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q5_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                          ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q5_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q5_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q5_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                          ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q5_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """MXFP4 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_mxfp4(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                          ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_mxfp4(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q6_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK_K
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                           ld(a_rows, i + 3))
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i)))
+            i += 1
+
+
+def _mm_q45_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+              out, out_stride, out_col, ggml_type):
+    """Q4_K / Q5_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    nb = n_cols // QK_K
+    is_q5 = ggml_type == GGML_Q5_K
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        i = 0
+        while i + 4 <= n_items:
+            v = _row4_q4_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
+                           ld(a_rows, i + 3), is_q5)
+            for k in range(4):
+                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
+            i += 4
+        while i < n_items:
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), is_q5))
+            i += 1
+
+
+def _mm_float(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+              out, out_stride, out_col, ggml_type):
+    """F32 / F16 / BF16 rows [row_lo, row_hi) x activation rows (see matmul_rows)."""
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        for i in range(n_items):
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_float(ggml_type, arena, wo, n_cols, xf, ld(a_rows, i)))
+
+
+_P = types.CPointer
+_KERNEL_SIG = types.void(_P(types.uint8), types.int64, types.int64, types.int64, types.int64, types.int64,
+                         _P(types.float32), _P(types.int8), _P(types.float32), _P(types.float32), _P(types.int16),
+                         _P(types.int64), _P(types.int64), types.int64, _P(types.float32), types.int64, types.int64,
+                         types.int64)
+_KERNEL_PY = {GGML_Q8_0: _mm_q8_0, GGML_Q4_0: _mm_q4_0, GGML_Q4_1: _mm_q4_1, GGML_Q5_0: _mm_q5_0,
+              GGML_Q5_1: _mm_q5_1, GGML_MXFP4: _mm_mxfp4, GGML_Q6_K: _mm_q6_k, GGML_Q4_K: _mm_q45_k,
+              GGML_Q5_K: _mm_q45_k, GGML_F32: _mm_float, GGML_F16: _mm_float, GGML_BF16: _mm_float}
+_KERNEL_TABLE = np.zeros(64, np.int64)  # ggml type id -> cfunc address (0: not compiled yet)
+_KERNEL_CFUNCS: dict[object, object] = {}  # python function -> its cfunc (keeps the code alive)
+_KERNEL_LOCK = threading.Lock()
+
+
+def ensure_kernels(ggml_types) -> np.ndarray:
+    """Compile (or load from numba's cache) the kernels of these GGML types; returns the
+    address table matmul_rows reads. Thread-safe; each kernel is compiled once per process.
+    ModelFileError for an unsupported type."""
+    for t in ggml_types:
+        t = int(t)
+        if _KERNEL_TABLE[t]:
+            continue
+        block_format(t)
+        with _KERNEL_LOCK:
+            if _KERNEL_TABLE[t]:
+                continue
+            py = _KERNEL_PY[t]
+            cf = _KERNEL_CFUNCS.get(py)
+            if cf is None:
+                opts = dict(nopython=True, cache=True)
+                if py is _mm_float:
+                    opts["fastmath"] = {"reassoc", "contract", "nsz"}
+                cf = _KERNEL_CFUNCS[py] = cfunc(_KERNEL_SIG, **opts)(py)
+            _KERNEL_TABLE[t] = cf.address
+    return _KERNEL_TABLE
+
+
+def kernel_table() -> np.ndarray:
+    """The address table of the kernels compiled so far (see ensure_kernels)."""
+    return _KERNEL_TABLE
+
+
+@intrinsic
+def _call_kernel(typingctx, addr, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows,
+                 o_rows, n_items, out, out_stride, out_col, ggml_type):
+    """Call the format kernel at address ``addr`` (one of ensure_kernels' cfuncs)."""
+    sig = types.void(types.int64, *_KERNEL_SIG.args)
+
+    def codegen(context, builder, signature, args):
+        argtys = signature.args[1:]
+        fnty = ir.FunctionType(ir.VoidType(), [context.get_value_type(t) for t in argtys])
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fptr, list(args[1:]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT)
+def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf, xq, xd, xs, xbs,
+                a_rows, o_rows, out, out_stride, out_col, kernels):
+    """out[o_rows[i], out_col + r] = W[r] . act[a_rows[i]] for r in [row_lo, row_hi), all i.
+
+    arena: uint8 [*], the weight tensor's row r at byte ``w_off + r * row_bytes_`` (GGUF
+    blocks of ``ggml_type``, read in place, n_cols elements); xf/xq/xd/xs/xbs: activations in
+    the type's partner format (PartnerArrays, rows of n_cols); a_rows/o_rows: int64 [n]
+    activation row and output row of each item (arange(T) for a plain matmul; the tokens
+    routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
+    kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
+    Each weight row is read from memory once and dotted with the items 4 at a time (each
+    block unpacked once per 4 items) while it sits in L1. The caller validates types,
+    offsets and shapes; a type whose kernel is not compiled writes nothing.
+    """
+    addr = ld(kernels, ggml_type)
+    if addr == 0:
+        return
+    _call_kernel(addr, data_ptr(arena), w_off, row_bytes_, n_cols, row_lo, row_hi, data_ptr(xf), data_ptr(xq),
+                 data_ptr(xd), data_ptr(xs), data_ptr(xbs), data_ptr(a_rows), data_ptr(o_rows), a_rows.shape[0],
+                 data_ptr(out), out_stride, out_col, ggml_type)
+
+
+# ---------------------------------------------------------------------------------------
+# Python-facing API
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartnerArrays:
+    """Activations [T, C] encoded in one partner format, as flat C-contiguous arrays.
+
+    xf float32 [T*C] (F32/F16/BF16 partners), xq int8 [T*C] (Q8 partners), xd float32 [T*C/32]
+    or [T*C/256] (block scales d), xs float32 [T*C/32] (Q8_1 s), xbs int16 [T*C/16] (Q8_K
+    sums). Arrays a partner does not use hold one element.
+    """
+
+    partner: Partner
+    n_tok: int
+    n_cols: int
+    xf: np.ndarray
+    xq: np.ndarray
+    xd: np.ndarray
+    xs: np.ndarray
+    xbs: np.ndarray
+
+
+def _alloc_partner(partner: Partner, n_tok: int, n_cols: int) -> PartnerArrays:
+    blk = PARTNER_BLOCK[partner]
+    if n_cols % max(blk, 16 if partner == Partner.Q8_K else 1):
+        raise ValueError(f"activation rows of {n_cols} columns are not whole {partner.name} blocks of {blk}")
+    one_f = np.zeros(1, np.float32)
+    is_float = blk == 1
+    return PartnerArrays(
+        partner, n_tok, n_cols,
+        xf=np.empty(n_tok * n_cols, np.float32) if is_float else one_f,
+        xq=np.empty(n_tok * n_cols, np.int8) if not is_float else np.zeros(1, np.int8),
+        xd=np.empty(n_tok * (n_cols // blk), np.float32) if not is_float else one_f,
+        xs=np.empty(n_tok * (n_cols // blk), np.float32) if partner == Partner.Q8_1 else one_f,
+        xbs=np.empty(n_tok * (n_cols // 16), np.int16) if partner == Partner.Q8_K else np.zeros(1, np.int16),
+    )
+
+
+def quantize_activations(x: np.ndarray, partner: Partner) -> PartnerArrays:
+    """Encode activations x float32 [T, C] (or [C]) in ``partner`` format, one pass per row."""
+    x2 = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    n_tok, n_cols = x2.shape
+    pa = _alloc_partner(Partner(partner), n_tok, n_cols)
+    quantize_partner_rows(int(partner), x2.reshape(-1), n_tok, n_cols, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs)
+    return pa
+
+
+class Activations:
+    """Activations x float32 [T, C] plus each partner encoding, computed once on first use.
+
+    ``encoded(partner)`` quantizes every token row once; all weight rows (and all tensors of
+    the same partner format, e.g. q/k/v) then reuse it.
+    """
+
+    def __init__(self, x: np.ndarray):
+        self.x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)  # [T, C]
+        self.n_tok, self.n_cols = self.x.shape
+        self._enc: dict[Partner, PartnerArrays] = {}
+
+    def encoded(self, partner: Partner) -> PartnerArrays:
+        pa = self._enc.get(partner)
+        if pa is None:
+            pa = self._enc[partner] = quantize_activations(self.x, partner)
+        return pa
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: int, n_rows: int, n_cols: int,
+                  scale: float = 0.01) -> np.ndarray:
+    """A tensor of n_rows x n_cols ``ggml_type`` as uint8 [n_rows * row_bytes]: random bytes
+    with finite float16 scale fields (normal, std ``scale``), MXFP4 exponents in 2^-10..2^-1,
+    and normal F32/F16/BF16 values. For tests and benchmarks of the kernels."""
+    f = block_format(ggml_type)
+    nb = n_cols // f.block_elems
+    if f.block_elems == 1:
+        x = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        if ggml_type == GGML_F32:
+            return x.view(np.uint8).reshape(-1)
+        if ggml_type == GGML_F16:
+            return x.astype(np.float16).view(np.uint8).reshape(-1)
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
+    raw = rng.integers(0, 256, size=(n_rows, nb, f.block_bytes), dtype=np.uint8)
+    f16_fields = {GGML_Q4_0: (0,), GGML_Q5_0: (0,), GGML_Q8_0: (0,), GGML_Q4_1: (0, 2), GGML_Q5_1: (0, 2),
+                  GGML_Q4_K: (0, 2), GGML_Q5_K: (0, 2), GGML_Q6_K: (208,)}
+    for off in f16_fields.get(ggml_type, ()):
+        v = (rng.standard_normal((n_rows, nb)) * scale).astype(np.float16)
+        raw[:, :, off:off + 2] = v.view(np.uint8).reshape(n_rows, nb, 2)
+    if ggml_type == GGML_MXFP4:
+        raw[:, :, 0] = rng.integers(118, 128, size=(n_rows, nb))
+    return raw.reshape(-1)
+
+
+def check_tensor(arena: np.ndarray, offset: int, ggml_type: int, n_rows: int, n_cols: int) -> int:
+    """Validate a tensor of n_rows x n_cols ``ggml_type`` at byte ``offset`` of ``arena``.
+
+    Returns its row bytes. ValueError when the arena is not a 1-D C-contiguous uint8 array or
+    the tensor runs past its end; ModelFileError for an unsupported type.
+    """
+    if arena.dtype != np.uint8 or arena.ndim != 1 or not arena.flags.c_contiguous:
+        raise ValueError(f"arena must be a 1-D C-contiguous uint8 array (got {arena.dtype} {arena.shape})")
+    rb = row_bytes(ggml_type, n_cols)
+    if offset < 0 or offset + n_rows * rb > arena.size:
+        raise ValueError(
+            f"tensor of {n_rows} x {n_cols} {block_format(ggml_type).name} at byte {offset} needs "
+            f"{n_rows * rb} bytes but the arena ends at {arena.size}"
+        )
+    return rb
+
+
+def dequantize(arena: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, offset: int = 0) -> np.ndarray:
+    """Dequantize a whole tensor to float32 [n_rows, n_cols] (bit-exact with gguf.quants)."""
+    rb = check_tensor(arena, offset, ggml_type, n_rows, n_cols)
+    out = np.empty(n_rows * n_cols, np.float32)
+    dequantize_rows(arena, int(offset), int(ggml_type), int(n_cols), rb, np.arange(n_rows, dtype=np.int64), out)
+    return out.reshape(n_rows, n_cols)
+
+
+def matmul(arena: np.ndarray, offset: int, ggml_type: int, n_rows: int, n_cols: int,
+           x: np.ndarray | Activations, out: np.ndarray | None = None,
+           row_lo: int = 0, row_hi: int | None = None) -> np.ndarray:
+    """Single-threaded y = x @ W.T for a GGUF tensor read in place.
+
+    arena: uint8 [*]; the tensor is n_rows rows of row_bytes(ggml_type, n_cols) bytes at
+    ``offset`` (ggml ne = {n_cols, n_rows}); x: float32 [T, n_cols] or an Activations;
+    returns out float32 [T, n_rows] (only columns [row_lo, row_hi) written). The worker pool
+    (pool.py) splits the row range over threads.
+    """
+    rb = check_tensor(arena, offset, ggml_type, n_rows, n_cols)
+    act = x if isinstance(x, Activations) else Activations(x)
+    if act.n_cols != n_cols:
+        raise ValueError(f"activations have {act.n_cols} columns, the tensor has {n_cols}")
+    pa = act.encoded(block_format(ggml_type).partner)
+    if out is None:
+        out = np.zeros((act.n_tok, n_rows), np.float32)
+    if out.dtype != np.float32 or not out.flags.c_contiguous or out.shape != (act.n_tok, n_rows):
+        raise ValueError(f"out must be C-contiguous float32 {(act.n_tok, n_rows)} (got {out.dtype} {out.shape})")
+    hi = n_rows if row_hi is None else row_hi
+    if not 0 <= row_lo <= hi <= n_rows:
+        raise ValueError(f"row range [{row_lo}, {hi}) is outside [0, {n_rows})")
+    rows = np.arange(act.n_tok, dtype=np.int64)
+    matmul_rows(arena, int(offset), int(ggml_type), int(n_cols), rb, int(row_lo), int(hi), pa.xf, pa.xq, pa.xd,
+                pa.xs, pa.xbs, rows, rows, out.reshape(-1), n_rows, 0, ensure_kernels([ggml_type]))
+    return out

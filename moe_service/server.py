@@ -1,0 +1,598 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn).
+
+==========================  ======================================================================
+POST /v1/completions        prompt (text or token ids) -> text; ``stream`` as server-sent events
+POST /v1/chat/completions   messages -> chat template -> assistant message; ``stream`` likewise
+GET  /v1/models             the one served model (config ``model.name``, else the file name)
+GET  /health                200 ``{"status": "ok"}`` while serving; 503 ``{"status": "loading",
+                            "stage": ...}`` before, 503 ``{"status": "stopping"}`` after SIGTERM
+GET  /metrics               Prometheus text (moe_service.metrics)
+==========================  ======================================================================
+
+Request handling, per generation request::
+
+    body --JSON--> pydantic model (extra fields refused) --unsupported values named--> model id
+      --> prompt ids (chat template / tokenizer, in a worker thread) --> context policy
+      --> BatchLoop.submit (429 + Retry-After when full) --> events from the engine thread
+          (loop.call_soon_threadsafe into an asyncio.Queue)
+      --> one JSON answer, or SSE chunks ``data: {...}`` ending with ``data: [DONE]``
+
+Every error is an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``:
+400 ``invalid_request_error`` for invalid JSON, invalid or unknown fields (pydantic's errors
+come out as 400 naming the field), unsupported values (n > 1, logprobs, tools, ...), an empty
+prompt, an unknown model or a prompt that does not fit the context; 429 ``rate_limit_error``
+when the queue is full; 503 while loading or stopping; 500 ``server_error`` when the engine
+failed on the request's step. A client that goes away has its sequence cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moe_service.engine.engine import Event, GenerationRequest, RequestError
+from moe_service.log import get_logger
+
+log = get_logger(__name__)
+
+MAX_STOP_STRINGS = 4
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class _GenerationBody(_Body):
+    """Fields both endpoints share. ``top_k`` is an extension (llama.cpp, vLLM)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = False  # extension (vLLM, llama.cpp): generate max_tokens whatever comes
+    # accepted only at their neutral value; anything else is named as unsupported
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, list):
+            if len(v) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(v)})")
+            if any(not s for s in v):
+                raise ValueError("stop strings must not be empty")
+        return v
+
+
+class CompletionBody(_GenerationBody):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+
+
+class ChatBody(_GenerationBody):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
+# (field, neutral-value test, what the server supports) for values the engine cannot honour
+_UNSUPPORTED_COMMON: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("n", lambda v: v in (None, 1), "only n=1 is supported"),
+    ("presence_penalty", lambda v: not v, "penalties are not supported"),
+    ("frequency_penalty", lambda v: not v, "penalties are not supported"),
+    ("logit_bias", lambda v: not v, "logit_bias is not supported"),
+]
+_UNSUPPORTED_COMPLETION = _UNSUPPORTED_COMMON + [
+    ("best_of", lambda v: v in (None, 1), "only best_of=1 is supported"),
+    ("echo", lambda v: not v, "echo is not supported"),
+    ("suffix", lambda v: not v, "suffix (insertion) is not supported"),
+    ("logprobs", lambda v: v is None, "logprobs are not supported"),
+]
+_UNSUPPORTED_CHAT = _UNSUPPORTED_COMMON + [
+    ("logprobs", lambda v: not v, "logprobs are not supported"),
+    ("top_logprobs", lambda v: not v, "logprobs are not supported"),
+    ("tools", lambda v: not v, "tool calling is not supported"),
+    ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
+    ("functions", lambda v: not v, "function calling is not supported"),
+    ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
+    ("response_format", lambda v: not v or v.get("type") == "text", "only response_format type 'text' is supported"),
+    ("modalities", lambda v: not v or list(v) == ["text"], "only the text modality is supported"),
+    ("audio", lambda v: v is None, "audio output is not supported"),
+    ("prediction", lambda v: v is None, "predicted outputs are not supported"),
+    ("reasoning_effort", lambda v: v is None, "reasoning_effort is not supported"),
+]
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _unsupported(body: BaseModel, table) -> None:
+    for name, neutral, why in table:
+        value = getattr(body, name)
+        if not neutral(value):
+            raise RequestError(f"{name}={json.dumps(value, default=str)} is not supported by this server: {why}",
+                               param=name, code="unsupported_parameter")
+
+
+def _chat_messages(body: ChatBody) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role + text content. Raises RequestError naming
+    the message field that cannot be served (tool messages, images, tool calls)."""
+    out = []
+    for i, m in enumerate(body.messages):
+        role = _CHAT_ROLES.get(m.role)
+        if role is None:
+            raise RequestError(f"messages.{i}.role: role {m.role!r} is not supported (supported: "
+                               f"{', '.join(_CHAT_ROLES)})", param=f"messages.{i}.role", code="unsupported_parameter")
+        for name in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(m, name):
+                raise RequestError(f"messages.{i}.{name}: tool and function calls are not supported",
+                                   param=f"messages.{i}.{name}", code="unsupported_parameter")
+        if isinstance(m.content, list):
+            parts = []
+            for j, part in enumerate(m.content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages.{i}.content.{j}: only text parts are supported (got type {kind!r})",
+                                       param=f"messages.{i}.content.{j}.type", code="unsupported_parameter")
+                parts.append(part["text"])
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> RequestError:
+    """The first pydantic error as a 400 naming the field (``messages.0.content``)."""
+    errors = e.errors()
+    if not errors:
+        return RequestError("invalid request body")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # unions report the member tried (e.g. 'str'): keep the request's own path only
+    path: list[str] = []
+    for p in loc:
+        if p in ("str", "int", "float", "list[int]", "list[str]", "list[list[int]]", "bool") or "[" in p:
+            continue
+        path.append(p)
+    param = ".".join(path) or None
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return RequestError(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    if kind == "missing":
+        return RequestError(f"{param}: this field is required", param=param, code="missing_required_parameter")
+    if kind == "json_invalid":
+        return RequestError(f"invalid JSON body: {err.get('msg')}", code="invalid_json")
+    return RequestError(f"{param}: {err.get('msg')} (got {json.dumps(err.get('input'), default=str)[:80]})"
+                        if param else str(err.get("msg")), param=param, code="invalid_value")
+
+
+def error_response(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The service the app serves
+
+
+class Service:
+    """What the HTTP layer serves, shared by every request.
+
+    ``engine``: moe_service.engine.engine.Engine (prompts, context policy); ``batch``: the
+    started BatchLoop; ``metrics``: moe_service.metrics.Metrics; ``model_name``: the id clients
+    send; ``stage``: returns the pipeline stage shown by /health while loading. ``ready`` and
+    ``stopping`` are flipped by the serve stage.
+    """
+
+    def __init__(self, *, engine=None, batch=None, metrics=None, model_name: str,
+                 stage: Callable[[], str] = lambda: "starting", status_poll_s: float = 0.25):
+        self.engine = engine
+        self.batch = batch
+        self.metrics = metrics
+        self.model_name = model_name
+        self.stage = stage
+        self.ready = False
+        self.stopping = False
+        self.status_poll_s = status_poll_s
+
+    def check_serving(self) -> None:
+        if self.stopping:
+            raise RequestError("the server is shutting down", status=503, type="server_error", code="shutting_down")
+        if not self.ready or self.engine is None or self.batch is None:
+            raise RequestError(f"the model is loading (stage: {self.stage()})", status=503, type="server_error",
+                               code="loading")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                               param="model", code="model_not_found")
+
+
+class _Events:
+    """Receives a request's events from the engine thread; ``get`` keeps one pending read so a
+    timeout loses nothing."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self._pending: asyncio.Task | None = None
+
+    def emit(self, ev: Event) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+    async def get(self, timeout_s: float | None = None) -> Event | None:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout_s)
+        if not done:
+            return None
+        task, self._pending = self._pending, None
+        return task.result()
+
+    def get_nowait(self) -> Event | None:
+        if self._pending is not None:
+            return None
+        try:
+            return self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+
+def _merge(events: list[Event]) -> Event:
+    last = events[-1]
+    return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
+                 finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+                 completion_tokens=last.completion_tokens, error=last.error)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _MetricsMiddleware:
+    """Counts every HTTP request by route (unknown paths as ``other``) and final status."""
+
+    def __init__(self, app, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.service.metrics is None:
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        if endpoint.startswith("/v1/models/"):
+            endpoint = "/v1/models/{id}"
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.service.metrics.count_request(endpoint, status["code"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+
+def create_app(service: Service) -> FastAPI:
+    """The FastAPI application over ``service`` (no lifespan: the serve stage runs the rest)."""
+    app = FastAPI(title="moe-service", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.add_middleware(_MetricsMiddleware, service=service)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(RequestError(msg, status=exc.status_code, type=kind, code=code))
+
+    @app.get("/health")
+    async def health():
+        if service.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        if not service.ready:
+            return JSONResponse({"status": "loading", "stage": service.stage()}, status_code=503)
+        batch = service.batch
+        return {"status": "ok", "model": service.model_name,
+                "active": batch.active if batch else 0, "queued": batch.waiting if batch else 0}
+
+    @app.get("/metrics")
+    async def metrics():
+        if service.metrics is None:
+            return Response("", media_type="text/plain")
+        service.metrics.ready.set(1 if service.ready and not service.stopping else 0)
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
+    def _model_card() -> dict[str, Any]:
+        created = service.engine.created_s if service.engine is not None else int(time.time())
+        return {"id": service.model_name, "object": "model", "created": created, "owned_by": "moe-service"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != service.model_name:
+            return error_response(RequestError(f"The model {model_id!r} does not exist", status=404,
+                                               param="model", code="model_not_found"))
+        return _model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(service, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(service, request, chat=True)
+
+    return app
+
+
+async def _read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+
+
+async def _generate(service: Service, request: Request, *, chat: bool):
+    """Validate, tokenize, submit, then answer (JSON or SSE). Every failure is an error object."""
+    t_arrival = time.monotonic()
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    try:
+        service.check_serving()
+        data = await _read_json(request)
+        if not isinstance(data, dict):
+            raise RequestError("the request body must be a JSON object", code="invalid_json")
+        try:
+            body = (ChatBody if chat else CompletionBody).model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        _unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
+        service.check_model(body.model)
+        engine = service.engine
+        if chat:
+            messages = _chat_messages(body)
+            prompt_ids = await asyncio.to_thread(engine.encode_chat, messages)
+            requested, param = ((body.max_completion_tokens, "max_completion_tokens")
+                                if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+            max_tokens = engine.plan_max_tokens(len(prompt_ids), requested, prompt_param="messages", param=param)
+        else:
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                if len(prompt) != 1:
+                    raise RequestError(f"prompt: one prompt per request is supported (got {len(prompt)})",
+                                       param="prompt", code="unsupported_parameter")
+                prompt = prompt[0]
+            prompt_ids = await asyncio.to_thread(engine.encode_prompt, prompt)
+            max_tokens = engine.plan_max_tokens(len(prompt_ids), body.max_tokens)
+        from moe_service.engine.sampler import SamplingParams
+
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=None if body.seed is None else body.seed % (1 << 64),
+        )
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        events = _Events()
+        greq = GenerationRequest(prompt_ids, max_tokens, sampling, stop, events.emit, request_id, t_arrival,
+                                 ignore_eos=bool(body.ignore_eos))
+        try:
+            service.batch.submit(greq)
+        except RequestError as e:
+            events.close()
+            headers = {"Retry-After": str(e.retry_after_s)} if hasattr(e, "retry_after_s") else None
+            log.info("request_rejected", request_id=request_id, endpoint=endpoint, status=e.status, reason=e.code)
+            return error_response(e, headers)
+    except RequestError as e:
+        log.info("request_invalid", request_id=request_id, endpoint=endpoint, status=e.status, param=e.param,
+                 error=e.message)
+        return error_response(e)
+    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
+        log.error("request_failed", request_id=request_id, endpoint=endpoint, error=f"{type(e).__name__}: {e}",
+                  exc_info=e)
+        return error_response(RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error"))
+
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(service, request, greq, events, chat=chat, created=created, include_usage=include_usage,
+                    endpoint=endpoint),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id},
+        )
+    return await _complete(service, request, greq, events, chat=chat, created=created, endpoint=endpoint)
+
+
+def _usage(ev: Event) -> dict[str, int]:
+    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+
+
+def _finished(service: Service, greq: GenerationRequest, ev: Event, endpoint: str, stream: bool) -> None:
+    duration = time.monotonic() - greq.t_arrival_s
+    ttft = None if greq.t_first_token_s is None else round(greq.t_first_token_s - greq.t_arrival_s, 4)
+    if service.metrics is not None:
+        service.metrics.count_tokens(ev.prompt_tokens, ev.completion_tokens)
+        service.metrics.duration.labels(endpoint=endpoint).observe(duration)
+    log.info("request_done", request_id=greq.request_id, endpoint=endpoint, stream=stream,
+             finish_reason=ev.finish_reason, error=ev.error.message if ev.error else None,
+             prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, ttft_s=ttft,
+             duration_s=round(duration, 4))
+
+
+async def _complete(service: Service, request: Request, greq: GenerationRequest, events: _Events, *,
+                    chat: bool, created: int, endpoint: str):
+    """Wait for the whole completion; cancel it when the client disconnects meanwhile."""
+    parts: list[str] = []
+    done = False
+    next_check = time.monotonic() + service.status_poll_s
+    try:
+        while True:
+            ev = await events.get(service.status_poll_s)
+            if time.monotonic() >= next_check:  # tokens may flow faster than the poll period
+                next_check = time.monotonic() + service.status_poll_s
+                if await request.is_disconnected():
+                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
+                    return Response(status_code=499)
+            if ev is None:
+                continue
+            parts.append(ev.text)
+            if ev.final:
+                done = True
+                break
+    finally:
+        events.close()
+        if not done:
+            service.batch.cancel(greq)
+    _finished(service, greq, ev, endpoint, stream=False)
+    if ev.error is not None:
+        return error_response(ev.error)
+    text = "".join(parts)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": ev.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+        obj = "text_completion"
+    return JSONResponse(
+        {"id": greq.request_id, "object": obj, "created": created, "model": service.model_name,
+         "choices": [choice], "usage": _usage(ev)},
+        headers={"X-Request-Id": greq.request_id},
+    )
+
+
+async def _stream(service: Service, request: Request, greq: GenerationRequest, events: _Events, *, chat: bool,
+                  created: int, include_usage: bool, endpoint: str):
+    """SSE chunks as the OpenAI API sends them; cancels the sequence if the client goes away."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": greq.request_id, "object": obj, "created": created, "model": service.model_name}
+
+    def chunk(text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        out = {**head, "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    done = False
+    try:
+        if chat:
+            yield _sse(chunk(None, None, role=True))
+        while True:
+            first = await events.get(None)
+            batch = [first]
+            while not batch[-1].final:
+                more = events.get_nowait()
+                if more is None:
+                    break
+                batch.append(more)
+            ev = _merge(batch)
+            if ev.error is not None:
+                done = True
+                _finished(service, greq, ev, endpoint, stream=True)
+                yield _sse(ev.error.to_dict())
+                yield "data: [DONE]\n\n"
+                return
+            if ev.text or ev.final:
+                yield _sse(chunk(ev.text, ev.finish_reason))
+            if ev.final:
+                done = True
+                _finished(service, greq, ev, endpoint, stream=True)
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(ev)})
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        events.close()
+        if not done:
+            log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint,
+                     completion_tokens=None)
+            service.batch.cancel(greq)
+
+
+__all__ = ["Service", "create_app", "error_response", "ChatBody", "CompletionBody"]

@@ -1,0 +1,196 @@
+"""The serve stage: bind, serve, prove /health, then READY=1; drain on SIGTERM.
+
+::
+
+    bind serve.host:serve.port (our socket: a busy port fails the stage before anything else)
+      -> engine thread (BatchLoop) started, uvicorn serving on the socket (no signal handlers of
+         its own: the lifecycle's handlers set ctx.shutdown)
+      -> /health asked over the socket -> 200 -> READY=1 + STATUS, watchdog started
+      -> ... serve until ctx.shutdown ...
+      -> STOPPING=1, /health 503, listening socket closed, in-flight requests finish within
+         serve.shutdown_grace_s (then uvicorn cancels them and their sequences are freed)
+      -> engine thread stopped; close() frees the socket, the loop, the service
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+
+from moe_service.errors import StageError
+from moe_service.log import get_logger
+from pipeline.context import PipelineContext
+from pipeline.lifecycle import start_watchdog
+from pipeline.spec import Stage, register_stage
+
+log = get_logger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 10.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port), non-blocking.
+
+    Raises StageError naming the address (errno kept in ``.errno``) when it cannot be bound.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StageError(f"serve.host = {host!r} does not resolve: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        err = StageError(f"serve: cannot listen on {host}:{port}: {e.strerror or e}")
+        err.errno = e.errno
+        raise err from None
+    return sock
+
+
+def local_address(sock: socket.socket) -> tuple[str, int]:
+    """(host to connect to, port) of a listening socket: wildcard addresses become loopback."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return host, port
+
+
+async def fetch_health(host: str, port: int, timeout_s: float = HEALTH_CHECK_TIMEOUT_S) -> tuple[int, bytes]:
+    """GET /health over a fresh connection: (status code, body). Raises OSError/TimeoutError."""
+
+    async def go() -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+        return status, body
+
+    return await asyncio.wait_for(go(), timeout_s)
+
+
+def _uvicorn_server(app, grace_s: float):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handlers: the lifecycle owns SIGTERM/SIGINT."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http="h11", ws="none",
+                            timeout_graceful_shutdown=grace_s, server_header=False)
+    return Server(config)
+
+
+@register_stage
+class ServeStage(Stage):
+    """Serve the OpenAI-compatible API until shutdown (see module doc)."""
+
+    name = "serve"
+    requires = ("warmup",)
+    summary = ("needs ctx.engine; binds serve.host:serve.port, runs the engine loop and the HTTP API, "
+               "sends READY=1 once /health answers 200, drains in-flight requests on SIGTERM")
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.batch = None
+        self.service = None
+        self.url = ""
+
+    def run(self, ctx: PipelineContext) -> None:
+        from moe_service.engine.batch import BatchLoop
+        from moe_service.metrics import Metrics
+        from moe_service.server import Service, create_app
+
+        cfg = ctx.config.serve
+        if ctx.engine is None:
+            raise StageError("serve needs ctx.engine, which the warmup stage builds")
+        self.sock = bind_socket(cfg.host, cfg.port)
+        host, port = local_address(self.sock)
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        log.info("serve_listening", host=cfg.host, port=port, url=self.url)
+        metrics = Metrics()
+        metrics.attach_context(ctx)
+        self.batch = BatchLoop(ctx.engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
+                               retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics).start()
+        self.service = Service(engine=ctx.engine, batch=self.batch, metrics=metrics,
+                               model_name=ctx.engine.model_name, stage=lambda: ctx.current_stage)
+        ctx.server = self.service
+        app = create_app(self.service)
+        asyncio.run(self._serve(ctx, app, (host, port)))
+        self.batch.stop()
+
+    async def _serve(self, ctx: PipelineContext, app, addr: tuple[str, int]) -> None:
+        cfg = ctx.config.serve
+        server = _uvicorn_server(app, cfg.shutdown_grace_s)
+        task = asyncio.create_task(server.serve(sockets=[self.sock]))
+        while not server.started:
+            if task.done():
+                task.result()
+                raise StageError(f"the HTTP server stopped during startup on {self.url}")
+            await asyncio.sleep(0.01)
+        self.service.ready = True
+        try:
+            status, body = await fetch_health(*addr)
+        except (OSError, TimeoutError) as e:
+            await self._stop_server(server, task)
+            raise StageError(f"serve: {self.url}/health did not answer: {e}") from None
+        if status != 200:
+            await self._stop_server(server, task)
+            raise StageError(f"serve: {self.url}/health answered {status}: {body[:200]!r}")
+        ctx.notifier.ready(f"serving {self.service.model_name} on {self.url}")
+        log.info("service_ready", url=self.url, model=self.service.model_name, parallel=cfg.parallel,
+                 n_ctx=ctx.engine.n_ctx, stage_durations_s={k: round(v, 3) for k, v in ctx.stage_durations_s.items()})
+        watchdog = start_watchdog(ctx)
+        try:
+            while not ctx.shutdown.is_set() and not task.done():
+                await asyncio.sleep(0.1)
+            if task.done():
+                task.result()
+                raise StageError(f"the HTTP server on {self.url} stopped on its own")
+            t0 = time.monotonic()
+            ctx.notifier.stopping(f"stopping: finishing {self.batch.active + self.batch.waiting} request(s)")
+            log.info("serve_stopping", signal=ctx.shutdown_signal, active=self.batch.active,
+                     queued=self.batch.waiting, grace_s=cfg.shutdown_grace_s)
+            self.service.stopping = True
+            await self._stop_server(server, task)
+            log.info("serve_stopped", seconds=round(time.monotonic() - t0, 3))
+        finally:
+            watchdog.stop()
+
+    @staticmethod
+    async def _stop_server(server, task) -> None:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def close(self, ctx: PipelineContext) -> None:
+        if self.batch is not None:
+            self.batch.stop()
+            self.batch = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.service is not None:
+            self.service.ready = False
+            self.service.stopping = True
+        ctx.server = None
