@@ -14,7 +14,10 @@ Under emulation one boot takes 15-40 minutes on a busy 2-core machine: marked `l
 Environment knobs: NUMA_LAB_CMD (the numa-lab script), LAB_WORK_DIR (host folder the VM
 and the sandboxed service can see: not /tmp or /var/tmp), LAB_TIMEOUT_S, MOE_LAB_SERVICE_CONFIG
 (TOML for the service phase; default tests/systemd/lab/service.toml with the demo model),
-MOE_LAB_HEALTH_URL, LAB_STALL_AFTER_S, LAB_WATCHDOG_S, LAB_SERVICE_START_TIMEOUT_S.
+MOE_LAB_HEALTH_URL, LAB_STALL_AFTER_S, LAB_WATCHDOG_S, LAB_SERVICE_START_TIMEOUT_S,
+MOE_LAB_FULL_SERVICE=1 (the role starts the real serving pipeline: warmup JIT-compiles every
+kernel under emulation, so this adds tens of minutes; by default the lifecycle runs with a
+load-only pipeline).
 """
 
 from __future__ import annotations
@@ -147,6 +150,10 @@ def lab_report() -> dict:
         build_wheelhouse(wheelhouse)
         env["LAB_MOE_WHEELHOUSE"] = str(wheelhouse)
         config, service_reason = lab_service_config()
+        if config is not None and os.environ.get("MOE_LAB_FULL_SERVICE") != "1":
+            # The full phase JIT-compiles every kernel under emulation, twice (start and the
+            # watchdog restart): tens of minutes. Opt in; the lifecycle phase runs by default.
+            config, service_reason = None, "the full service phase is opt-in (MOE_LAB_FULL_SERVICE=1)"
         if config is not None:
             env.update(LAB_MOE_SERVICE_CONFIG=str(config),
                        LAB_MOE_HEALTH_URL=os.environ.get("MOE_LAB_HEALTH_URL", "http://127.0.0.1:8000/health"))
