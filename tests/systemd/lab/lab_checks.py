@@ -440,7 +440,8 @@ def service_active() -> dict:
     return {
         "show": show,
         "health": health_status(os.environ.get("LAB_MOE_HEALTH_URL", "http://127.0.0.1:8000/health")),
-        "started_line": next((ln for ln in journal.splitlines() if "Started " in ln and "moe-service" in ln), None),
+        # systemd's own line, logged when READY=1 arrives (not the server's "Started server process").
+        "started_line": next((ln for ln in journal.splitlines() if "systemd[1]: Started moe-service" in ln), None),
         "journal_tail": journal[-4000:],
     }
 
