@@ -41,6 +41,7 @@ class Notifier:
         self._n = sdnotify.SystemdNotifier() if self.enabled else None
         self._lock = threading.Lock()
         self.sent: list[str] = []
+        self.is_ready = False
 
     def send(self, *lines: str) -> None:
         """Send one datagram made of ``KEY=value`` lines."""
@@ -52,6 +53,7 @@ class Notifier:
 
     def ready(self, status: str | None = None) -> None:
         """READY=1 (and STATUS= when given): the service is serving."""
+        self.is_ready = True
         self.send("READY=1", *([f"STATUS={status}"] if status else []))
 
     def status(self, text: str) -> None:
@@ -176,6 +178,10 @@ class TimeoutExtender:
     """Context manager: while its body runs longer than ``after_s``, send
     EXTEND_TIMEOUT_USEC=<extend_s> every ``interval_s`` (``extend_s`` > ``interval_s``, so each
     extension outlasts the gap to the next one).
+
+    Only while starting: once READY=1 has gone out (the serve stage runs until shutdown inside
+    its stage) it stops, because systemd applies EXTEND_TIMEOUT_USEC to the watchdog timer as
+    well and would never see a stalled engine.
     """
 
     def __init__(self, notifier: Notifier, after_s: float, interval_s: float, extend_s: float):
@@ -195,7 +201,7 @@ class TimeoutExtender:
     def _run(self) -> None:
         if self._stop.wait(self.after_s):
             return
-        while True:
+        while not self.notifier.is_ready:
             self.notifier.extend_timeout(self.extend_s)
             self.sent += 1
             if self._stop.wait(self.interval_s):

@@ -101,3 +101,17 @@ def test_watchdog_pings_while_alive_and_stops_when_stalled(notify_socket, monkey
     assert max(gaps) <= 0.5, gaps  # at most half of WATCHDOG_USEC apart
     late = [t for t in pings if t > stalled_at + 0.5]  # one ping may still cover beats just before the stall
     assert late == []
+
+
+def test_extender_stops_once_ready(notify_socket):
+    """The serve stage runs until shutdown inside its stage: after READY=1 no more
+    EXTEND_TIMEOUT_USEC, which systemd would also apply to the watchdog timer."""
+    n = Notifier()
+    with TimeoutExtender(n, after_s=0.0, interval_s=0.2, extend_s=1.0):
+        time.sleep(0.5)
+        n.ready()
+        ready_at = time.monotonic()
+        time.sleep(0.8)
+    late = [t for t, m in notify_socket.messages if m.startswith(b"EXTEND_TIMEOUT_USEC=") and t > ready_at + 0.05]
+    assert late == []
+    assert any(m.startswith(b"EXTEND_TIMEOUT_USEC=") for _, m in notify_socket.messages)
