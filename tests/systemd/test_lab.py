@@ -1,17 +1,17 @@
 """The operators' side in a real systemd: Ansible roles, units, sandbox, service lifecycle.
 
-One numa-lab VM boot (systemd as PID 1, 2 NUMA nodes) runs tests/systemd/lab/lab_checks.py,
+One lab VM boot (tests/lab/vm.py; systemd as PID 1, 2 NUMA nodes) runs tests/systemd/lab/lab_checks.py,
 which applies ansible/site.yml to the VM itself twice, checks the units and their sandbox,
 and, once `moe-service serve` exists, starts the service through the role and checks its
 lifecycle. It writes report.json; the tests below only read that report.
 
-Skips (with the reason) when the lab cannot run here (`numa-lab --check` fails: run
-`numa-lab --install-deps` as root). The service checks skip while the package has no
+Skips (with the reason) when the lab cannot run here (tests/lab/vm.py lab_available(): the
+reason names the missing Debian packages). The service checks skip while the package has no
 `serve` command or no lab config; while the pipeline has no serve stage, the unit's lifecycle
 (READY=1, journal fields, stop, watchdog) runs with a load-only pipeline instead (no HTTP).
 Under emulation one boot takes 15-40 minutes on a busy 2-core machine: marked `lab` and `slow`.
 
-Environment knobs: NUMA_LAB_CMD (the numa-lab script), LAB_WORK_DIR (host folder the VM
+Environment knobs: LAB_WORK_DIR (host folder the VM
 and the sandboxed service can see: not /tmp or /var/tmp), LAB_TIMEOUT_S, MOE_LAB_SERVICE_CONFIG
 (TOML for the service phase; default tests/systemd/lab/service.toml with the demo model),
 MOE_LAB_HEALTH_URL, LAB_STALL_AFTER_S, LAB_WATCHDOG_S, LAB_SERVICE_START_TIMEOUT_S,
@@ -33,10 +33,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.lab.vm import lab_available, run_in_vm
+
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-NUMA_LAB = os.environ.get("NUMA_LAB_CMD") or shutil.which("numa-lab") or "/work/shared/numa-lab/numa-lab"
 # Not /tmp (the VM does not share it) and not /var/tmp: the unit's PrivateTmp=yes hides both
 # from the service, so a model there is "not found" (the lab caught that once).
 LAB_WORK = Path(os.environ.get("LAB_WORK_DIR", "/srv/moe-service-systemd-lab"))
@@ -46,13 +47,9 @@ HUGEPAGES_2M_LAB = {"0": 64, "1": 64}  # tests/systemd/lab/inventory.yml
 
 def lab_unavailable_reason() -> str | None:
     if os.environ.get("NUMA_LAB") == "1":
-        return "already inside the numa-lab VM"
-    if not os.access(NUMA_LAB, os.X_OK):
-        return f"numa-lab not found at {NUMA_LAB} (set NUMA_LAB_CMD)"
-    res = subprocess.run([NUMA_LAB, "--check"], capture_output=True, text=True)
-    if res.returncode != 0:
-        return "numa-lab cannot run here: " + (res.stdout + res.stderr).strip().replace("\n", "; ")
-    return None
+        return "already inside the lab VM"
+    ok, reason = lab_available()
+    return None if ok else reason
 
 
 def this_checkout(code: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -170,10 +167,11 @@ def lab_report() -> dict:
         env.pop("LAB_MOE_SERVICE_CONFIG", None)
         env["LAB_MOE_SKIP_REASON"] = service_reason
         timeout_s = int(os.environ.get("LAB_TIMEOUT_S", "4800"))
-    argv = [NUMA_LAB, "--systemd", "--nodes", "2", "--mem-gib", "4", "--timeout", str(timeout_s), "--out", str(out),
-            "--", "/usr/bin/python3", "tests/systemd/lab/lab_checks.py"]
+    extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
     t0 = time.monotonic()
-    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s + 120)
+    rc, output, _ = run_in_vm("/usr/bin/python3 tests/systemd/lab/lab_checks.py", nodes=2, mem_gib=4, systemd=True,
+                              timeout_s=timeout_s, out_dir=out, env=extra, cwd=REPO)
+    res = subprocess.CompletedProcess([], rc, output, "")
     (out / "lab.log").write_text(res.stdout + "\n--- stderr ---\n" + res.stderr)
     report_path = out / "report.json"
     if not report_path.exists():
