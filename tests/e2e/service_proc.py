@@ -106,6 +106,8 @@ def start_service(model_path: Path, cache_root: Path, *, numba_cache_dir: str, e
     sink = DatagramSink(notify_path)
     cfg = write_config(workdir / "config.toml", **(config or {}))
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("MOE_SERVICE")}
+    env.pop("WATCHDOG_USEC", None)  # only a test that asks for a watchdog gets one (extra_env)
+    env.pop("WATCHDOG_PID", None)
     env.update({
         "NOTIFY_SOCKET": notify_path,
         "XDG_CACHE_HOME": str(cache_root),
@@ -114,8 +116,6 @@ def start_service(model_path: Path, cache_root: Path, *, numba_cache_dir: str, e
         "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p),
         **(extra_env or {}),
     })
-    env.pop("WATCHDOG_USEC", None)
-    env.pop("WATCHDOG_PID", None)
     log_path = workdir / "service.log"
     log_file = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
     t_spawn = time.monotonic()

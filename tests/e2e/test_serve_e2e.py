@@ -211,3 +211,30 @@ def test_sigterm_during_a_request_finishes_it_and_exits_0(demo_model, e2e_cache)
         assert any("STOPPING=1" in t for t in sp.sink.texts())
     finally:
         sp.close()
+
+
+def test_watchdog_pings_while_serving_and_stops_when_the_engine_stalls(demo_model, e2e_cache):
+    """Under systemd with WatchdogSec: after READY=1, WATCHDOG=1 at most half of WATCHDOG_USEC
+    apart while the engine loop runs, none once it stalls (the test hook freezes the liveness
+    signal), and no EXTEND_TIMEOUT_USEC after READY=1 (systemd applies it to the watchdog timer
+    too: the lab found a serving process whose extensions hid a stalled engine)."""
+    env = {
+        "WATCHDOG_USEC": "1000000",
+        "MOE_SERVICE_TEST_STALL_AFTER_S": "3",
+        "MOE_SERVICE__PIPELINE__EXTEND_AFTER_S": "0",
+        "MOE_SERVICE__PIPELINE__EXTEND_INTERVAL_S": "0.5",
+        "MOE_SERVICE__PIPELINE__EXTEND_TIMEOUT_S": "2",
+    }
+    sp = start_service(demo_model, e2e_cache, numba_cache_dir=default_numba_cache_dir(), extra_env=env)
+    try:
+        time.sleep(5.5)
+        msgs = [(t, m.decode("latin-1")) for t, m in list(sp.sink.messages)]
+        pings = [t for t, m in msgs if m == "WATCHDOG=1" and t >= sp.t_ready]
+        alive = [t for t in pings if t <= sp.t_ready + 3.0]
+        assert len(alive) >= 5
+        assert max(b - a for a, b in zip(alive, alive[1:], strict=False)) <= 0.5
+        assert [t for t in pings if t > sp.t_ready + 3.0 + 0.5] == []
+        assert [m for t, m in msgs if m.startswith("EXTEND_TIMEOUT_USEC=") and t > sp.t_ready] == []
+        assert sp.proc.poll() is None  # stalled, not dead: systemd is the one that restarts it
+    finally:
+        sp.close()
