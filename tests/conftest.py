@@ -73,3 +73,18 @@ def clean_env(monkeypatch):
         if key.upper().startswith("MOE_SERVICE"):
             monkeypatch.delenv(key)
     return monkeypatch
+
+
+def pytest_collection_finish(session):
+    """Start the systemd lab VM (tests/systemd/test_lab.py) in a background thread as soon as
+    collection selected its tests, so its 12-30 minutes of emulation overlap the rest of the
+    suite; its fixture waits for the report. Nothing starts for --collect-only, or when the
+    lab's tests were deselected or are skipped (no VM here)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if (module is not None and module.__name__ == "tests.systemd.test_lab"
+                and item.get_closest_marker("skip") is None):
+            module.start_in_background()
+            return

@@ -35,6 +35,7 @@ could not run it. Command line: ``python tests/lab/vm.py [--nodes N] [--mem-gib 
 
 from __future__ import annotations
 
+import atexit
 import glob
 import gzip
 import hashlib
@@ -45,8 +46,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 APT_PACKAGES = ("qemu-system-x86", "linux-image-amd64", "busybox-static", "cpio")
@@ -64,7 +66,7 @@ export PATH=/bin
 mount -t proc proc /proc; mount -t sysfs sysfs /sys; mount -t devtmpfs devtmpfs /dev
 fail() { echo "moe-lab-vm: $*" > /dev/ttyS1; echo 125 > /lab-out/.rc 2>/dev/null; sync; poweroff -f; }
 for m in $(cat /lib/modules/order); do insmod /lib/modules/$m 2>/dev/null; done
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576,ro hostroot /lower || fail "9p root mount failed"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576,ro,cache=loose hostroot /lower || fail "9p root mount failed"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576 labout /lab-out || fail "9p out mount failed"
 mount -t tmpfs -o size=80% tmpfs /upper; mkdir -p /upper/u /upper/w
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/u,workdir=/upper/w /newroot || fail "overlay mount failed"
@@ -179,18 +181,19 @@ def build_initrd(kimg: Path) -> Path:
         files = subprocess.run(["find", "."], cwd=root, capture_output=True, text=True, check=True).stdout
         cpio = subprocess.run(["cpio", "-o", "-H", "newc"], cwd=root, input=files.encode(),
                               capture_output=True, check=True).stdout
-        tmp_target = target.with_suffix(".tmp")
+        # unique: two labs (the systemd one runs in the background) may build it at once
+        tmp_target = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp_target.write_bytes(gzip.compress(cpio, compresslevel=1))
         tmp_target.replace(target)
     return target
 
 
-def _job_script(cmd: str, env: dict[str, str] | None, cwd: Path) -> str:
+def _job_script(cmd: str, env: dict[str, str] | None, cwd: Path, base_env: Mapping[str, str]) -> str:
     lines = ["set -u"]
-    names = list(PASSED_ENV) + sorted(k for k in os.environ if k.startswith(("LAB_", "MOE_")))
+    names = list(PASSED_ENV) + sorted(k for k in base_env if k.startswith(("LAB_", "MOE_")))
     for k in names:
-        if k in os.environ:
-            lines.append(f"export {k}={shlex.quote(os.environ[k])}")
+        if k in base_env:
+            lines.append(f"export {k}={shlex.quote(base_env[k])}")
     for k, v in (env or {}).items():
         lines.append(f"export {k}={shlex.quote(str(v))}")
     lines.append("export LAB_OUT=/lab-out NUMA_LAB=1")
@@ -227,16 +230,30 @@ def qemu_command(kimg: Path, initrd: Path, out_dir: Path, nodes: int, mem_gib: f
     return argv
 
 
+_RUNNING: set[subprocess.Popen] = set()
+
+
+@atexit.register
+def _kill_running_vms() -> None:
+    """A VM left running by an interrupted caller (e.g. a background lab thread when pytest
+    exits early) is killed with the process, not left behind."""
+    for proc in list(_RUNNING):
+        proc.kill()
+
+
 def run_in_vm(cmd: str, nodes: int = 4, mem_gib: float = 4, *, cpus: int | None = None, systemd: bool = False,
               timeout_s: float = 600, out_dir: Path | str | None = None,
               distances: Sequence[Sequence[int]] | None = None, env: dict[str, str] | None = None,
-              cwd: Path | str | None = None, accel: str | None = None) -> tuple[int, str, Path]:
+              cwd: Path | str | None = None, accel: str | None = None,
+              base_env: Mapping[str, str] | None = None) -> tuple[int, str, Path]:
     """Boot a VM with ``nodes`` NUMA nodes and ``mem_gib`` GiB, run ``cmd`` there, power off.
 
     ``cpus``: vCPUs (default one per node; a multiple of ``nodes``). ``distances``: an
     N x N SLIT matrix (default QEMU's 10/20). ``systemd``: systemd is PID 1 and ``cmd`` runs as
     the oneshot unit moe-lab-job.service. ``out_dir``: host folder mounted at $LAB_OUT
-    (default a fresh temporary folder). ``accel``: QEMU accelerator ($LAB_ACCEL or tcg).
+    (default a fresh temporary folder). ``accel``: QEMU accelerator ($LAB_ACCEL or tcg). ``base_env``: the environment whose PASSED_ENV, LAB_* and MOE_*
+    variables the command gets (default os.environ now; a caller in a background thread passes
+    a snapshot, so that a test's monkeypatched variables do not leak into the VM).
 
     Returns (exit status, the command's stdout+stderr, out_dir). The status is the command's,
     124 on timeout, 125 when the VM could not run it; the kernel console is out_dir/.console.
@@ -259,20 +276,27 @@ def run_in_vm(cmd: str, nodes: int = 4, mem_gib: float = 4, *, cpus: int | None 
     out = out.resolve()
     for name in (".rc", ".job", ".console"):
         (out / name).unlink(missing_ok=True)
-    (out / ".job").write_text(_job_script(cmd, env, Path(cwd or os.getcwd()).resolve()))
+    base_env = dict(os.environ if base_env is None else base_env)
+    (out / ".job").write_text(_job_script(cmd, env, Path(cwd or os.getcwd()).resolve(), base_env))
     if systemd:
         (out / ".units").mkdir(exist_ok=True)
         for name, text in _UNITS.items():
             (out / ".units" / name).write_text(text)
     argv = qemu_command(kimg, initrd, out, nodes, mem_gib, cpus, systemd, distances,
                         accel or os.environ.get("LAB_ACCEL", "tcg"))
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=base_env)
+    _RUNNING.add(proc)
     try:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=timeout_s)
-        output = proc.stdout.decode(errors="replace").replace("\r", "")
-    except subprocess.TimeoutExpired as e:
-        partial = (e.stdout or b"").decode(errors="replace").replace("\r", "")
+        stdout, _ = proc.communicate(timeout=timeout_s)
+        output = stdout.decode(errors="replace").replace("\r", "")
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate()
+        partial = (stdout or b"").decode(errors="replace").replace("\r", "")
         return RC_TIMEOUT, partial + f"\nmoe-lab: timed out after {timeout_s} s (console: {out}/.console)\n", out
+    finally:
+        _RUNNING.discard(proc)
     rc_file = out / ".rc"
     if not rc_file.exists() or not rc_file.read_text().strip():
         return RC_VM_FAILED, output + f"\nmoe-lab: the VM reported no exit status (console: {out}/.console)\n", out

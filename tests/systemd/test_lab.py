@@ -28,7 +28,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -52,12 +54,16 @@ def lab_unavailable_reason() -> str | None:
     return None if ok else reason
 
 
+# The environment boot_lab works from (None: os.environ), set before it starts.
+_ENVIRON: dict[str, str] | None = None
+
+
 def this_checkout(code: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """Run Python code against this checkout's packages (an editable install of another
     checkout in the venv must not answer for it)."""
     prelude = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import moe_service; "
                f"assert moe_service.__file__.startswith({str(REPO)!r}), moe_service.__file__\n")
-    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True, env=_ENVIRON,
                           timeout=timeout_s)
 
 
@@ -120,23 +126,28 @@ def lab_service_config() -> tuple[Path | None, str | None]:
     return staged, None
 
 
-def build_wheelhouse(dest: Path) -> None:
+def build_wheelhouse(dest: Path, environ: dict[str, str]) -> None:
     """The package under test as a wheel (dependencies come from the shared venv in the VM)."""
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest),
-                    str(REPO)], check=True, timeout=600)
+                    str(REPO)], check=True, timeout=600, env=environ)
 
 
-@pytest.fixture(scope="module")
-def lab_report() -> dict:
+def boot_lab(environ: dict[str, str]) -> dict:
+    """Boot the lab and run lab_checks.py; the report (raises pytest's skip or fail outcome).
+
+    ``environ``: the environment to work from, a snapshot taken before any test ran (this runs
+    in a background thread while other tests monkeypatch os.environ)."""
+    global _ENVIRON
+    _ENVIRON = environ
     reason = lab_unavailable_reason()
     if reason:
         pytest.skip(reason)
     LAB_WORK.mkdir(parents=True, exist_ok=True)
     out = LAB_WORK / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
     env = dict(
-        os.environ,
+        environ,
         LAB_REPO=str(REPO),
         LAB_ANSIBLE_PLAYBOOK=str(Path(sys.executable).parent / "ansible-playbook"),
         LAB_SHARED_SITE_PACKAGES=sysconfig.get_paths()["purelib"],
@@ -144,7 +155,7 @@ def lab_report() -> dict:
     service_reason = cli_unavailable_reason()
     if service_reason is None:
         wheelhouse = LAB_WORK / "wheelhouse"
-        build_wheelhouse(wheelhouse)
+        build_wheelhouse(wheelhouse, environ)
         env["LAB_MOE_WHEELHOUSE"] = str(wheelhouse)
         config, service_reason = lab_service_config()
         if config is not None and os.environ.get("MOE_LAB_FULL_SERVICE") != "1":
@@ -167,10 +178,10 @@ def lab_report() -> dict:
         env.pop("LAB_MOE_SERVICE_CONFIG", None)
         env["LAB_MOE_SKIP_REASON"] = service_reason
         timeout_s = int(os.environ.get("LAB_TIMEOUT_S", "4800"))
-    extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    extra = {k: v for k, v in env.items() if environ.get(k) != v}
     t0 = time.monotonic()
     rc, output, _ = run_in_vm("/usr/bin/python3 tests/systemd/lab/lab_checks.py", nodes=2, mem_gib=4, systemd=True,
-                              timeout_s=timeout_s, out_dir=out, env=extra, cwd=REPO)
+                              timeout_s=timeout_s, out_dir=out, env=extra, cwd=REPO, base_env=environ)
     res = subprocess.CompletedProcess([], rc, output, "")
     (out / "lab.log").write_text(res.stdout + "\n--- stderr ---\n" + res.stderr)
     report_path = out / "report.json"
@@ -182,8 +193,41 @@ def lab_report() -> dict:
     report["out_dir"] = str(out)
     report["numa_lab_rc"] = res.returncode
     report["service_skip_reason"] = service_reason
-    print(f"numa-lab boot + checks: {report['host_wall_s']} s wall; report: {report_path}")
     return report
+
+
+_BACKGROUND: dict[str, Future] = {}
+
+
+def start_in_background() -> Future:
+    """Start :func:`boot_lab` in a daemon thread now (once per process); the lab_report
+    fixture waits for it. tests/conftest.py calls this when collection selected this module,
+    so the VM (one emulated core, 12-30 minutes) runs beside the rest of the suite instead of
+    after it."""
+    if "lab" not in _BACKGROUND:
+        fut: Future = Future()
+        environ = dict(os.environ)
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(boot_lab(environ))
+            except BaseException as e:  # pytest's Skipped/Failed outcomes travel to the fixture too
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="systemd-lab", daemon=True).start()
+        _BACKGROUND["lab"] = fut
+    return _BACKGROUND["lab"]
+
+
+@pytest.fixture(scope="module")
+def lab_report() -> dict:
+    """The lab's report.json (started in the background at collection; started here otherwise)."""
+    report = start_in_background().result()
+    print(f"numa-lab boot + checks: {report['host_wall_s']} s wall; report: {report['out_dir']}/report.json")
+    return report
+
 
 
 def step(report: dict, name: str) -> dict:

@@ -14,8 +14,9 @@ order (each step is recorded as it finishes, so a timeout still leaves the earli
   units_verify   systemd-analyze verify on both unit files
   units_security systemd-analyze security (exposure) on the loaded units
   syscall_probe  syscall_probe.py run under a copy of the unit: NUMA calls allowed, sandbox on
-  moe_service_install  only while the service cannot serve yet (a wheel but no valid lab
-                 config): the role's installation tasks twice (offline, from the wheelhouse)
+  moe_service_install  outside the full service phase (the default): ansible_1 and ansible_2
+                 also ran the role's installation tasks (offline, from the wheelhouse);
+                 the user, virtualenv, entry point and units they left
   lifecycle_start  in that phase, with LAB_MOE_LIFECYCLE_CONFIG (a load-only pipeline):
                  the installed unit started by hand, then the service_* steps without /health
   service_*      only when LAB_MOE_SERVICE_CONFIG is set too (the pipeline can serve): the
@@ -177,9 +178,14 @@ def prepare_service_venv() -> dict:
     return {"venv": str(venv), "shared_site_packages": str(shared), "left_out": skipped}
 
 
-def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800, playbook: str = "ansible/site.yml") -> dict:
+def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800, playbook: str | None = None) -> dict:
+    """ansible-playbook on the VM itself. Default playbook: ansible/site.yml in the service
+    phase; with the moe_service tag skipped plus the role's installation tasks in the install
+    phase (tests/systemd/lab/host-and-install.yml); site.yml's host roles alone otherwise."""
+    if playbook is None:
+        playbook = "tests/systemd/lab/host-and-install.yml" if install_phase() else "ansible/site.yml"
     argv = [PLAYBOOK_BIN, "-i", str(REPO / "tests/systemd/lab/inventory.yml"), str(REPO / playbook)]
-    if not service_phase() and playbook == "ansible/site.yml":
+    if not service_phase() and playbook != "tests/systemd/lab/install-only.yml":
         argv += ["--skip-tags", "moe_service"]
     argv += extra or []
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible/ansible.cfg"), ANSIBLE_NOCOLOR="1",
@@ -294,14 +300,15 @@ def nvidia_skip() -> dict:
 
 @step("moe_service_install")
 def moe_service_install() -> dict:
-    """The role's installation tasks, twice: offline from the wheelhouse, then idempotent."""
-    runs = [run_playbook(playbook="tests/systemd/lab/install-only.yml", timeout_s=1800) for _ in range(2)]
+    """What the role's installation tasks (run by ansible_1 offline from the wheelhouse, and
+    again by ansible_2, which must change nothing) left behind."""
+    runs = [report["steps"][name] for name in ("ansible_1", "ansible_2")]
     venv = Path("/opt/moe-service/venv")
     site = next((venv / "lib").glob("python3*/site-packages"))
     helped = sh(["runuser", "-u", "moe-service", "--", str(venv / "bin/moe-service"), "--help"], timeout_s=600)
     return {
         "runs": [{k: r.get(k) for k in ("rc", "ok", "changed", "failed", "seconds", "changed_task_names")}
-                 | {"stdout_tail": r["stdout_tail"][-2500:]} for r in runs],
+                 | {"stdout_tail": (r.get("stdout_tail") or "")[-2500:]} for r in runs],
         "user": sh(["id", "moe-service"])["stdout"].strip(),
         "entry_point": (venv / "bin/moe-service").exists(),
         "dist_info": sorted(p.name for p in site.glob("moe_service-*.dist-info")),
@@ -542,7 +549,7 @@ def main() -> int:
     nvidia_skip()
     if install_phase():
         install = moe_service_install()
-        if os.environ.get("LAB_MOE_LIFECYCLE_CONFIG") and all(r["rc"] == 0 for r in install.get("runs", [])):
+        if os.environ.get("LAB_MOE_LIFECYCLE_CONFIG") and all(r.get("rc") == 0 for r in install.get("runs", [])):
             report["service_mode"] = "lifecycle"
             lifecycle_start()
             service_active()
