@@ -747,21 +747,21 @@ def quantize_partner_rows_range(partner, x, row_lo, row_hi, n, xf, xq, xd, xs, x
 # block once for 4 activation rows (prefill, batched decode, experts chosen by several
 # tokens). Only AVX2 instructions are required (plus SSSE3 pshufb for MXFP4).
 
-def _target_has_avx512bw() -> bool:
-    """Whether numba compiles for a CPU with AVX-512BW (the host, unless NUMBA_CPU_NAME is set).
-    MOE_SERVICE_KERNEL_ISA=avx2 forces the AVX2 code (use a separate NUMBA_CACHE_DIR: numba's
-    cache key does not include this choice)."""
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 BW + VL + VNNI (the host, unless
+    NUMBA_CPU_NAME is set): the 512-bit kernels need all three (Ice Lake / Zen 4 and later);
+    other AVX-512 CPUs (Skylake-SP) run the AVX2 code. MOE_SERVICE_KERNEL_ISA=avx2 forces the
+    AVX2 code (the engine's numba cache folder is keyed by it, see engine/__init__.py)."""
     if os.environ.get("MOE_SERVICE_KERNEL_ISA", "").lower() == "avx2":
         return False
+    need = ("avx512bw", "avx512vl", "avx512vnni")
     if _numba_config.CPU_NAME:
-        return "+avx512bw" in (_numba_config.CPU_FEATURES or "")
-    return bool(_llb.get_host_cpu_features().get("avx512bw", False))
+        return all(f"+{f}" in (_numba_config.CPU_FEATURES or "") for f in need)
+    feats = _llb.get_host_cpu_features()
+    return all(bool(feats.get(f, False)) for f in need)
 
 
-# K-quant pieces use 512-bit vpmaddubsw/vpmaddwd (64 bytes: two 32-element sub-blocks per
-# instruction) where the target has AVX-512BW; AVX2 elsewhere. Integer sums are exact, so
-# both give bit-identical results.
-_AVX512 = _target_has_avx512bw()
+_AVX512 = _target_has_avx512()
 _IW = 16 if _AVX512 else 8  # lanes of the K-quant int32 accumulators
 
 _ACC = types.CPointer(types.float32)   # -> [8 x <8 x float>]: two per activation row (block parity)
@@ -802,24 +802,6 @@ def _add(builder, off, k):
 def _call(builder, name, ret, args):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, args)
-
-
-def _nibbles(builder, v16):
-    """16 packed bytes -> <32 x i8>: the 16 low nibbles, then the 16 high nibbles."""
-    lo = builder.and_(v16, _cvec(_I8, [15] * 16))
-    hi = builder.lshr(v16, _cvec(_I8, [4] * 16))
-    return builder.shuffle_vector(lo, hi, _cvec(_I32, range(32)))
-
-
-def _high_bits(builder, qh32):
-    """u32 (i32) qh -> <32 x i8> whose lane j is bit j of qh shifted to bit 4 (Q5_0/Q5_1):
-    byte j // 8 of qh spread to lane j (vpshufb), tested against bit j % 8 (as ggml's
-    bytes_from_bits_32)."""
-    b4 = builder.bitcast(qh32, _vt(_I8, 4))
-    spread = builder.shuffle_vector(b4, b4, _cvec(_I32, [j // 8 for j in range(32)]))
-    hit = builder.icmp_unsigned("!=", builder.and_(spread, _cvec(_I8, [1 << (j % 8) for j in range(32)])),
-                                _cvec(_I8, [0] * 32))
-    return builder.select(hit, _cvec(_I8, [16] * 32), _cvec(_I8, [0] * 32))
 
 
 def _maddubs(builder, w_u8, a_s8):
@@ -875,19 +857,6 @@ def _sign8(builder, a, w):
 _ONES16 = _cvec(_I16, [1] * 16)
 
 
-class _Weights:
-    """A weight block unpacked to 32 bytes; ``signed`` selects the sign trick."""
-
-    def __init__(self, builder, w8, signed):
-        self.w8 = w8
-        self.signed = signed
-        self.u8 = _abs8(builder, w8) if signed else w8
-
-    def pairs(self, builder, a8):
-        """<16 x i16> adjacent pair sums of w . a."""
-        return _maddubs(builder, self.u8, _sign8(builder, a8, self.w8) if self.signed else a8)
-
-
 def _slot(builder, ptr, slot, vty):
     base = builder.bitcast(ptr, ir.ArrayType(vty, 8 if vty.element == _F32 else 4).as_pointer())
     return builder.gep(base, [ir.Constant(_I32, 0), slot])
@@ -899,100 +868,7 @@ def _fma_into(builder, accp, slot, i32v, scale):
     builder.store(_call(builder, "llvm.fma.v8f32", _VF, [f, _splat(builder, scale, 8), builder.load(p)]), p)
 
 
-def _unpack_q8_0(context, builder, aryty, arena, wo):
-    return _Weights(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 2), 32), True)
-
-
-def _unpack_q4_0(context, builder, aryty, arena, wo):
-    q = _nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 2), 16))
-    return _Weights(builder, builder.sub(q, _cvec(_I8, [8] * 32)), True)
-
-
-def _unpack_q4_1(context, builder, aryty, arena, wo):
-    return _Weights(builder, _nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 4), 16)),
-                    False)
-
-
-def _unpack_q5(context, builder, aryty, arena, wo, qh_off, qs_off, bias):
-    qh = builder.load(_byte_ptr(context, builder, aryty, arena, _add(builder, wo, qh_off), _I32))
-    qh.align = 1
-    q = builder.or_(_nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, qs_off), 16)),
-                    _high_bits(builder, qh))
-    if bias:
-        return _Weights(builder, builder.sub(q, _cvec(_I8, [bias] * 32)), True)
-    return _Weights(builder, q, False)
-
-
-def _unpack_q5_0(context, builder, aryty, arena, wo):
-    return _unpack_q5(context, builder, aryty, arena, wo, 2, 6, 16)
-
-
-def _unpack_q5_1(context, builder, aryty, arena, wo):
-    return _unpack_q5(context, builder, aryty, arena, wo, 4, 8, 0)
-
-
 _MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
-
-def _unpack_mxfp4(context, builder, aryty, arena, wo):
-    table = _cvec(_I8, [v & 0xFF for v in _MXFP4_KVALUES])
-    v = _bytes(context, builder, aryty, arena, _add(builder, wo, 1), 16)
-    lo = _call(builder, "llvm.x86.ssse3.pshuf.b.128", _vt(_I8, 16), [table, builder.and_(v, _cvec(_I8, [15] * 16))])
-    hi = _call(builder, "llvm.x86.ssse3.pshuf.b.128", _vt(_I8, 16), [table, builder.lshr(v, _cvec(_I8, [4] * 16))])
-    return _Weights(builder, builder.shuffle_vector(lo, hi, _cvec(_I32, range(32))), True)
-
-
-def _blk32_codegen(unpack, nt):
-    def codegen(context, builder, sig, args):
-        k = 1
-        accp = args[0]
-        par = _i64(context, builder, args[1], sig.args[1])  # nt == 1: the slot; nt == 4: block parity
-        arena, wo, xq = args[1 + k], args[2 + k], args[3 + k]
-        w = unpack(context, builder, sig.args[1 + k], arena, _i64(context, builder, wo, sig.args[2 + k]))
-        for t in range(nt):
-            xo = _i64(context, builder, args[4 + k + t], sig.args[4 + k + t])
-            a8 = _bytes(context, builder, sig.args[3 + k], xq, xo, 32)
-            s = context.cast(builder, args[4 + k + nt + t], sig.args[4 + k + nt + t], types.float32)
-            i32 = _madd(builder, w.pairs(builder, a8), _ONES16)
-            slot = par if nt == 1 else builder.add(ir.Constant(_I64, 2 * t), par)
-            _fma_into(builder, accp, slot, i32, s)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _blk32_pair(unpack, name):
-    """(blk1, blk4) intrinsics of one 32-element format.
-
-    blk1(acc, slot, arena, wo, xq, xo, s): acc[slot] += s * (W_block . xq[xo:xo+32]) (8 partial
-    int32 sums); blk4(acc, par, arena, wo, xq, xo0..xo3, s0..s3): the same for 4 activation
-    blocks into slots 2t + par, unpacking the weight block once. wo: the block's byte offset;
-    s: d_w * d_x. Row kernels alternate par / slot with block parity, the same way for 1 and
-    4 rows, so a row's result does not depend on how activation rows were grouped.
-    """
-
-    @intrinsic
-    def blk1(typingctx, acc, slot, arena, wo, xq, xo, s):
-        sig = types.void(acc, slot, arena, wo, xq, xo, types.float32)
-        return sig, _blk32_codegen(unpack, 1)
-
-    @intrinsic
-    def blk4(typingctx, acc, par, arena, wo, xq, xo0, xo1, xo2, xo3, s0, s1, s2, s3):
-        f = types.float32
-        sig = types.void(acc, par, arena, wo, xq, xo0, xo1, xo2, xo3, f, f, f, f)
-        return sig, _blk32_codegen(unpack, 4)
-
-    blk1.__doc__ = f"{name} block x 1 activation block into acc[slot]."
-    blk4.__doc__ = f"{name} block x 4 activation blocks into acc[0..3]."
-    return blk1, blk4
-
-
-_blk1_q8_0, _blk4_q8_0 = _blk32_pair(_unpack_q8_0, "Q8_0")
-_blk1_q4_0, _blk4_q4_0 = _blk32_pair(_unpack_q4_0, "Q4_0")
-_blk1_q4_1, _blk4_q4_1 = _blk32_pair(_unpack_q4_1, "Q4_1")
-_blk1_q5_0, _blk4_q5_0 = _blk32_pair(_unpack_q5_0, "Q5_0")
-_blk1_q5_1, _blk4_q5_1 = _blk32_pair(_unpack_q5_1, "Q5_1")
-_blk1_mxfp4, _blk4_mxfp4 = _blk32_pair(_unpack_mxfp4, "MXFP4")
 
 
 # K-quant pieces: one 64-element pair of sub-blocks (Q4_K/Q5_K, index g: unsigned 4/5-bit
@@ -1255,337 +1131,346 @@ def _acc_sum(typingctx, acc, slot):
 
 
 # ---------------------------------------------------------------------------------------
+# Tile kernels of the 32-element formats: R weight rows x A activation rows per pass
+# ---------------------------------------------------------------------------------------
+# One call of a tile intrinsic computes R x A dot products (R consecutive weight rows, A
+# activation rows picked through a_rows) in one pass over the rows' blocks, taking blocks
+# two at a time (a *pair*). Per pair it unpacks each weight row's two blocks once (64 int8,
+# the float16 scales widened) and loads each activation row's two blocks once; the R x A
+# products then cost four vector instructions each on AVX-512 VNNI: vpdpbusd (64 byte
+# products -> 16 int32, four adjacent products per lane), vcvtdq2ps, vmulps (d_w * d_x,
+# both pre-expanded to the 16 lanes), vfmadd. The R x A accumulators stay in registers.
+#
+# Numerics are exactly the per-row order of the one-row dot: each row's accumulator is
+# 8 lanes for even blocks and 8 for odd blocks (on AVX-512 the two halves of one zmm);
+# lane k of block b gets fma(float(sum of the 4 products 4k..4k+3), d_w(b) * d_x(b), acc);
+# at the end each half is summed by the same pairwise tree, even + odd, then (Q4_1/Q5_1)
+# + (m_even + m_odd) where m_par accumulates m_w(b) * s_x(b) (multiply, then add) over the
+# blocks of its parity. The int32 lane sums are exact whatever instructions compute them,
+# so the result of a row never depends on R, A, the tile a row lands in, or the ISA.
+#
+# Signed weights (Q8_0, Q4_0, Q5_0, MXFP4) with vpdpbusd (unsigned x signed bytes): the
+# activation goes in as unsigned a + 128 (a xor 0x80) and every lane starts from
+# -128 * (sum of its 4 weights), computed once per weight pair: sum w*(a+128) - 128 sum w =
+# sum w*a exactly (vpdpbusd does not saturate). Without VNNI (the AVX2 path) a block is one
+# ymm and the products go through vpmaddubsw + vpmaddwd (signed weights: ggml's sign trick,
+# |w| x sign(a, w)); no int16 pair sum can saturate (|w| <= 128, |a| <= 127).
+
+_VNNI = _AVX512  # the 512-bit path requires AVX-512 BW + VL + VNNI (see _target_has_avx512)
+
+
+@dataclass(frozen=True)
+class _Fmt32:
+    """Byte layout of one 32-element weight format for the tile kernels."""
+
+    bb: int            # block bytes
+    qs: int            # offset of the 16 nibble bytes (or the 32 int8 of Q8_0)
+    qh: int            # offset of the u32 high bits (Q5_*), -1 if none
+    bias: int          # subtracted from the unsigned values (Q4_0: 8, Q5_0: 16)
+    signed: bool       # weight values signed (sign trick / a + 128 path)
+    has_min: bool      # Q4_1 / Q5_1: x = d*q + m (the m term uses the Q8_1 sums s)
+    kind: str          # "q8", "nib" (4/5-bit nibbles), "mxfp4"
+
+
+_FMT32 = {
+    GGML_Q8_0: _Fmt32(34, 2, -1, 0, True, False, "q8"),
+    GGML_Q4_0: _Fmt32(18, 2, -1, 8, True, False, "nib"),
+    GGML_Q4_1: _Fmt32(20, 4, -1, 0, False, True, "nib"),
+    GGML_Q5_0: _Fmt32(22, 6, 2, 16, True, False, "nib"),
+    GGML_Q5_1: _Fmt32(24, 8, 4, 0, False, True, "nib"),
+    GGML_MXFP4: _Fmt32(17, 1, -1, 0, True, False, "mxfp4"),
+}
+
+
+def _ldv(builder, ptr, off, vty, align=1):
+    """Load a value of type vty at byte offset ``off`` (an int or an i64 value) of the i8* ``ptr``."""
+    if isinstance(off, int):
+        off = _ci(off)
+    p = builder.bitcast(builder.gep(ptr, [off]), vty.as_pointer())
+    v = builder.load(p)
+    v.align = align
+    return v
+
+
+def _ci(v):
+    return ir.Constant(_I64, v)
+
+
+def _shuf(builder, v, idx):
+    return builder.shuffle_vector(v, v, _cvec(_I32, idx))
+
+
+def _cat(builder, parts):
+    """Concatenate equal vectors into one."""
+    while len(parts) > 1:
+        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _tree8(builder, v, lo):
+    """Pairwise sum of lanes lo..lo+7 of float vector v, as _acc_sum."""
+    v = builder.shuffle_vector(v, v, _cvec(_I32, range(lo, lo + 8)))
+    n = 8
+    while n > 1:
+        h = n // 2
+        v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, n)))
+        n = h
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _unpack32(builder, f, ptrs):
+    """The int8 values of the blocks at i8* ptrs (1 or 2 consecutive blocks of one row) as
+    one <32*len(ptrs) x i8> (signed values for signed formats, else 0..31)."""
+    n = len(ptrs)
+    if f.kind == "q8":
+        return _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 32)) for p in ptrs])
+    v = _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 16)) for p in ptrs])  # <16n x i8>
+    lo = builder.and_(v, _cvec(_I8, [15] * 16 * n))
+    hi = builder.lshr(v, _cvec(_I8, [4] * 16 * n))
+    # block j: its 16 low nibbles (elements 0..15), then its 16 high nibbles (16..31)
+    idx = []
+    for j in range(n):
+        idx += list(range(16 * j, 16 * j + 16)) + list(range(16 * n + 16 * j, 16 * n + 16 * j + 16))
+    q = builder.shuffle_vector(lo, hi, _cvec(_I32, idx))
+    if f.kind == "mxfp4":
+        table = _cvec(_I8, [v_ & 0xFF for v_ in _MXFP4_KVALUES] * (2 * n))
+        name = "llvm.x86.avx512.pshuf.b.512" if n == 2 else "llvm.x86.avx2.pshuf.b"
+        return _call(builder, name, _vt(_I8, 32 * n), [table, q])
+    if f.qh >= 0:
+        bits = [builder.zext(_ldv(builder, p, _ci(f.qh), _I32), _I64) for p in ptrs]
+        m = bits[0] if n == 1 else builder.or_(bits[0], builder.shl(bits[1], _ci(32)))
+        mask = builder.bitcast(builder.trunc(m, _I32) if n == 1 else m, _vt(ir.IntType(1), 32 * n))
+        q = builder.or_(q, builder.select(mask, _cvec(_I8, [16] * 32 * n), _cvec(_I8, [0] * 32 * n)))
+    if f.bias:
+        q = builder.sub(q, _cvec(_I8, [f.bias] * 32 * n))
+    return q
+
+
+def _scales32(builder, f, ptrs):
+    """<2n x float>: [d, m] of each block (m only meaningful for Q4_1 / Q5_1), widened
+    exactly from float16 (MXFP4: [2^(e-128), 0])."""
+    n = len(ptrs)
+    if f.kind == "mxfp4":
+        e = ir.Constant(_vt(_I32, 2 * n), None)
+        for j, p in enumerate(ptrs):
+            e = builder.insert_element(e, builder.zext(builder.load(p), _I32), ir.Constant(_I32, 2 * j))
+            e = builder.insert_element(e, ir.Constant(_I32, 2), ir.Constant(_I32, 2 * j + 1))
+        small = builder.shl(_cvec(_I32, [0x00200000] * 2 * n), e)
+        big = builder.shl(builder.sub(e, _cvec(_I32, [1] * 2 * n)), _cvec(_I32, [23] * 2 * n))
+        bits = builder.select(builder.icmp_unsigned("<", e, _cvec(_I32, [2] * 2 * n)), small, big)
+        return builder.bitcast(bits, _vt(_F32, 2 * n))
+    w = ir.Constant(_vt(_I32, n), None)
+    for j, p in enumerate(ptrs):
+        w = builder.insert_element(w, _ldv(builder, p, _ci(0), _I32), ir.Constant(_I32, j))
+    return builder.fpext(builder.bitcast(w, _vt(ir.HalfType(), 2 * n)), _vt(_F32, 2 * n))
+
+
+def _dot32(builder, f, w, neg, a, a_u):
+    """int32 lanes (8 per block) of w . a for one weight value vector w and activation a
+    (<32n x i8>); on VNNI ``neg``/``a_u`` carry the signed-weight correction (see above)."""
+    n = w.type.count // 32
+    vi = _vt(_I32, 8 * n)
+    if _VNNI:
+        name = "llvm.x86.avx512.vpdpbusd.512" if n == 2 else "llvm.x86.avx512.vpdpbusd.256"
+        if f.signed:
+            return _call(builder, name, vi, [neg, builder.bitcast(a_u, vi), builder.bitcast(w, vi)])
+        return _call(builder, name, vi, [ir.Constant(vi, [0] * 8 * n), builder.bitcast(w, vi), builder.bitcast(a, vi)])
+    if f.signed:
+        return _madd(builder, _maddubs(builder, _abs8(builder, w), _sign8(builder, a, w)), _ONES16)
+    return _madd(builder, _maddubs(builder, w, a), _ONES16)
+
+
+def _tile32_codegen(fmt, n_w, n_a):
+    f = _FMT32[fmt]
+    # accumulator layout: VNNI: one <16 x float> per (row, item) = [even blocks | odd blocks];
+    # AVX2: two <8 x float> (even, odd).
+    n_par_parts = 1 if _VNNI else 2
+
+    def codegen(context, builder, sig, args):
+        (_, _, _, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, ostride, ocol) = args
+        ty = sig.args
+        wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
+                                        ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
+                                         (ocol, ty[15])))
+        base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
+        xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
+        xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
+        xs32 = builder.bitcast(_data(context, builder, ty[9], xs), _F32.as_pointer())
+        arow = _data(context, builder, ty[10], a_rows)
+        orow = _data(context, builder, ty[12], o_rows)
+        outp = _data(context, builder, ty[13], out)
+        wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+        n_cols = builder.mul(nb, _ci(QK))
+        arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
+        xq_t = [builder.gep(xq8, [builder.mul(a, n_cols)]) for a in arows]
+        xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
+        xs_t = [builder.gep(xs32, [builder.mul(a, nb)]) for a in arows]
+        acc_ty = _vt(_F32, 16) if _VNNI else _VF
+        acc = [[[cgutils.alloca_once(builder, acc_ty) for _ in range(n_par_parts)] for _ in range(n_a)]
+               for _ in range(n_w)]
+        for k in range(n_w):
+            for t in range(n_a):
+                for p in acc[k][t]:
+                    builder.store(ir.Constant(acc_ty, [0.0] * acc_ty.count), p)
+        mvec = []
+        if f.has_min:
+            mty = _vt(_F32, 2 * n_a)
+            mvec = [cgutils.alloca_once(builder, mty) for _ in range(n_w)]
+            for p in mvec:
+                builder.store(ir.Constant(mty, [0.0] * 2 * n_a), p)
+
+        def step(b, n):
+            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even)."""
+            boff = builder.mul(b, _ci(f.bb))
+            wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
+            if _VNNI:
+                ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
+            else:
+                ws = [[_unpack32(builder, f, [wp[k][j]]) for j in range(n)] for k in range(n_w)]
+            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)]  # [d0, m0, (d1, m1)]
+            if _VNNI:
+                dw = [[_shuf(builder, sc[k], [0] * 8 + ([2] * 8 if n == 2 else []))] for k in range(n_w)]
+            else:
+                dw = [[_shuf(builder, sc[k], [2 * j] * 8) for j in range(n)] for k in range(n_w)]
+            neg = [[None] * len(ws[k]) for k in range(n_w)]
+            if _VNNI and f.signed:
+                for k in range(n_w):
+                    for j, w in enumerate(ws[k]):
+                        vi = _vt(_I32, w.type.count // 4)
+                        name = "llvm.x86.avx512.vpdpbusd.512" if w.type.count == 64 else "llvm.x86.avx512.vpdpbusd.256"
+                        s = _call(builder, name, vi, [ir.Constant(vi, [0] * vi.count),
+                                                      builder.bitcast(_cvec(_I8, [0x80] * w.type.count), vi),
+                                                      builder.bitcast(w, vi)])
+                        neg[k][j] = builder.sub(ir.Constant(vi, [0] * vi.count), s)
+            xoff = builder.mul(b, _ci(QK))
+            for t in range(n_a):
+                if _VNNI:
+                    av = [_ldv(builder, xq_t[t], xoff, _vt(_I8, 32 * n))]
+                else:
+                    av = [_ldv(builder, xq_t[t], builder.add(xoff, _ci(32 * j)), _vt(_I8, 32)) for j in range(n)]
+                au = [builder.xor(v, _cvec(_I8, [0x80] * v.type.count)) for v in av] if (_VNNI and f.signed) else av
+                dx2 = _ldv(builder, builder.bitcast(builder.gep(xd_t[t], [b]), _I8.as_pointer()), 0, _vt(_F32, n), 4)
+                if _VNNI:
+                    dx = [_shuf(builder, dx2, [0] * 8 + ([1] * 8 if n == 2 else []))]
+                else:
+                    dx = [_shuf(builder, dx2, [j] * 8) for j in range(n)]
+                for k in range(n_w):
+                    for j in range(len(av)):
+                        li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
+                        fl = builder.sitofp(li, _vt(_F32, li.type.count))
+                        s = builder.fmul(dw[k][j], dx[j])
+                        if _VNNI:
+                            p = acc[k][t][0]
+                            old = builder.load(p)
+                            if n == 2:
+                                new = _call(builder, "llvm.fma.v16f32", acc_ty, [fl, s, old])
+                            else:  # even block only: the low 8 lanes
+                                lo = _call(builder, "llvm.fma.v8f32", _VF, [fl, s, _shuf(builder, old, range(8))])
+                                lo16 = _shuf(builder, lo, list(range(8)) + [0] * 8)
+                                new = builder.shuffle_vector(lo16, old, _cvec(_I32, list(range(8)) + list(range(24, 32))))
+                            builder.store(new, p)
+                        else:
+                            p = acc[k][t][j]
+                            builder.store(_call(builder, "llvm.fma.v8f32", _VF, [fl, s, builder.load(p)]), p)
+            if f.has_min:
+                # m_par += m_w(b) * s_x(b): lanes [2t + parity], one vector per weight row
+                xsv = _cat(builder, [_ldv(builder, builder.bitcast(builder.gep(xs_t[t], [b]), _I8.as_pointer()), 0,
+                                          _vt(_F32, n), 4) for t in range(n_a)]) if n_a > 1 else \
+                    _ldv(builder, builder.bitcast(builder.gep(xs_t[0], [b]), _I8.as_pointer()), 0, _vt(_F32, n), 4)
+                for k in range(n_w):
+                    p = mvec[k]
+                    old = builder.load(p)
+                    if n == 2:
+                        mw = _shuf(builder, sc[k], [1, 3] * n_a)
+                        builder.store(builder.fadd(old, builder.fmul(mw, xsv)), p)
+                    else:
+                        prod = builder.fmul(_shuf(builder, sc[k], [1] * n_a), xsv)  # <n_a>
+                        prod2 = _shuf(builder, prod, [t // 2 for t in range(2 * n_a)])
+                        new = builder.fadd(old, prod2)
+                        keep = _cvec(ir.IntType(1), [1 - (ln & 1) for ln in range(2 * n_a)])
+                        builder.store(builder.select(keep, new, old), p)
+
+        npairs = builder.lshr(nb, _ci(1))
+        with cgutils.for_range(builder, npairs) as loop:
+            step(builder.mul(loop.index, _ci(2)), 2)
+        odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
+        with builder.if_then(odd, likely=False):
+            step(builder.sub(nb, _ci(1)), 1)
+        for t in range(n_a):
+            orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
+            obase = builder.add(builder.mul(orow_t, ostride), ocol)
+            for k in range(n_w):
+                if _VNNI:
+                    v = builder.load(acc[k][t][0])
+                    r = builder.fadd(_tree8(builder, v, 0), _tree8(builder, v, 8))
+                else:
+                    r = builder.fadd(_tree8(builder, builder.load(acc[k][t][0]), 0),
+                                     _tree8(builder, builder.load(acc[k][t][1]), 0))
+                if f.has_min:
+                    m = builder.load(mvec[k])
+                    r = builder.fadd(r, builder.fadd(builder.extract_element(m, ir.Constant(_I32, 2 * t)),
+                                                     builder.extract_element(m, ir.Constant(_I32, 2 * t + 1))))
+                builder.store(r, builder.gep(outp, [builder.add(obase, _ci(k))]))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _tile32(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, out_stride, ocol):
+    """out[o_rows[i0+t] * out_stride + ocol + k] = W[k] . act[a_rows[i0+t]] for k < n_w, t < n_a.
+
+    fmt, n_w, n_a: literal ints (a 32-element GGML type, weight rows, items); W[k] is the row
+    at byte ``wo + k * rb`` of ``arena`` (nb blocks); xq/xd/xs: the partner arrays (Q8_0 /
+    Q8_1). Emits the whole pass over the blocks (see the section comment)."""
+    for v in (fmt, n_w, n_a):
+        if not isinstance(v, types.IntegerLiteral):
+            return None
+    sig = types.void(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, out_stride, ocol)
+    return sig, _tile32_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
+
+
+_R32 = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
+
+
+@njit(**_JIT_INLINE)
+def _items32(fmt, n_w, arena, wo, rb, nb, xq, xd, xs, a_rows, o_rows, n_items, out, out_stride, ocol):
+    """n_w weight rows at byte wo x every item, in tiles of 4, 2, 1 items."""
+    i = 0
+    while i + 4 <= n_items:
+        _tile32(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xs, a_rows, i, o_rows, out, out_stride, ocol)
+        i += 4
+    if i + 2 <= n_items:
+        _tile32(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xs, a_rows, i, o_rows, out, out_stride, ocol)
+        i += 2
+    if i < n_items:
+        _tile32(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xs, a_rows, i, o_rows, out, out_stride, ocol)
+
+
+@njit(**_JIT_INLINE)
+def _mm32(fmt, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col):
+    """A 32-element format's rows [row_lo, row_hi) x items: weight rows in tiles of _R32 (then
+    single rows), each tile read from memory once and dotted with every item."""
+    nb = n_cols // QK
+    r = row_lo
+    while r + _R32 <= row_hi:
+        _items32(fmt, _R32, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xs, a_rows, o_rows, n_items, out,
+                 out_stride, out_col + r)
+        r += _R32
+    while r < row_hi:
+        _items32(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xs, a_rows, o_rows, n_items, out,
+                 out_stride, out_col + r)
+        r += 1
+
+
+
+# ---------------------------------------------------------------------------------------
 # Row dots: one weight row (byte offset wo, nb blocks) x 1 or 4 activation rows
 # ---------------------------------------------------------------------------------------
 # Activation row a (an index into the partner arrays) starts at xq[a*C], its block scales at
 # xd[a*nbx], Q8_1 sums at xs[a*nbx], Q8_K 16-sums at xbs[a*C/16]. One-row kernels alternate
 # two accumulators by block parity so consecutive blocks' fma's do not wait on each other.
-
-
-@njit(**_JIT_INLINE)
-def _row1_q8_0(arena, wo, nb, xq, xd, xs, a):
-    """Q8_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 34
-        _blk1_q8_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-        o = wo + (b + 1) * 34
-        _blk1_q8_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 34
-        _blk1_q8_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q8_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q8_0 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 34
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q8_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-        o = wo + (b + 1) * 34
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q8_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
-                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 34
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q8_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q4_0(arena, wo, nb, xq, xd, xs, a):
-    """Q4_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 18
-        _blk1_q4_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-        o = wo + (b + 1) * 18
-        _blk1_q4_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 18
-        _blk1_q4_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q4_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q4_0 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 18
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q4_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-        o = wo + (b + 1) * 18
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q4_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
-                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 18
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q4_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q4_1(arena, wo, nb, xq, xd, xs, a):
-    """Q4_1 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m0 = np.float32(0.0)
-    m1 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk1_q4_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-        o = wo + (b + 1) * 20
-        dm = ld_f16x2(arena, o)
-        _blk1_q4_1(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, dm[0] * ld(xd, a * nb + b + 1))
-        m1 += dm[1] * ld(xs, a * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk1_q4_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1) + (m0 + m1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q4_1(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q4_1 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m00 = m10 = m20 = m30 = np.float32(0.0)
-    m01 = m11 = m21 = m31 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk4_q4_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-        o = wo + (b + 1) * 20
-        dm = ld_f16x2(arena, o)
-        _blk4_q4_1(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, dm[0] * ld(xd, a0 * nb + b + 1),
-                    dm[0] * ld(xd, a1 * nb + b + 1), dm[0] * ld(xd, a2 * nb + b + 1), dm[0] * ld(xd, a3 * nb + b + 1))
-        m01 += dm[1] * ld(xs, a0 * nb + b + 1)
-        m11 += dm[1] * ld(xs, a1 * nb + b + 1)
-        m21 += dm[1] * ld(xs, a2 * nb + b + 1)
-        m31 += dm[1] * ld(xs, a3 * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk4_q4_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1) + (m00 + m01), _acc_sum(acc, 2) + _acc_sum(acc, 3) + (m10 + m11),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5) + (m20 + m21), _acc_sum(acc, 6) + _acc_sum(acc, 7) + (m30 + m31))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q5_0(arena, wo, nb, xq, xd, xs, a):
-    """Q5_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 22
-        _blk1_q5_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-        o = wo + (b + 1) * 22
-        _blk1_q5_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 22
-        _blk1_q5_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q5_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q5_0 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 22
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q5_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-        o = wo + (b + 1) * 22
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q5_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
-                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 22
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q5_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q5_1(arena, wo, nb, xq, xd, xs, a):
-    """Q5_1 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m0 = np.float32(0.0)
-    m1 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk1_q5_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-        o = wo + (b + 1) * 24
-        dm = ld_f16x2(arena, o)
-        _blk1_q5_1(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, dm[0] * ld(xd, a * nb + b + 1))
-        m1 += dm[1] * ld(xs, a * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk1_q5_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1) + (m0 + m1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q5_1(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q5_1 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m00 = m10 = m20 = m30 = np.float32(0.0)
-    m01 = m11 = m21 = m31 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk4_q5_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-        o = wo + (b + 1) * 24
-        dm = ld_f16x2(arena, o)
-        _blk4_q5_1(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, dm[0] * ld(xd, a0 * nb + b + 1),
-                    dm[0] * ld(xd, a1 * nb + b + 1), dm[0] * ld(xd, a2 * nb + b + 1), dm[0] * ld(xd, a3 * nb + b + 1))
-        m01 += dm[1] * ld(xs, a0 * nb + b + 1)
-        m11 += dm[1] * ld(xs, a1 * nb + b + 1)
-        m21 += dm[1] * ld(xs, a2 * nb + b + 1)
-        m31 += dm[1] * ld(xs, a3 * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk4_q5_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1) + (m00 + m01), _acc_sum(acc, 2) + _acc_sum(acc, 3) + (m10 + m11),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5) + (m20 + m21), _acc_sum(acc, 6) + _acc_sum(acc, 7) + (m30 + m31))
-
-
-@njit(**_JIT_INLINE)
-def _row1_mxfp4(arena, wo, nb, xq, xd, xs, a):
-    """MXFP4 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 17
-        _blk1_mxfp4(acc, 0, arena, o, xq, (a * nb + b) * QK, ld(xd, a * nb + b) * _e8m0_half(ld_u8(arena, o)))
-        o = wo + (b + 1) * 17
-        _blk1_mxfp4(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld(xd, a * nb + b + 1) * _e8m0_half(ld_u8(arena, o)))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 17
-        _blk1_mxfp4(acc, 0, arena, o, xq, (a * nb + b) * QK, ld(xd, a * nb + b) * _e8m0_half(ld_u8(arena, o)))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_mxfp4(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """MXFP4 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 17
-        e = _e8m0_half(ld_u8(arena, o))
-        _blk4_mxfp4(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, ld(xd, a0 * nb + b) * e,
-                    ld(xd, a1 * nb + b) * e, ld(xd, a2 * nb + b) * e, ld(xd, a3 * nb + b) * e)
-        o = wo + (b + 1) * 17
-        e = _e8m0_half(ld_u8(arena, o))
-        _blk4_mxfp4(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, ld(xd, a0 * nb + b + 1) * e,
-                    ld(xd, a1 * nb + b + 1) * e, ld(xd, a2 * nb + b + 1) * e, ld(xd, a3 * nb + b + 1) * e)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 17
-        e = _e8m0_half(ld_u8(arena, o))
-        _blk4_mxfp4(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, ld(xd, a0 * nb + b) * e,
-                    ld(xd, a1 * nb + b) * e, ld(xd, a2 * nb + b) * e, ld(xd, a3 * nb + b) * e)
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
 
 
 @njit(**_JIT_INLINE)
@@ -1750,111 +1635,45 @@ def _row1_float(ggml_type, arena, wo, n, xf, a):
 
 
 def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q8_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q8_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q8_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mm32(GGML_Q8_0, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q4_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q4_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mm32(GGML_Q4_0, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q4_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q4_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mm32(GGML_Q4_1, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q5_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q5_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q5_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mm32(GGML_Q5_0, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q5_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q5_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q5_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mm32(GGML_Q5_1, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
              out, out_stride, out_col, ggml_type):
     """MXFP4 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_mxfp4(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_mxfp4(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mm32(GGML_MXFP4, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
