@@ -1343,7 +1343,8 @@ def _tile32_codegen(fmt, n_w, n_a):
             wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
             if n == 2:
                 for k in range(n_w):
-                    _prefetch(builder, builder.gep(wp[k][0], [pf_dist]))
+                    for line in range(0, 2 * f.bb, 64):
+                        _prefetch(builder, builder.gep(wp[k][0], [builder.add(pf_dist, _ci(line))]))
             if _VNNI:
                 ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
             else:
@@ -1437,192 +1438,242 @@ def _tile32_codegen(fmt, n_w, n_a):
     return codegen
 
 
+# ---------------------------------------------------------------------------------------
+# Tile kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K): R weight rows x A items per pass
+# ---------------------------------------------------------------------------------------
+# Per super-block (256 elements) and (row, item): an int32 accumulator of 16 lanes takes
+# four 64-element pieces, each vpmaddubsw (unsigned weights x activation -> int16 pairs)
+# then vpdpwssd / vpmaddwd+vpaddd with the int16 sub-block scales; lanes k and k + 8 are
+# then folded (exact), so lane k holds the same integer as ggml's AVX2 kernel's lane k.
+# Q6_K's -32 offset enters as -32 * (16 scales . 16 Q8_K sums) in lanes 0..7, and Q4_K /
+# Q5_K's mins as sum_j min_j * (bsums[2j] + bsums[2j+1]) (exact int32 dot).
+# Float part, in the one-row order: acc = fma(float(lanes), d_w * d_x, acc) per
+# super-block (8 lanes; on AVX-512 two items share one zmm), mins = mins + ((dmin_w * d_x) *
+# float(min dot)), result = tree sum of acc - mins.
+
+
+def _kq_pieces(builder, fmt, o):
+    """Weight side of one super-block at i8* o: ([4 pieces of <64 x i8> unsigned values],
+    [4 x <32 x i16> scale lanes], min lanes <16 x i16> or None, Q6 -32*scales <16 x i16> or
+    None, <2 x float> [d, dmin])."""
+    pieces, scl = [], []
+    if fmt == GGML_Q6_K:
+        sc = builder.sext(_ldv(builder, o, 192, _vt(_I8, 16)), _vt(_I16, 16))
+        for g in range(4):  # groups 2g, 2g+1: ql half n = g // 2, shift by 4 * (g % 2)
+            n, hi4 = g // 2, g % 2
+            qh = _ldv(builder, o, 128 + 32 * n, _vt(_I8, 32))
+            parts = []
+            for delta in range(2):
+                ql = _ldv(builder, o, 64 * n + 32 * delta, _vt(_I8, 32))
+                k = 2 * hi4 + delta  # group index within its 128-element half
+                lo = builder.and_(builder.lshr(ql, _cvec(_I8, [4 * hi4] * 32)), _cvec(_I8, [15] * 32))
+                h2 = builder.and_(builder.lshr(qh, _cvec(_I8, [2 * k] * 32)), _cvec(_I8, [3] * 32))
+                parts.append(builder.or_(lo, builder.shl(h2, _cvec(_I8, [4] * 32))))
+            pieces.append(_concat(builder, parts[0], parts[1]))
+            scl.append(_shuf(builder, sc, [4 * g + m // 8 for m in range(32)]))
+        neg = builder.mul(sc, _cvec(_I16, [-32] * 16))
+        dd = builder.fpext(builder.bitcast(_ldv(builder, o, 208, _I16), ir.HalfType()), _F32)
+        d2 = builder.insert_element(ir.Constant(_vt(_F32, 2), [0.0, 0.0]), dd, ir.Constant(_I32, 0))
+        return pieces, scl, None, neg, d2
+    q5 = fmt == GGML_Q5_K
+    u = [builder.zext(_ldv(builder, o, 4 + 4 * i, _I32), _I64) for i in range(3)]
+    c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
+    sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)),
+                        builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
+    m_lo = builder.and_(u[1], c(0x3F3F3F3F))
+    m_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
+                       builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
+    sc8 = builder.bitcast(builder.or_(sc_lo, builder.shl(sc_hi, c(32))), _vt(_I8, 8))
+    m8 = builder.bitcast(builder.or_(m_lo, builder.shl(m_hi, c(32))), _vt(_I8, 8))
+    sc16 = builder.zext(sc8, _vt(_I16, 8))
+    mins = builder.zext(_shuf(builder, m8, [j // 2 for j in range(16)]), _vt(_I16, 16))
+    qs_off = 48 if q5 else 16
+    qh = _ldv(builder, o, 16, _vt(_I8, 32)) if q5 else None
+    for g in range(4):
+        qs = _ldv(builder, o, qs_off + 32 * g, _vt(_I8, 32))
+        if not q5:  # low nibbles | high nibbles: qs in both halves, the high half shifted by 4
+            q2 = builder.bitcast(_concat(builder, qs, qs), _vt(_I16, 32))
+            q2 = builder.lshr(q2, _cvec(_I16, [0] * 16 + [4] * 16))
+            pieces.append(builder.and_(builder.bitcast(q2, _vt(_I8, 64)), _cvec(_I8, [15] * 64)))
+            scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+            continue
+        lo = builder.and_(qs, _cvec(_I8, [15] * 32))
+        hi = builder.lshr(qs, _cvec(_I8, [4] * 32))
+        if q5:
+            one = _cvec(_I8, [1] * 32)
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh, _cvec(_I8, [2 * g] * 32)), one),
+                                             _cvec(_I8, [4] * 32)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh, _cvec(_I8, [2 * g + 1] * 32)), one),
+                                             _cvec(_I8, [4] * 32)))
+        pieces.append(_concat(builder, lo, hi))
+        scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+    d2 = builder.fpext(builder.bitcast(_ldv(builder, o, 0, _I32), _vt(ir.HalfType(), 2)), _vt(_F32, 2))
+    return pieces, scl, mins, None, d2
+
+
+def _kq_dot(builder, w64, a64, sc32, iacc):
+    """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8)."""
+    if _VNNI:
+        vi = _vt(_I32, 16)
+        p = _maddubs512(builder, w64, a64)
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", vi,
+                     [iacc, builder.bitcast(p, vi), builder.bitcast(sc32, vi)])
+    halves = []
+    for h in range(2):
+        w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
+        a = _shuf(builder, a64, range(32 * h, 32 * h + 32))
+        halves.append(_madd(builder, _maddubs(builder, w, a), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
+    return builder.add(iacc, _concat(builder, halves[0], halves[1]))
+
+
+def _hsum_i32(builder, vs):
+    """<len(vs) x i32>: lane t = the (exact) sum of the 8 lanes of vs[t] (len a power of 2)."""
+    x = _cat(builder, vs) if len(vs) > 1 else vs[0]
+    n = x.type.count
+    while n > len(vs):
+        x = builder.add(_shuf(builder, x, range(0, n, 2)), _shuf(builder, x, range(1, n, 2)))
+        n //= 2
+    return x
+
+
+def _tilek_codegen(fmt, n_w, n_a):
+    bb = FORMATS[fmt].block_bytes
+    has_min = fmt != GGML_Q6_K
+    n_pk = (n_a + 1) // 2  # accumulators per row: items packed two per <16 x float>
+
+    def codegen(context, builder, sig, args):
+        (_, _, _, arena, wo, rb, nb, xq, xd, xbs, a_rows, i0, o_rows, out, ostride, ocol) = args
+        ty = sig.args
+        wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
+                                        ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
+                                         (ocol, ty[15])))
+        base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
+        xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
+        xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
+        xbs8 = builder.bitcast(_data(context, builder, ty[9], xbs), _I8.as_pointer())
+        arow = _data(context, builder, ty[10], a_rows)
+        orow = _data(context, builder, ty[12], o_rows)
+        outp = _data(context, builder, ty[13], out)
+        wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+        pf_dist = _pf_distance(builder, rb, n_w)
+        arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
+        xq_t = [builder.gep(xq8, [builder.mul(a, builder.mul(nb, _ci(QK_K)))]) for a in arows]
+        xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
+        xbs_t = [builder.gep(xbs8, [builder.mul(a, builder.mul(nb, _ci(32)))]) for a in arows]
+        acc_ty = [_vt(_F32, 16 if 2 * p + 1 < n_a else 8) for p in range(n_pk)]
+        acc = [[cgutils.alloca_once(builder, acc_ty[p]) for p in range(n_pk)] for _ in range(n_w)]
+        for k in range(n_w):
+            for p in range(n_pk):
+                builder.store(ir.Constant(acc_ty[p], [0.0] * acc_ty[p].count), acc[k][p])
+        mty = _vt(_F32, n_a)
+        mvec = [cgutils.alloca_once(builder, mty) for _ in range(n_w)] if has_min else []
+        for p in mvec:
+            builder.store(ir.Constant(mty, [0.0] * n_a), p)
+        z16 = ir.Constant(_vt(_I32, 16), [0] * 16)
+
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            boff = builder.mul(b, _ci(bb))
+            wb = [builder.gep(wrow[k], [boff]) for k in range(n_w)]
+            for k in range(n_w):
+                for line in range(0, bb, 64):
+                    _prefetch(builder, builder.gep(wb[k], [builder.add(pf_dist, _ci(line))]))
+            aoff = builder.mul(b, _ci(QK_K))
+            yd = _cat(builder, [builder.insert_element(ir.Constant(_vt(_F32, 1), None),
+                                                       builder.load(builder.gep(xd_t[t], [b])), ir.Constant(_I32, 0))
+                                for t in range(n_a)]) if n_a > 1 else \
+                builder.insert_element(ir.Constant(_vt(_F32, 1), None), builder.load(builder.gep(xd_t[0], [b])),
+                                       ir.Constant(_I32, 0))
+            bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
+            wk = [_kq_pieces(builder, fmt, wb[k]) for k in range(n_w)]
+            # int32 lanes per (row, item); Q6_K starts from -32 * (scales . bsums) in lanes 0..7
+            iacc = [[_concat(builder, _madd(builder, wk[k][3], bs[t]), ir.Constant(_VI, [0] * 8))
+                     if fmt == GGML_Q6_K else z16 for t in range(n_a)] for k in range(n_w)]
+            for g in range(4):  # piece-major: one piece of every row live at a time
+                for t in range(n_a):
+                    a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
+                    for k in range(n_w):
+                        iacc[k][t] = _kq_dot(builder, wk[k][0][g], a64, wk[k][1][g], iacc[k][t])
+            for k in range(n_w):
+                _, _, mins, _, d2 = wk[k]
+                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) for v in iacc[k]]
+                dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item
+                for p in range(n_pk):
+                    two = 2 * p + 1 < n_a
+                    li = _concat(builder, lanes[2 * p], lanes[2 * p + 1]) if two else lanes[2 * p]
+                    s = _shuf(builder, dsc, [2 * p] * 8 + ([2 * p + 1] * 8 if two else []))
+                    fl = builder.sitofp(li, acc_ty[p])
+                    old = builder.load(acc[k][p])
+                    name = "llvm.fma.v16f32" if two else "llvm.fma.v8f32"
+                    builder.store(_call(builder, name, acc_ty[p], [fl, s, old]), acc[k][p])
+                if has_min:
+                    md = _hsum_i32(builder, [_madd(builder, mins, bs[t]) for t in range(n_a)])
+                    t1 = builder.fmul(_shuf(builder, d2, [1] * n_a), yd)
+                    old = builder.load(mvec[k])
+                    builder.store(builder.fadd(old, builder.fmul(t1, builder.sitofp(md, mty))), mvec[k])
+        for t in range(n_a):
+            orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
+            obase = builder.add(builder.mul(orow_t, ostride), ocol)
+            for k in range(n_w):
+                r = _tree8(builder, builder.load(acc[k][t // 2]), 8 * (t % 2))
+                if has_min:
+                    r = builder.fsub(r, builder.extract_element(builder.load(mvec[k]), ir.Constant(_I32, t)))
+                builder.store(r, builder.gep(outp, [builder.add(obase, _ci(k))]))
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
-def _tile32(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, out_stride, ocol):
+def _tile(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol):
     """out[o_rows[i0+t] * out_stride + ocol + k] = W[k] . act[a_rows[i0+t]] for k < n_w, t < n_a.
 
-    fmt, n_w, n_a: literal ints (a 32-element GGML type, weight rows, items); W[k] is the row
-    at byte ``wo + k * rb`` of ``arena`` (nb blocks); xq/xd/xs: the partner arrays (Q8_0 /
-    Q8_1). Emits the whole pass over the blocks (see the section comment)."""
+    fmt, n_w, n_a: literal ints (a quantized GGML type, weight rows, items); W[k] is the row
+    at byte ``wo + k * rb`` of ``arena`` (nb blocks); xq/xd: the partner's int8 values and
+    block scales, xaux: Q8_1 sums s (32-element formats) or Q8_K 16-sums (K-quants). Emits
+    the whole pass over the row's blocks (see the two tile sections above)."""
     for v in (fmt, n_w, n_a):
         if not isinstance(v, types.IntegerLiteral):
             return None
-    sig = types.void(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, out_stride, ocol)
-    return sig, _tile32_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
+    sig = types.void(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol)
+    gen = _tile32_codegen if fmt.literal_value in _FMT32 else _tilek_codegen
+    return sig, gen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
 
 
-_R32 = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
+_R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
 
 
 @njit(**_JIT_INLINE)
-def _items32(fmt, n_w, arena, wo, rb, nb, xq, xd, xs, a_rows, o_rows, n_items, out, out_stride, ocol):
+def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
     """n_w weight rows at byte wo x every item, in tiles of 4, 2, 1 items."""
     i = 0
     while i + 4 <= n_items:
-        _tile32(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xs, a_rows, i, o_rows, out, out_stride, ocol)
+        _tile(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
         i += 4
     if i + 2 <= n_items:
-        _tile32(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xs, a_rows, i, o_rows, out, out_stride, ocol)
+        _tile(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
         i += 2
     if i < n_items:
-        _tile32(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xs, a_rows, i, o_rows, out, out_stride, ocol)
+        _tile(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
 
 
 @njit(**_JIT_INLINE)
-def _mm32(fmt, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
-          out_stride, out_col):
-    """A 32-element format's rows [row_lo, row_hi) x items: weight rows in tiles of _R32 (then
-    single rows), each tile read from memory once and dotted with every item."""
-    nb = n_cols // QK
+def _mmq(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items, out,
+         out_stride, out_col):
+    """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
+    tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
+    every item."""
     r = row_lo
-    while r + _R32 <= row_hi:
-        _items32(fmt, _R32, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xs, a_rows, o_rows, n_items, out,
-                 out_stride, out_col + r)
-        r += _R32
+    while r + _R_TILE <= row_hi:
+        _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items,
+               out, out_stride, out_col + r)
+        r += _R_TILE
     while r < row_hi:
-        _items32(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xs, a_rows, o_rows, n_items, out,
-                 out_stride, out_col + r)
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
+               out_stride, out_col + r)
         r += 1
 
-
-
-# ---------------------------------------------------------------------------------------
-# Row dots: one weight row (byte offset wo, nb blocks) x 1 or 4 activation rows
-# ---------------------------------------------------------------------------------------
-# Activation row a (an index into the partner arrays) starts at xq[a*C], its block scales at
-# xd[a*nbx], Q8_1 sums at xs[a*nbx], Q8_K 16-sums at xbs[a*C/16]. One-row kernels alternate
-# two accumulators by block parity so consecutive blocks' fma's do not wait on each other.
-
-
-@njit(**_JIT_INLINE)
-def _k4_scales(arena, so):
-    """The 12 packed 6-bit scale/min bytes of a Q4_K/Q5_K block at byte ``so`` -> (scales 0-3,
-    scales 4-7, mins 0-3, mins 4-7), each as 4 bytes of an int (as ggml's utmp unpacking)."""
-    u0 = ld_u32(arena, so)
-    u1 = ld_u32(arena, so + 4)
-    u2 = ld_u32(arena, so + 8)
-    sc_lo = u0 & 0x3F3F3F3F
-    sc_hi = (u2 & 0x0F0F0F0F) | (((u0 >> 6) & 0x03030303) << 4)
-    m_lo = u1 & 0x3F3F3F3F
-    m_hi = ((u2 >> 4) & 0x0F0F0F0F) | (((u1 >> 6) & 0x03030303) << 4)
-    return sc_lo, sc_hi, m_lo, m_hi
-
-
-@njit(**_JIT_INLINE)
-def _byte(v, k):
-    return np.int32((v >> (8 * k)) & 0xFF)
-
-
-@njit(**_JIT_INLINE)
-def _row1_q4_k(arena, wo, nb, xq, xd, xbs, a, is_q5):
-    """Q4_K (or Q5_K when is_q5) row x Q8_K activation row a."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    bb = 176 if is_q5 else 144
-    mins = np.float32(0.0)
-    for b in range(nb):
-        o = wo + b * bb
-        sc_lo, sc_hi, m_lo, m_hi = _k4_scales(arena, o + 4)
-        xo = (a * nb + b) * QK_K
-        if is_q5:
-            for g in range(2):
-                _piece1_q5k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
-            for g in range(2):
-                _piece1_q5k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
-        else:
-            for g in range(2):
-                _piece1_q4k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
-            for g in range(2):
-                _piece1_q4k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
-        dd = ld_f16x2(arena, o)
-        yd = ld(xd, a * nb + b)
-        _flush1(acc, iacc, 0, dd[0] * yd)
-        mins += (dd[1] * yd) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a * nb + b) * 16))
-    return _acc_sum(acc, 0) - mins
-
-
-@njit(**_JIT_INLINE)
-def _row4_q4_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3, is_q5):
-    """Q4_K (or Q5_K) row x Q8_K activation rows a0..a3 (each weight block unpacked once)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    bb = 176 if is_q5 else 144
-    mins0 = mins1 = mins2 = mins3 = np.float32(0.0)
-    for b in range(nb):
-        o = wo + b * bb
-        sc_lo, sc_hi, m_lo, m_hi = _k4_scales(arena, o + 4)
-        x0 = (a0 * nb + b) * QK_K
-        x1 = (a1 * nb + b) * QK_K
-        x2 = (a2 * nb + b) * QK_K
-        x3 = (a3 * nb + b) * QK_K
-        if is_q5:
-            for g in range(2):
-                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
-                            0, 0)
-            for g in range(2):
-                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
-                            _byte(sc_hi, 2 * g + 1), 0, 0)
-        else:
-            for g in range(2):
-                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
-                            0, 0)
-            for g in range(2):
-                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
-                            _byte(sc_hi, 2 * g + 1), 0, 0)
-        dd = ld_f16x2(arena, o)
-        y0 = ld(xd, a0 * nb + b)
-        y1 = ld(xd, a1 * nb + b)
-        y2 = ld(xd, a2 * nb + b)
-        y3 = ld(xd, a3 * nb + b)
-        _flush4(acc, iacc, dd[0] * y0, dd[0] * y1, dd[0] * y2, dd[0] * y3)
-        mins0 += (dd[1] * y0) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a0 * nb + b) * 16))
-        mins1 += (dd[1] * y1) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a1 * nb + b) * 16))
-        mins2 += (dd[1] * y2) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a2 * nb + b) * 16))
-        mins3 += (dd[1] * y3) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a3 * nb + b) * 16))
-    return (_acc_sum(acc, 0) - mins0, _acc_sum(acc, 2) - mins1, _acc_sum(acc, 4) - mins2,
-            _acc_sum(acc, 6) - mins3)
-
-
-@njit(**_JIT_INLINE)
-def _row1_q6_k(arena, wo, nb, xq, xd, xbs, a):
-    """Q6_K row x Q8_K activation row a."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(nb):
-        o = wo + b * 210
-        xo = (a * nb + b) * QK_K
-        for i in range(0, 8, 2):
-            _piece1_q6k(iacc, arena, o, xq, xo, i, ld_i8(arena, o + 192 + 2 * i), ld_i8(arena, o + 193 + 2 * i),
-                        ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
-        _q6k_corr1(iacc, arena, o, xbs, (a * nb + b) * 16)
-        _flush1(acc, iacc, 0, ld_f16x2(arena, o + 206)[1] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q6_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3):
-    """Q6_K row x Q8_K activation rows a0..a3 (each weight block unpacked once)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(nb):
-        o = wo + b * 210
-        x0 = (a0 * nb + b) * QK_K
-        x1 = (a1 * nb + b) * QK_K
-        x2 = (a2 * nb + b) * QK_K
-        x3 = (a3 * nb + b) * QK_K
-        for i in range(0, 8, 2):
-            _piece4_q6k(iacc, arena, o, xq, x0, x1, x2, x3, i, ld_i8(arena, o + 192 + 2 * i),
-                        ld_i8(arena, o + 193 + 2 * i), ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
-        _q6k_corr4(iacc, arena, o, xbs, (a0 * nb + b) * 16, (a1 * nb + b) * 16, (a2 * nb + b) * 16,
-                   (a3 * nb + b) * 16)
-        d = ld_f16x2(arena, o + 206)[1]
-        _flush4(acc, iacc, d * ld(xd, a0 * nb + b), d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b),
-                d * ld(xd, a3 * nb + b))
-    return _acc_sum(acc, 0), _acc_sum(acc, 2), _acc_sum(acc, 4), _acc_sum(acc, 6)
 
 
 @njit(**_JIT_INLINE)
@@ -1658,80 +1709,64 @@ def _row1_float(ggml_type, arena, wo, n, xf, a):
 def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
             out, out_stride, out_col, ggml_type):
     """Q8_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    _mm32(GGML_Q8_0, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+    _mmq(GGML_Q8_0, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
           out_stride, out_col)
 
 
 def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
             out, out_stride, out_col, ggml_type):
     """Q4_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    _mm32(GGML_Q4_0, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+    _mmq(GGML_Q4_0, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
           out_stride, out_col)
 
 
 def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
             out, out_stride, out_col, ggml_type):
     """Q4_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    _mm32(GGML_Q4_1, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+    _mmq(GGML_Q4_1, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
           out_stride, out_col)
 
 
 def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
             out, out_stride, out_col, ggml_type):
     """Q5_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    _mm32(GGML_Q5_0, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+    _mmq(GGML_Q5_0, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
           out_stride, out_col)
 
 
 def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
             out, out_stride, out_col, ggml_type):
     """Q5_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    _mm32(GGML_Q5_1, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+    _mmq(GGML_Q5_1, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
           out_stride, out_col)
 
 
 def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
              out, out_stride, out_col, ggml_type):
     """MXFP4 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    _mm32(GGML_MXFP4, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+    _mmq(GGML_MXFP4, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
           out_stride, out_col)
+
+
+def _mm_q4_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q4_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    _mmq(GGML_Q4_K, arena, w_off, row_bytes_, n_cols // QK_K, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items,
+         out, out_stride, out_col)
+
+
+def _mm_q5_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q5_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    _mmq(GGML_Q5_K, arena, w_off, row_bytes_, n_cols // QK_K, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items,
+         out, out_stride, out_col)
 
 
 def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
              out, out_stride, out_col, ggml_type):
     """Q6_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK_K
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                           ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i)))
-            i += 1
-
-
-def _mm_q45_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-              out, out_stride, out_col, ggml_type):
-    """Q4_K / Q5_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK_K
-    is_q5 = ggml_type == GGML_Q5_K
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q4_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                           ld(a_rows, i + 3), is_q5)
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), is_q5))
-            i += 1
+    _mmq(GGML_Q6_K, arena, w_off, row_bytes_, n_cols // QK_K, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items,
+         out, out_stride, out_col)
 
 
 def _mm_float(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
@@ -1749,8 +1784,8 @@ _KERNEL_SIG = types.void(_P(types.uint8), types.int64, types.int64, types.int64,
                          _P(types.int64), _P(types.int64), types.int64, _P(types.float32), types.int64, types.int64,
                          types.int64)
 _KERNEL_PY = {GGML_Q8_0: _mm_q8_0, GGML_Q4_0: _mm_q4_0, GGML_Q4_1: _mm_q4_1, GGML_Q5_0: _mm_q5_0,
-              GGML_Q5_1: _mm_q5_1, GGML_MXFP4: _mm_mxfp4, GGML_Q6_K: _mm_q6_k, GGML_Q4_K: _mm_q45_k,
-              GGML_Q5_K: _mm_q45_k, GGML_F32: _mm_float, GGML_F16: _mm_float, GGML_BF16: _mm_float}
+              GGML_Q5_1: _mm_q5_1, GGML_MXFP4: _mm_mxfp4, GGML_Q6_K: _mm_q6_k, GGML_Q4_K: _mm_q4_k,
+              GGML_Q5_K: _mm_q5_k, GGML_F32: _mm_float, GGML_F16: _mm_float, GGML_BF16: _mm_float}
 _KERNEL_TABLE = np.zeros(64, np.int64)  # ggml type id -> cfunc address (0: not compiled yet)
 _KERNEL_CFUNCS: dict[object, object] = {}  # python function -> its cfunc (keeps the code alive)
 _KERNEL_LOCK = threading.Lock()
