@@ -22,12 +22,16 @@ precision (ggml's vec_dot_type for those types), accumulating in float32.
 Performance (the point of this module; bench/kernels.py measures GB/s of weight bytes per
 format against the machine's read bandwidth):
 
-- The block dot products are written in LLVM vector IR (numba intrinsics): a block's
-  weights become 32 bytes, multiplied with the activation's 32 int8 by vpmaddubsw and
-  vpmaddwd (512-bit for the K-quants where AVX-512BW exists), scaled into float
-  accumulators that stay in registers; the horizontal sum happens once per row.
-- Each weight row is read from memory once per call and dotted with the activation rows
-  4 at a time (each block unpacked once per 4 rows) while it sits in L1.
+- The block dot products are written in LLVM vector IR (numba intrinsics). A matmul runs
+  in *tiles*: 4 consecutive weight rows x up to 4 activation rows per pass over the rows'
+  blocks (AVX-512 VNNI; 1 row on AVX2). Each weight block is unpacked once per tile and
+  each activation block loaded once per tile, so a weight row is read from memory once per
+  call however many tokens there are, and the per-token cost at T >= 4 is the vpdpbusd /
+  vpmaddubsw arithmetic, not the unpacking. Accumulators stay in registers; the horizontal
+  sum happens once per (row, token). Tiles prefetch the next tile's rows.
+- Results are bit-identical whatever the tile shape, the number of tokens, or the ISA: the
+  integer sums are exact and each row's float32 steps follow one fixed per-lane order (see
+  the tile sections).
 - The format kernels are C-ABI functions (numba cfunc) called through an address table:
   each compiles once and only when a model uses the format (``ensure_kernels``), and no
   reference counting runs per row (they take raw pointers).
@@ -732,20 +736,15 @@ def quantize_partner_rows_range(partner, x, row_lo, row_hi, n, xf, xq, xd, xs, x
 
 
 # ---------------------------------------------------------------------------------------
-# Vector block intrinsics: one weight block x 1 or 4 activation rows, in LLVM vector IR
+# Vector building blocks (LLVM vector IR) for the tile kernels below
 # ---------------------------------------------------------------------------------------
-# As ggml's AVX2 kernels: a block's 32 weights become 32 bytes (unpacked nibbles, or the
-# int8 values), multiplied with the activation's 32 int8 by vpmaddubsw (unsigned x signed
-# bytes -> 16 int16 pair sums; signed weights go through the sign trick |w| x sign(a, w))
-# and vpmaddwd (int16 pairs -> 8 int32, times 1 or times the sub-block scale). No pair sum
-# can saturate int16: |w| <= 128 and |a| <= 127 (both quantizers clamp to 127), so
-# 2 * 128 * 127 = 32512. The 8 int32 are then scaled into a float accumulator (fma:
-# 32-element formats) or added into an int32 accumulator (K-quants, flushed once per
-# super-block). Accumulators are 4 slots of <8 x float> / <8 x i32> in a stack slot the
-# kernel allocates once; LLVM keeps them in registers. The horizontal sum happens once per
-# row (as ggml's AVX kernels do), not once per block. The 4-row form unpacks each weight
-# block once for 4 activation rows (prefill, batched decode, experts chosen by several
-# tokens). Only AVX2 instructions are required (plus SSSE3 pshufb for MXFP4).
+# As ggml's x86 kernels: weights become bytes (unpacked nibbles, or the int8 values),
+# multiplied with the activation's int8 by vpdpbusd (AVX-512 VNNI: unsigned x signed bytes,
+# four adjacent products summed into each int32 lane) or by vpmaddubsw (unsigned x signed
+# bytes -> int16 pair sums) + vpmaddwd (int16 pairs -> int32, times 1 or times the
+# sub-block scale). No int16 pair sum can saturate: |w| <= 128 and |a| <= 127 (both
+# quantizers clamp to 127), so 2 * 128 * 127 = 32512. Integer sums are exact, so every
+# instruction choice gives the same int32 lanes; the float steps are spelled out per lane.
 
 def _target_has_avx512() -> bool:
     """Whether numba compiles for a CPU with AVX-512 BW + VL + VNNI (the host, unless
@@ -762,13 +761,8 @@ def _target_has_avx512() -> bool:
 
 
 _AVX512 = _target_has_avx512()
-_IW = 16 if _AVX512 else 8  # lanes of the K-quant int32 accumulators
-
-_ACC = types.CPointer(types.float32)   # -> [8 x <8 x float>]: two per activation row (block parity)
-_IACC = types.CPointer(types.int32)    # -> [4 x <_IW x i32>]
 _VF = ir.VectorType(_F32, 8)
 _VI = ir.VectorType(_I32, 8)
-_VIW = ir.VectorType(_I32, _IW)
 
 
 def _vt(t, n):
@@ -779,24 +773,8 @@ def _cvec(t, vals):
     return ir.Constant(_vt(t, len(vals)), list(vals))
 
 
-def _splat(builder, val, n):
-    v = builder.insert_element(ir.Constant(_vt(val.type, n), None), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _cvec(_I32, [0] * n))
-
-
 def _i64(context, builder, val, ty):
     return context.cast(builder, val, ty, types.int64)
-
-
-def _bytes(context, builder, aryty, ary, off, n):
-    """<n x i8> at byte offset ``off`` (i64) of a uint8/int8 array or pointer, unaligned."""
-    v = builder.load(_byte_ptr(context, builder, aryty, ary, off, _vt(_I8, n)))
-    v.align = 1
-    return v
-
-
-def _add(builder, off, k):
-    return builder.add(off, ir.Constant(_I64, k)) if k else off
 
 
 def _call(builder, name, ret, args):
@@ -819,30 +797,9 @@ def _maddubs512(builder, w_u8, a_s8):
     return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vt(_I16, 32), [w_u8, a_s8])
 
 
-def _madd512(builder, p16, m16):
-    """512-bit vpmaddwd: <32 x i16> . <32 x i16> -> <16 x i32> (AVX-512BW)."""
-    return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vt(_I32, 16), [p16, m16])
-
-
 def _concat(builder, a, b):
     n = a.type.count
     return builder.shuffle_vector(a, b, _cvec(_I32, range(2 * n)))
-
-
-def _lanes16(builder, scales, per):
-    """<len(scales) * per x i16>: each scale repeated ``per`` times."""
-    parts = [_splat(builder, sc, per) for sc in scales]
-    while len(parts) > 1:
-        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def _iacc_add(builder, iaccp, t, v):
-    """iacc[t] += v, v <8 x i32> or <_IW x i32> (an 8-lane v goes into the low lanes)."""
-    p = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
-    if v.type.count != _IW:
-        v = builder.shuffle_vector(v, ir.Constant(_VI, [0] * 8), _cvec(_I32, range(16)))
-    builder.store(builder.add(builder.load(p), v), p)
 
 
 def _abs8(builder, w):
@@ -857,277 +814,7 @@ def _sign8(builder, a, w):
 _ONES16 = _cvec(_I16, [1] * 16)
 
 
-def _slot(builder, ptr, slot, vty):
-    base = builder.bitcast(ptr, ir.ArrayType(vty, 8 if vty.element == _F32 else 4).as_pointer())
-    return builder.gep(base, [ir.Constant(_I32, 0), slot])
-
-
-def _fma_into(builder, accp, slot, i32v, scale):
-    p = _slot(builder, accp, slot, _VF)
-    f = builder.sitofp(i32v, _VF)
-    builder.store(_call(builder, "llvm.fma.v8f32", _VF, [f, _splat(builder, scale, 8), builder.load(p)]), p)
-
-
 _MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
-
-# K-quant pieces: one 64-element pair of sub-blocks (Q4_K/Q5_K, index g: unsigned 4/5-bit
-# values) or one 32-element group (Q6_K, index i: unsigned 6-bit values, the -32 offset is
-# applied once per super-block through the Q8_K 16-sums, _q6k_corr*) times the activation,
-# weighted by the int sub-block scales inside vpmaddwd, added into the int32 accumulators.
-
-
-def _piece_q45k(context, builder, aryty, arena, wo, g, q5):
-    off = builder.add(wo, builder.add(ir.Constant(_I64, 48 if q5 else 16), builder.mul(g, ir.Constant(_I64, 32))))
-    qs = _bytes(context, builder, aryty, arena, off, 32)
-    lo = builder.and_(qs, _cvec(_I8, [15] * 32))
-    hi = builder.lshr(qs, _cvec(_I8, [4] * 32))
-    if q5:
-        qh = _bytes(context, builder, aryty, arena, _add(builder, wo, 16), 32)
-        sh = builder.mul(builder.trunc(g, _I8), ir.Constant(_I8, 2))
-        one = _cvec(_I8, [1] * 32)
-        hb_lo = builder.and_(builder.lshr(qh, _splat(builder, sh, 32)), one)
-        hb_hi = builder.and_(builder.lshr(qh, _splat(builder, builder.add(sh, ir.Constant(_I8, 1)), 32)), one)
-        lo = builder.or_(lo, builder.shl(hb_lo, _cvec(_I8, [4] * 32)))
-        hi = builder.or_(hi, builder.shl(hb_hi, _cvec(_I8, [4] * 32)))
-    return lo, hi
-
-
-def _q6k_group(context, builder, aryty, arena, wo, i, delta):
-    """The 32 unsigned 6-bit values of 32-element group i + delta of a Q6_K block (i even)."""
-    n = builder.lshr(i, ir.Constant(_I64, 2))
-    k = builder.add(builder.and_(i, ir.Constant(_I64, 3)), ir.Constant(_I64, delta))
-    ql_off = builder.add(wo, builder.add(builder.mul(n, ir.Constant(_I64, 64)), ir.Constant(_I64, 32 * delta)))
-    qh_off = builder.add(wo, builder.add(ir.Constant(_I64, 128), builder.mul(n, ir.Constant(_I64, 32))))
-    ql = _bytes(context, builder, aryty, arena, ql_off, 32)
-    qh = _bytes(context, builder, aryty, arena, qh_off, 32)
-    sh_l = builder.trunc(builder.mul(builder.lshr(k, ir.Constant(_I64, 1)), ir.Constant(_I64, 4)), _I8)
-    sh_h = builder.trunc(builder.mul(k, ir.Constant(_I64, 2)), _I8)
-    lo = builder.and_(builder.lshr(ql, _splat(builder, sh_l, 32)), _cvec(_I8, [15] * 32))
-    hi = builder.and_(builder.lshr(qh, _splat(builder, sh_h, 32)), _cvec(_I8, [3] * 32))
-    return builder.or_(lo, builder.shl(hi, _cvec(_I8, [4] * 32)))
-
-
-def _kpiece_codegen(kind, nt):
-    def codegen(context, builder, sig, args):
-        iaccp, arena, wo, xq = args[0], args[1], _i64(context, builder, args[2], sig.args[2]), args[3]
-        xos = [_i64(context, builder, args[4 + t], sig.args[4 + t]) for t in range(nt)]
-        j = _i64(context, builder, args[4 + nt], sig.args[4 + nt])
-        sc = [builder.trunc(context.cast(builder, args[5 + nt + m], sig.args[5 + nt + m], types.int32), _I16)
-              for m in range(4)]
-        if kind == "q6k":  # groups j and j + 1 (j even): 64 elements, 4 scales of 16
-            q0 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 0)
-            q1 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 1)
-            a_off = builder.mul(j, ir.Constant(_I64, 32))
-            if _AVX512:
-                w64 = _concat(builder, q0, q1)
-                scv = _lanes16(builder, sc, 8)
-            else:
-                sc01, sc23 = _lanes16(builder, sc[:2], 8), _lanes16(builder, sc[2:], 8)
-        else:  # Q4_K / Q5_K sub-block pair j: 64 elements, scales sc[0], sc[1]
-            lo, hi = _piece_q45k(context, builder, sig.args[1], arena, wo, j, kind == "q5k")
-            a_off = builder.mul(j, ir.Constant(_I64, 64))
-            if _AVX512:
-                w64 = _concat(builder, lo, hi)
-                scv = _lanes16(builder, sc[:2], 16)
-            else:
-                q0, q1 = lo, hi
-                sc01, sc23 = _lanes16(builder, sc[:1], 16), _lanes16(builder, sc[1:2], 16)
-        for t in range(nt):
-            base = builder.add(xos[t], a_off)
-            if _AVX512:
-                a64 = _bytes(context, builder, sig.args[3], xq, base, 64)
-                v = _madd512(builder, _maddubs512(builder, w64, a64), scv)
-            else:
-                a0 = _bytes(context, builder, sig.args[3], xq, base, 32)
-                a1 = _bytes(context, builder, sig.args[3], xq, _add(builder, base, 32), 32)
-                v = builder.add(_madd(builder, _maddubs(builder, q0, a0), sc01),
-                                _madd(builder, _maddubs(builder, q1, a1), sc23))
-            _iacc_add(builder, iaccp, t, v)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _kpiece_pair(kind):
-    @intrinsic
-    def piece1(typingctx, iacc, arena, wo, xq, xo, j, s0, s1, s2, s3):
-        i32 = types.int32
-        sig = types.void(iacc, arena, wo, xq, xo, j, i32, i32, i32, i32)
-        return sig, _kpiece_codegen(kind, 1)
-
-    @intrinsic
-    def piece4(typingctx, iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, s0, s1, s2, s3):
-        i32 = types.int32
-        sig = types.void(iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, i32, i32, i32, i32)
-        return sig, _kpiece_codegen(kind, 4)
-
-    piece1.__doc__ = piece4.__doc__ = (
-        f"{kind}: 64 elements of the super-block at byte wo (Q4_K/Q5_K: sub-block pair j, scales s0, "
-        "s1; Q6_K: groups j, j+1, 16-element scales s0..s3) x the activation super-block(s) at xo: "
-        "iacc[t] += scale-weighted partial int32 sums."
-    )
-    return piece1, piece4
-
-
-_piece1_q4k, _piece4_q4k = _kpiece_pair("q4k")
-_piece1_q5k, _piece4_q5k = _kpiece_pair("q5k")
-_piece1_q6k, _piece4_q6k = _kpiece_pair("q6k")
-
-
-def _q6k_corr_codegen(nt):
-    def codegen(context, builder, sig, args):
-        iaccp, arena = args[0], args[1]
-        o = _i64(context, builder, args[2], sig.args[2])
-        xbs = args[3]
-        sc = builder.load(_byte_ptr(context, builder, sig.args[1], arena, _add(builder, o, 192), _vt(_I8, 16)))
-        sc.align = 1
-        sc16 = builder.sext(sc, _vt(_I16, 16))
-        for t in range(nt):
-            so = _i64(context, builder, args[4 + t], sig.args[4 + t])
-            boff = builder.mul(so, ir.Constant(_I64, 2))
-            bs = builder.load(_byte_ptr(context, builder, sig.args[3], xbs, boff, _vt(_I16, 16)))
-            bs.align = 1
-            corr = builder.mul(_madd(builder, sc16, bs), _cvec(_I32, [-32] * 8))
-            _iacc_add(builder, iaccp, t, corr)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-@intrinsic
-def _q6k_corr1(typingctx, iacc, arena, o, xbs, so):
-    """Q6_K's -32: iacc[0] += -32 * (16 int8 scales . 16 Q8_K sums at xbs[so]) in 8 lanes (the
-    values are q - 32; the kernels multiply the unsigned q and correct once per super-block,
-    in int32, as ggml's AVX2 q6_K kernel does)."""
-    sig = types.void(iacc, arena, o, xbs, so)
-    return sig, _q6k_corr_codegen(1)
-
-
-@intrinsic
-def _q6k_corr4(typingctx, iacc, arena, o, xbs, so0, so1, so2, so3):
-    """_q6k_corr1 for 4 activation rows (iacc slots 0..3)."""
-    sig = types.void(iacc, arena, o, xbs, so0, so1, so2, so3)
-    return sig, _q6k_corr_codegen(4)
-
-
-@intrinsic
-def _k4_min_dot(typingctx, m_lo, m_hi, xbs, so):
-    """sum_j min_j * (bsums[2j] + bsums[2j+1]) for the 8 packed 6-bit mins of a Q4_K/Q5_K block
-    (bytes of m_lo: mins 0-3, of m_hi: mins 4-7) and the 16 Q8_K sums at xbs[so]: one
-    vpmaddwd and a horizontal add (exact int32)."""
-    sig = types.int32(types.int64, types.int64, xbs, so)
-
-    def codegen(context, builder, signature, args):
-        lo = builder.trunc(args[0], _I32)
-        hi = builder.trunc(args[1], _I32)
-        w = builder.or_(builder.zext(lo, _I64), builder.shl(builder.zext(hi, _I64), ir.Constant(_I64, 32)))
-        m8 = builder.bitcast(w, _vt(_I8, 8))
-        m16 = builder.zext(builder.shuffle_vector(m8, m8, _cvec(_I32, [j // 2 for j in range(16)])), _vt(_I16, 16))
-        so64 = _i64(context, builder, args[3], signature.args[3])
-        bs = builder.load(_byte_ptr(context, builder, signature.args[2], args[2],
-                                    builder.mul(so64, ir.Constant(_I64, 2)), _vt(_I16, 16)))
-        bs.align = 1
-        v = _madd(builder, m16, bs)
-        n = 8
-        while n > 1:
-            h = n // 2
-            v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(h))),
-                            builder.shuffle_vector(v, v, _cvec(_I32, range(h, n))))
-            n = h
-        return builder.extract_element(v, ir.Constant(_I32, 0))
-
-    return sig, codegen
-
-
-@intrinsic
-def _acc_alloc(typingctx):
-    """A stack slot of 8 x <8 x float> accumulators (in the calling kernel's frame)."""
-    sig = _ACC()
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VF, 8)), _F32.as_pointer())
-
-    return sig, codegen
-
-
-@intrinsic
-def _iacc_alloc(typingctx):
-    """A stack slot of 4 x <_IW x i32> accumulators (in the calling kernel's frame)."""
-    sig = _IACC()
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VIW, 4)), _I32.as_pointer())
-
-    return sig, codegen
-
-
-@intrinsic
-def _acc_clear(typingctx, acc, iacc):
-    """Zero all 8 float and 4 int accumulators."""
-    sig = types.void(acc, iacc)
-
-    def codegen(context, builder, signature, args):
-        for t in range(8):
-            builder.store(ir.Constant(_VF, [0.0] * 8), _slot(builder, args[0], ir.Constant(_I64, t), _VF))
-        for t in range(4):
-            builder.store(ir.Constant(_VIW, [0] * _IW), _slot(builder, args[1], ir.Constant(_I64, t), _VIW))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-def _flush_codegen(nt):
-    def codegen(context, builder, sig, args):
-        accp, iaccp = args[0], args[1]
-        slot = _i64(context, builder, args[2], sig.args[2]) if nt == 1 else None
-        first = 3 if nt == 1 else 2
-        for t in range(nt):
-            s = context.cast(builder, args[first + t], sig.args[first + t], types.float32)
-            ip = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
-            v = builder.load(ip)
-            if _IW == 16:  # fold to 8 lanes (exact: integers)
-                v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(8))),
-                                builder.shuffle_vector(v, v, _cvec(_I32, range(8, 16))))
-            _fma_into(builder, accp, slot if nt == 1 else ir.Constant(_I64, 2 * t), v, s)
-            builder.store(ir.Constant(_VIW, [0] * _IW), ip)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-@intrinsic
-def _flush1(typingctx, acc, iacc, slot, s):
-    """acc[slot] += s * float(iacc[0]); iacc[0] = 0 (end of a K-quant super-block)."""
-    sig = types.void(acc, iacc, slot, types.float32)
-    return sig, _flush_codegen(1)
-
-
-@intrinsic
-def _flush4(typingctx, acc, iacc, s0, s1, s2, s3):
-    """acc[2t] += s_t * float(iacc[t]); iacc[t] = 0 for t < 4 (the slots row 1 kernels use)."""
-    f = types.float32
-    sig = types.void(acc, iacc, f, f, f, f)
-    return sig, _flush_codegen(4)
-
-
-@intrinsic
-def _acc_sum(typingctx, acc, slot):
-    """Horizontal sum of accumulator ``slot`` (pairwise tree, deterministic)."""
-    sig = types.float32(acc, slot)
-
-    def codegen(context, builder, signature, args):
-        v = builder.load(_slot(builder, args[0], _i64(context, builder, args[1], signature.args[1]), _VF))
-        n = 8
-        while n > 1:
-            h = n // 2
-            a = builder.shuffle_vector(v, v, _cvec(_I32, range(h)))
-            b = builder.shuffle_vector(v, v, _cvec(_I32, range(h, n)))
-            v = builder.fadd(a, b)
-            n = h
-        return builder.extract_element(v, ir.Constant(_I32, 0))
-
-    return sig, codegen
 
 
 # ---------------------------------------------------------------------------------------
@@ -1846,9 +1533,10 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     activation row and output row of each item (arange(T) for a plain matmul; the tokens
     routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
-    Each weight row is read from memory once and dotted with the items 4 at a time (each
-    block unpacked once per 4 items) while it sits in L1. The caller validates types,
-    offsets and shapes; a type whose kernel is not compiled writes nothing.
+    Quantized formats run in tiles of 4 weight rows x 4 items (see the tile sections): each
+    weight row is read from memory once per call and each block unpacked once per tile.
+    The caller validates types, offsets and shapes; a type whose kernel is not compiled
+    writes nothing.
     """
     addr = ld(kernels, ggml_type)
     if addr == 0:
