@@ -905,6 +905,58 @@ def _tree8(builder, v, lo):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
+def _tree8_many(builder, vecs, ids):
+    """The _tree8 sums of many 8-lane float groups at once (transposed: ~1.3 vector ops per
+    group instead of ~7), with exactly _tree8's pairings: (j, j+4), then (j, j+2), then (0, 1).
+
+    vecs: <8 x float> (one group) or <16 x float> (two groups) values; ids: per vector, the
+    ids of its groups. Returns (one float vector holding every sum, {id: lane})."""
+    zero8 = ir.Constant(_VF, [0.0] * 8)
+    zero16 = ir.Constant(_vt(_F32, 16), [0.0] * 16)
+    v16, gid, eights = [], [], []
+    for v, i in zip(vecs, ids, strict=True):
+        if v.type.count == 16:
+            v16.append(v)
+            gid += list(i)
+        else:
+            eights.append((v, i[0]))
+    if len(eights) % 2:
+        eights.append((zero8, None))
+    for (a, ia), (b, ib) in zip(eights[::2], eights[1::2], strict=True):
+        v16.append(_concat(builder, a, b))
+        gid += [ia, ib]
+
+    def level(vs, lanes):  # each group of ``lanes`` lanes -> lanes/2: j + (j + lanes/2)
+        if len(vs) % 2:
+            vs = vs + [zero16]
+        h = lanes // 2
+        out = []
+        for a, b in zip(vs[::2], vs[1::2], strict=True):
+            lo = [16 * src + lanes * g + j for src in (0, 1) for g in range(16 // lanes) for j in range(h)]
+            out.append(builder.fadd(builder.shuffle_vector(a, b, _cvec(_I32, lo)),
+                                    builder.shuffle_vector(a, b, _cvec(_I32, [i + h for i in lo]))))
+        return out
+
+    w = level(level(level(v16, 8), 4), 2)  # 16 group sums per vector, in input order
+    while len(w) & (len(w) - 1):
+        w.append(zero16)
+    return _cat(builder, w), {g: lane for lane, g in enumerate(gid) if g is not None}
+
+
+def _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a):
+    """res: float vector, lane t * n_w + k = the result of (weight row k, item t): one n_w-float
+    store per item at out[o_rows[i0 + t] * ostride + ocol]."""
+    for t in range(n_a):
+        orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
+        ptr = builder.gep(outp, [builder.add(builder.mul(orow_t, ostride), ocol)])
+        if n_w == 1:
+            builder.store(builder.extract_element(res, ir.Constant(_I32, t)), ptr)
+        else:
+            st_ = builder.store(_shuf(builder, res, range(t * n_w, t * n_w + n_w)),
+                                builder.bitcast(ptr, _vt(_F32, n_w).as_pointer()))
+            st_.align = 4
+
+
 def _unpack32(builder, f, ptrs):
     """The int8 values of the blocks at i8* ptrs (1 or 2 consecutive blocks of one row) as
     one <32*len(ptrs) x i8> (signed values for signed formats, else 0..31)."""
@@ -1105,21 +1157,25 @@ def _tile32_codegen(fmt, n_w, n_a):
         odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
         with builder.if_then(odd, likely=False):
             step(builder.sub(nb, _ci(1)), 1)
+        # result (k, t) = (tree(even) + tree(odd)) [+ (m_even + m_odd)], lanes t * n_w + k
+        vecs, ids = [], []
         for t in range(n_a):
-            orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
-            obase = builder.add(builder.mul(orow_t, ostride), ocol)
             for k in range(n_w):
                 if _VNNI:
-                    v = builder.load(acc[k][t][0])
-                    r = builder.fadd(_tree8(builder, v, 0), _tree8(builder, v, 8))
+                    vecs.append(builder.load(acc[k][t][0]))
                 else:
-                    r = builder.fadd(_tree8(builder, builder.load(acc[k][t][0]), 0),
-                                     _tree8(builder, builder.load(acc[k][t][1]), 0))
-                if f.has_min:
-                    m = builder.load(mvec[k])
-                    r = builder.fadd(r, builder.fadd(builder.extract_element(m, ir.Constant(_I32, 2 * t)),
-                                                     builder.extract_element(m, ir.Constant(_I32, 2 * t + 1))))
-                builder.store(r, builder.gep(outp, [builder.add(obase, _ci(k))]))
+                    vecs.append(_concat(builder, builder.load(acc[k][t][0]), builder.load(acc[k][t][1])))
+                ids.append(((k, t, 0), (k, t, 1)))
+        sums, lane = _tree8_many(builder, vecs, ids)
+        order = [(k, t) for t in range(n_a) for k in range(n_w)]
+        res = builder.fadd(_shuf(builder, sums, [lane[(k, t, 0)] for k, t in order]),
+                           _shuf(builder, sums, [lane[(k, t, 1)] for k, t in order]))
+        if f.has_min:
+            m = _cat(builder, [builder.load(mvec[k]) for k in range(n_w)]) if n_w > 1 else builder.load(mvec[0])
+            ms = builder.fadd(_shuf(builder, m, [2 * n_a * k + 2 * t for k, t in order]),
+                              _shuf(builder, m, [2 * n_a * k + 2 * t + 1 for k, t in order]))
+            res = builder.fadd(res, ms)
+        _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a)
         return context.get_dummy_value()
 
     return codegen
@@ -1299,14 +1355,19 @@ def _tilek_codegen(fmt, n_w, n_a):
                     t1 = builder.fmul(_shuf(builder, d2, [1] * n_a), yd)
                     old = builder.load(mvec[k])
                     builder.store(builder.fadd(old, builder.fmul(t1, builder.sitofp(md, mty))), mvec[k])
-        for t in range(n_a):
-            orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
-            obase = builder.add(builder.mul(orow_t, ostride), ocol)
-            for k in range(n_w):
-                r = _tree8(builder, builder.load(acc[k][t // 2]), 8 * (t % 2))
-                if has_min:
-                    r = builder.fsub(r, builder.extract_element(builder.load(mvec[k]), ir.Constant(_I32, t)))
-                builder.store(r, builder.gep(outp, [builder.add(obase, _ci(k))]))
+        # result (k, t) = tree(acc) [- mins], lanes t * n_w + k
+        vecs, ids = [], []
+        for k in range(n_w):
+            for p in range(n_pk):
+                vecs.append(builder.load(acc[k][p]))
+                ids.append(((k, 2 * p), (k, 2 * p + 1)) if 2 * p + 1 < n_a else ((k, 2 * p),))
+        sums, lane = _tree8_many(builder, vecs, ids)
+        order = [(k, t) for t in range(n_a) for k in range(n_w)]
+        res = _shuf(builder, sums, [lane[kt] for kt in order])
+        if has_min:
+            m = _cat(builder, [builder.load(mvec[k]) for k in range(n_w)]) if n_w > 1 else builder.load(mvec[0])
+            res = builder.fsub(res, _shuf(builder, m, [n_a * k + t for k, t in order]))
+        _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a)
         return context.get_dummy_value()
 
     return codegen
