@@ -964,13 +964,11 @@ def _unpack32(builder, f, ptrs):
     if f.kind == "q8":
         return _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 32)) for p in ptrs])
     v = _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 16)) for p in ptrs])  # <16n x i8>
-    lo = builder.and_(v, _cvec(_I8, [15] * 16 * n))
-    hi = builder.lshr(v, _cvec(_I8, [4] * 16 * n))
-    # block j: its 16 low nibbles (elements 0..15), then its 16 high nibbles (16..31)
-    idx = []
-    for j in range(n):
-        idx += list(range(16 * j, 16 * j + 16)) + list(range(16 * n + 16 * j, 16 * n + 16 * j + 16))
-    q = builder.shuffle_vector(lo, hi, _cvec(_I32, idx))
+    # block j: its 16 low nibbles (elements 0..15), then its 16 high nibbles (16..31): each
+    # block's 16 bytes twice, the second copy shifted right by 4 (as 16-bit lanes), & 15
+    dup = _shuf(builder, v, [16 * j + i for j in range(n) for _ in range(2) for i in range(16)])
+    w16 = builder.lshr(builder.bitcast(dup, _vt(_I16, 16 * n)), _cvec(_I16, ([0] * 8 + [4] * 8) * n))
+    q = builder.and_(builder.bitcast(w16, _vt(_I8, 32 * n)), _cvec(_I8, [15] * 32 * n))
     if f.kind == "mxfp4":
         table = _cvec(_I8, [v_ & 0xFF for v_ in _MXFP4_KVALUES] * (2 * n))
         name = "llvm.x86.avx512.pshuf.b.512" if n == 2 else "llvm.x86.avx2.pshuf.b"
