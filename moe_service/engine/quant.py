@@ -622,6 +622,101 @@ def dequantize_rows(arena, w_off, ggml_type, n_cols, row_bytes_, rows, out):
 # ---------------------------------------------------------------------------------------
 
 
+@intrinsic
+def _absmax(typingctx, x, base, n):
+    """max |x[base : base + n]| (n a literal 32 or 256) as numba's running ``max(amax, abs(v))``
+    from 0.0 computes it (NaN elements ignored: maxnum), as one vector reduction: the running
+    scalar max is a loop-carried chain the vectorizer cannot break without fast-math."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    sig = types.float32(x, base, n)
+    count = n.literal_value
+
+    def codegen(context, builder, signature, args):
+        vty = _vt(_F32, count)
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, vty.as_pointer()))
+        v.align = 4
+        a = _call(builder, f"llvm.fabs.v{count}f32", vty, [v])
+        m = _call(builder, f"llvm.vector.reduce.fmax.v{count}f32", _F32, [a])
+        return _call(builder, "llvm.maxnum.f32", _F32, [m, ir.Constant(_F32, 0.0)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _first_absmax(typingctx, x, base, amax):
+    """The first of x[base : base + 256] whose magnitude equals ``amax`` (> 0, one of them):
+    the element quantize_row_q8_k's strict ``abs(v) > amax`` scan keeps, found with one
+    vector compare and a count of trailing zeros."""
+    sig = types.float32(x, base, types.float32)
+
+    def codegen(context, builder, signature, args):
+        vty = _vt(_F32, QK_K)
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, vty.as_pointer()))
+        v.align = 4
+        a = _call(builder, f"llvm.fabs.v{QK_K}f32", vty, [v])
+        hit = builder.fcmp_ordered("==", a, _splat_f32(builder, args[2], QK_K))
+        bits = builder.bitcast(hit, ir.IntType(QK_K))
+        tz = _call(builder, f"llvm.cttz.i{QK_K}", ir.IntType(QK_K), [bits, ir.Constant(ir.IntType(1), 0)])
+        return builder.extract_element(v, builder.trunc(tz, _I32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _quant_block(typingctx, x, base, scale, qs, qo, n, clamp):
+    """qs[qo + j] = int8(q_j), q_j = rint(x[base + j] * scale) (round half to even; clamped to
+    <= 127 when the literal ``clamp`` is 1) for j < n (literal 32 or 256), as one vector
+    pass; returns sum(q_j) as int32 (exact). Element for element what the scalar
+    ``np.int8(rintf(x * scale))`` loop stores."""
+    if not (isinstance(n, types.IntegerLiteral) and isinstance(clamp, types.IntegerLiteral)):
+        return None
+    sig = types.int32(x, base, types.float32, qs, qo, n, clamp)
+    count, do_clamp = n.literal_value, clamp.literal_value
+
+    def codegen(context, builder, signature, args):
+        vf = _vt(_F32, count)
+        vi = _vt(_I32, count)
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, vf.as_pointer()))
+        v.align = 4
+        r = _call(builder, f"llvm.rint.v{count}f32", vf, [builder.fmul(v, _splat_f32(builder, args[2], count))])
+        q = builder.fptosi(r, vi)
+        if do_clamp:
+            q = _call(builder, f"llvm.smin.v{count}i32", vi, [q, _cvec(_I32, [127] * count)])
+        out = _elem_ptr(context, builder, signature.args[3], args[3], args[4], signature.args[4])
+        st_ = builder.store(builder.trunc(q, _vt(_I8, count)), builder.bitcast(out, _vt(_I8, count).as_pointer()))
+        st_.align = 1
+        return _call(builder, f"llvm.vector.reduce.add.v{count}i32", _I32, [q])
+
+    return sig, codegen
+
+
+@intrinsic
+def _sums16(typingctx, qs, qo, bsums, bo):
+    """bsums[bo + j] = int16(sum of qs[qo + 16j : qo + 16j + 16]) for j < 16 (Q8_K's sums)."""
+    sig = types.void(qs, qo, bsums, bo)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, _vt(_I8, QK_K).as_pointer()))
+        v.align = 1
+        w = builder.sext(v, _vt(_I32, QK_K))
+        sums = ir.Constant(_vt(_I16, 16), None)
+        for j in range(16):
+            g = _shuf(builder, w, range(16 * j, 16 * j + 16))
+            t = _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [g])
+            sums = builder.insert_element(sums, builder.trunc(t, _I16), ir.Constant(_I32, j))
+        out = _elem_ptr(context, builder, signature.args[2], args[2], args[3], signature.args[3])
+        st_ = builder.store(sums, builder.bitcast(out, _vt(_I16, 16).as_pointer()))
+        st_.align = 2
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(**_JIT)
 def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
     """As ggml-cpu's x86 quantize_row_q8_0 (the AVX2/AVX-512 path llama.cpp runs on these
@@ -635,14 +730,11 @@ def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
     """
     for b in range(n // QK):
         base = xo + b * QK
-        amax = np.float32(0.0)
-        for j in range(QK):
-            amax = max(amax, abs(ld(x, base + j)))
+        amax = _absmax(x, base, 32)
         d = amax / np.float32(127.0)
         idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
         st(d_out, do_ + b, f16_round(d))
-        for j in range(QK):
-            st(qs, qo + b * QK + j, np.int8(rintf(ld(x, base + j) * idd)))
+        _quant_block(x, base, idd, qs, qo + b * QK, 32, 0)
 
 
 @njit(**_JIT)
@@ -651,17 +743,11 @@ def quantize_row_q8_1(x, xo, n, qs, qo, d_out, s_out, do_):
     plus s = f16(d * sum(q)) per 32-element block."""
     for b in range(n // QK):
         base = xo + b * QK
-        amax = np.float32(0.0)
-        for j in range(QK):
-            amax = max(amax, abs(ld(x, base + j)))
+        amax = _absmax(x, base, 32)
         d = amax / np.float32(127.0)
         idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
         st(d_out, do_ + b, f16_round(d))
-        total = 0
-        for j in range(QK):
-            q = np.int32(rintf(ld(x, base + j) * idd))
-            total += q
-            st(qs, qo + b * QK + j, np.int8(q))
+        total = _quant_block(x, base, idd, qs, qo + b * QK, 32, 0)
         st(s_out, do_ + b, f16_round(np.float32(total) * d))
 
 
@@ -673,13 +759,7 @@ def quantize_row_q8_k(x, xo, n, qs, qo, d_out, do_, bsums, bo):
     """
     for b in range(n // QK_K):
         base = xo + b * QK_K
-        vmax = np.float32(0.0)
-        amax = np.float32(0.0)
-        for j in range(QK_K):
-            v = ld(x, base + j)
-            if abs(v) > amax:
-                amax = abs(v)
-                vmax = v
+        amax = _absmax(x, base, 256)
         if amax == 0:
             st(d_out, do_ + b, np.float32(0.0))
             for j in range(QK_K):
@@ -687,15 +767,9 @@ def quantize_row_q8_k(x, xo, n, qs, qo, d_out, do_, bsums, bo):
             for j in range(QK_K // 16):
                 st(bsums, bo + b * 16 + j, np.int16(0))
             continue
-        iscale = np.float32(-127.0) / vmax
-        for j in range(QK_K):
-            q = np.int32(rintf(iscale * ld(x, base + j)))
-            st(qs, qo + b * QK_K + j, np.int8(min(127, q)))
-        for j in range(QK_K // 16):
-            total = 0
-            for k in range(16):
-                total += np.int32(ld(qs, qo + b * QK_K + 16 * j + k))
-            st(bsums, bo + b * 16 + j, np.int16(total))
+        iscale = np.float32(-127.0) / _first_absmax(x, base, amax)
+        _quant_block(x, base, iscale, qs, qo + b * QK_K, 256, 1)
+        _sums16(qs, qo + b * QK_K, bsums, bo + b * 16)
         st(d_out, do_ + b, np.float32(1.0) / iscale)
 
 
@@ -771,6 +845,12 @@ def _vt(t, n):
 
 def _cvec(t, vals):
     return ir.Constant(_vt(t, len(vals)), list(vals))
+
+
+def _splat_f32(builder, v, n):
+    """<n x float> of the scalar float v."""
+    one = builder.insert_element(ir.Constant(_vt(_F32, n), None), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, _cvec(_I32, [0] * n))
 
 
 def _i64(context, builder, val, ty):
