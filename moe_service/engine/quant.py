@@ -1293,9 +1293,10 @@ def _kq_pieces(builder, fmt, o):
             pieces.append(_concat(builder, parts[0], parts[1]))
             scl.append(_shuf(builder, sc, [4 * g + m // 8 for m in range(32)]))
         neg = builder.mul(sc, _cvec(_I16, [-32] * 16))
-        dd = builder.fpext(builder.bitcast(_ldv(builder, o, 208, _I16), ir.HalfType()), _F32)
-        d2 = builder.insert_element(ir.Constant(_vt(_F32, 2), [0.0, 0.0]), dd, ir.Constant(_I32, 0))
-        return pieces, scl, None, neg, d2
+        # d: the f16 at 208, read with the scales' last two bytes as one u32 (a lone 16-bit
+        # load becomes a vpinsrw into a live register, see ld_f16x2), moved to lane 0
+        d2 = builder.fpext(builder.bitcast(_ldv(builder, o, 206, _I32), _vt(ir.HalfType(), 2)), _vt(_F32, 2))
+        return pieces, scl, None, neg, _shuf(builder, d2, [1, 0])
     q5 = fmt == GGML_Q5_K
     u = [builder.zext(_ldv(builder, o, 4 + 4 * i, _I32), _I64) for i in range(3)]
     c = lambda v: ir.Constant(_I64, v)  # noqa: E731
