@@ -1476,6 +1476,18 @@ _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold
 
 
 @njit(**_JIT_INLINE)
+def _sequential_t1(fmt):
+    """Whether a single-item (T=1) matmul of ``fmt`` runs one weight row at a time: a plain
+    sequential stream reaches more DRAM bandwidth than a tile's 4 side-by-side rows, which
+    decides T=1 for the formats with the least arithmetic per byte. Measured (Zen 5, 256 MiB
+    tensors, GB/s, 4-row tiles -> single rows): 1 thread Q8_0 31 -> 38, Q6_K 33 -> 40, Q4_K
+    33 -> 33, Q4_1 36 -> 28; 2 threads Q8_0 38 -> 45, Q6_K 36 -> 46, Q4_K 41 -> 46, Q4_1 41 ->
+    46 (memory bandwidth ~45). The nibble formats keep their tiles: at T=1 they are
+    compute-bound on one core, and so is a small model's decode (SmolLM2-MoE, Q4_1)."""
+    return fmt == GGML_Q8_0 or fmt == GGML_Q4_K or fmt == GGML_Q5_K or fmt == GGML_Q6_K
+
+
+@njit(**_JIT_INLINE)
 def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
     """n_w weight rows at byte wo x every item, in tiles of 4, 2, 1 items."""
     i = 0
@@ -1494,17 +1506,17 @@ def _mmq(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows
          out_stride, out_col):
     """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
     tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
-    every item."""
+    every item; a single item of a _sequential_t1 format goes row by row."""
     r = row_lo
-    while r + _R_TILE <= row_hi:
-        _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items,
-               out, out_stride, out_col + r)
-        r += _R_TILE
+    if not (n_items == 1 and _sequential_t1(fmt)):
+        while r + _R_TILE <= row_hi:
+            _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
+                   n_items, out, out_stride, out_col + r)
+            r += _R_TILE
     while r < row_hi:
         _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
                out_stride, out_col + r)
         r += 1
-
 
 
 @njit(**_JIT_INLINE)
