@@ -1,19 +1,26 @@
 """Block-kernel throughput against the machine's memory read bandwidth.
 
 Reports, per weight format: GB/s of weight bytes streamed by the matmul kernels for T=1
-(decode matvec) and T=4 (each block unpacked once for 4 activation rows), on 1 thread
-(the kernel called directly) and on N threads (the WorkerPool splitting rows); the memory
-read bandwidth of this machine on 1 and N threads (a numba reduction over 1 GiB); the
-round-trip cost of an empty pool dispatch; and the cold compile time of the engine's numba
-code (fresh NUMBA_CACHE_DIR, in a subprocess) next to the warm (cached) start.
+(decode matvec), T=4 (batched decode) and T=16/64/128 (prefill ubatches), on 1 thread
+(the kernel called directly) and on N threads (the WorkerPool splitting rows), with the
+cost per 32 weights per token (``ns/blk-tok``: flat across T once the kernels are
+compute-bound); the memory read bandwidth of this machine on 1 and N threads (a numba
+reduction over 1 GiB); the round-trip cost of an empty pool dispatch; and the cold compile
+time of the engine's numba code (fresh NUMBA_CACHE_DIR, in a subprocess) next to the warm
+(cached) start. Decode-step scenarios time the kernels and the pool on real layer shapes
+at T tokens per step; ``--model`` times whole Model.step calls on a GGUF file (single
+sequence decode, 4 sequences decoded together, one 128-token prefill).
 
     PYTHONPATH=. python bench/kernels.py                    # everything, default formats
     PYTHONPATH=. python bench/kernels.py --formats Q8_0,Q4_K --tokens 1 --threads 1,2
+    PYTHONPATH=. python bench/kernels.py --no-formats --scenario smollm2-moe --scenario-tokens 1,4
+    PYTHONPATH=. python bench/kernels.py --no-formats --no-compile --model ~/.cache/moe-service/models/smollm2-135m-instruct-moe8.gguf
     PYTHONPATH=. python bench/kernels.py --json out.json    # also write the numbers
 
-Tensors are ~256 MiB (well past the L3 cache) of random valid blocks, rows of 2048
-columns. Speed numbers are only meaningful on an otherwise idle machine: the report
-prints the load average at start and end.
+At T=1 tensors are ~256 MiB (well past the L3 cache) of random valid blocks, rows of 2048
+columns; at larger T (compute-bound) the tensor shrinks to max(32 MiB, 256 MiB * 4 / T)
+so a run stays short. Speed numbers are only meaningful on an otherwise idle machine: the
+report prints the load average at start and end.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -93,7 +101,7 @@ def make_tensor(tid: int, n_cols: int, mib: int, rng) -> tuple[np.ndarray, int]:
 
 
 def kernel_gbps(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng, repeats: int) -> float:
-    """Single thread: quant.matmul_rows over the whole tensor (no pool)."""
+    """Single thread: quant.matmul_rows over the whole tensor (no pool); best of ``repeats``."""
     rb = q.row_bytes(tid, n_cols)
     pa = q.quantize_activations(rng.standard_normal((n_tok, n_cols)).astype(np.float32), q.FORMATS[tid].partner)
     rows = np.arange(n_tok, dtype=np.int64)
@@ -107,6 +115,12 @@ def kernel_gbps(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: in
         q.matmul_rows(*args)
         best = min(best, time.perf_counter() - t0)
     return arena.nbytes / best / 1e9
+
+
+def ns_per_block_token(gbps: float, tid: int, n_tok: int) -> float:
+    """Seconds per 32 weights per token, in ns, from GB/s of weight bytes at n_tok tokens."""
+    bytes_per_32 = q.FORMATS[tid].block_bytes * 32 / q.FORMATS[tid].block_elems
+    return bytes_per_32 / gbps / n_tok
 
 
 def pool_gbps(pool: WorkerPool, tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng,
@@ -148,11 +162,13 @@ SCENARIOS = {
 
 
 def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = None, expert_type: str | None = None,
-                         steps: int = 20, rng=None) -> dict:
-    """Time decode steps (T=1): per layer one q/k/v dispatch, one o dispatch, one MoE step;
-    then the output head. Builds ``layers`` layers (default: all) and scales the per-layer
-    time to the model's layer count. Returns ms per layer, head ms, tok/s and GB/s of the
-    weight bytes a token reads."""
+                         steps: int = 20, rng=None, n_tok: int = 1) -> dict:
+    """Time decode steps of ``n_tok`` tokens (one per sequence: T=1 single stream, T=4 four
+    streams decoded together): per layer one q/k/v dispatch, one o dispatch, one MoE step;
+    then the output head for the T tokens. Builds ``layers`` layers (default: all) and
+    scales the per-layer time to the model's layer count. Returns ms per layer, head ms,
+    aggregate tok/s (n_tok tokens per step) and GB/s of the weight bytes a step reads (at
+    T=1: the token's routed experts; at T>1 the union is not modelled: the T=1 bytes)."""
     from moe_service.engine.moe import ExpertWeights, MoE
 
     c = dict(SCENARIOS[name])
@@ -189,15 +205,15 @@ def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = No
     arena = np.concatenate(parts)
     parts.clear()
     moe = MoE(pool)
-    x = rng.standard_normal((1, h)).astype(np.float32)
-    xo = rng.standard_normal((1, c["o_cols"])).astype(np.float32)
+    x = rng.standard_normal((n_tok, h)).astype(np.float32)
+    xo = rng.standard_normal((n_tok, c["o_cols"])).astype(np.float32)
+    wts = np.full((n_tok, c["top_k"]), 1.0 / c["top_k"], np.float32)
 
     def step():
         for qkv, o_t, ex in layer_specs:
             pool.matmul(arena, qkv, x)
             pool.matmul(arena, o_t, xo)
-            ids = rng.choice(e_n, c["top_k"], replace=False).astype(np.int32).reshape(1, -1)
-            wts = np.full((1, c["top_k"]), 1.0 / c["top_k"], np.float32)
+            ids = np.stack([rng.choice(e_n, c["top_k"], replace=False) for _ in range(n_tok)]).astype(np.int32)
             moe.forward(arena, x, ids, wts, ex)
 
     step()
@@ -218,9 +234,69 @@ def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = No
     layer_bytes = (sum(r * rb[ta] for _, _, r, _ in layer_specs[0][0]) + h * rb_o
                    + c["top_k"] * (2 * w_ * rb[te] + h * rb_down))
     token_bytes = layer_bytes * c["layers"] + c["vocab"] * rb[th]
-    return {"scenario": name, "expert_type": c["expert_type"], "layers_built": n_layers,
+    return {"scenario": name, "expert_type": c["expert_type"], "n_tok": n_tok, "layers_built": n_layers,
             "layers_model": c["layers"], "ms_per_layer": per_layer * 1e3, "head_ms": head_s * 1e3,
-            "tok_s": 1.0 / token_s, "token_mb": token_bytes / 1e6, "gbps": token_bytes / token_s / 1e9}
+            "tok_s": n_tok / token_s, "token_mb": token_bytes / 1e6, "gbps": token_bytes / token_s / 1e9}
+
+
+def model_steps(path: str, threads: int, *, repeats: int = 5, n_prompt: int = 128, n_decode: int = 32,
+                n_streams: int = 4) -> dict:
+    """Whole Model.step timings on a GGUF file (CPU path, ``threads`` pool threads): decode
+    tok/s of one sequence, aggregate tok/s of ``n_streams`` sequences decoded together (one
+    step computes a token for each), and prefill tok/s of one ``n_prompt``-token step (the
+    engine's ubatch). Medians and bests over ``repeats``; decode runs start from a 16-token
+    prompt and take ``n_decode`` steps."""
+    import statistics
+
+    import torch
+
+    from moe_service.engine.model import Model
+    from moe_service.engine.ops import CpuOps
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.weights import WeightStore
+
+    torch.set_num_threads(1)
+    catalog = GGUFModel.open(Path(path).expanduser())
+    weights = WeightStore.load_simple(catalog)
+    ops = CpuOps(threads=threads)
+    try:
+        model = Model(catalog, weights, ops, n_seq=n_streams, n_ctx=n_prompt + n_decode + 32)
+        rng = np.random.default_rng(0)
+        prompt = [int(t) for t in rng.integers(10, min(catalog.params.n_vocab, 30000), n_prompt)]
+
+        def prefill() -> float:
+            s = model.kv.alloc()
+            t0 = time.perf_counter()
+            model.step([(s, prompt)])
+            dt = time.perf_counter() - t0
+            model.kv.free(s)
+            return n_prompt / dt
+
+        def decode(n_seq: int, steps: int) -> float:
+            slots = [model.kv.alloc() for _ in range(n_seq)]
+            model.step([(s, prompt[:16]) for s in slots])
+            t0 = time.perf_counter()
+            for i in range(steps):
+                model.step([(s, [prompt[(i + j) % n_prompt]]) for j, s in enumerate(slots)])
+            dt = time.perf_counter() - t0
+            for s in slots:
+                model.kv.free(s)
+            return n_seq * steps / dt
+
+        prefill(), decode(1, 4), decode(n_streams, 4)  # compile / warm every shape
+        runs: dict[str, list[float]] = {"decode_1": [], f"decode_{n_streams}": [], "prefill": []}
+        for _ in range(repeats):
+            runs["decode_1"].append(decode(1, n_decode))
+            runs[f"decode_{n_streams}"].append(decode(n_streams, n_decode))
+            runs["prefill"].append(prefill())
+    finally:
+        ops.close()
+    res = {"model": str(path), "threads": threads, "n_prompt": n_prompt, "n_streams": n_streams}
+    for k, v in runs.items():
+        res[f"{k}_tok_s"] = float(statistics.median(v))
+        res[f"{k}_best_tok_s"] = float(max(v))
+    res["streams_speedup"] = res[f"decode_{n_streams}_tok_s"] / res["decode_1_tok_s"]
+    return res
 
 
 _COMPILE_SNIPPET = r"""
@@ -285,13 +361,18 @@ def compile_seconds() -> dict[str, float]:
     return res
 
 
+def scaled_mib(mib: int, n_tok: int) -> int:
+    """Tensor size for n_tok tokens: ``mib`` at T <= 4, then max(32, mib * 4 / T) (compute-bound)."""
+    return mib if n_tok <= 4 else max(32, mib * 4 // n_tok)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=DEFAULT_FORMATS)
-    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--tokens", default="1,4,16,64,128")
     ap.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}")
     ap.add_argument("--cols", type=int, default=2048)
-    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--mib", type=int, default=256, help="tensor MiB at T <= 4 (scaled down above)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-compile", action="store_true", help="skip the cold compile measurement")
     ap.add_argument("--no-formats", action="store_true", help="skip the per-format GB/s table")
@@ -299,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time decode steps on these model shapes (repeatable)")
     ap.add_argument("--scenario-layers", type=int, default=0, help="layers to build (0: all; time scales)")
     ap.add_argument("--scenario-expert-type", default=None, help="override the scenario's expert type")
+    ap.add_argument("--scenario-tokens", default="1,4", help="tokens per decode step (one per stream)")
+    ap.add_argument("--model", default=None, help="also time Model.step on this GGUF (decode 1 / 4 streams, prefill)")
     ap.add_argument("--asm", action="store_true", help="count vector instructions in each compiled kernel")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -306,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(v) for v in args.tokens.split(",")]
     threads = [int(v) for v in args.threads.split(",")]
     rng = np.random.default_rng(0)
-    res: dict = {"load_avg_start": os.getloadavg(), "cpus": sorted(os.sched_getaffinity(0))}
+    res: dict = {"load_avg_start": os.getloadavg(), "cpus": sorted(os.sched_getaffinity(0)),
+                 "kernel_isa": "avx512-vnni" if q._AVX512 else "avx2"}
 
-    print(f"load average at start: {res['load_avg_start']}")
+    print(f"load average at start: {res['load_avg_start']}; kernels: {res['kernel_isa']}")
     res["memory_gbps"] = {n: memory_bandwidth_gbps(n) for n in threads}
     res["numpy_sum_gbps"] = numpy_sum_gbps()
     for n, v in res["memory_gbps"].items():
@@ -324,41 +408,63 @@ def main(argv: list[str] | None = None) -> int:
             print(f"empty dispatch round trip, {n} worker(s): {v:6.2f} us")
 
         res["kernels_gbps"] = {}
+        res["kernels_ns_per_block_token"] = {}
         if args.no_formats:
             formats = []
-        header = "format  " + "".join(f"  T={t} {n}thr" for t in tokens for n in threads)
-        print(f"\nGB/s of weight bytes (rows of {args.cols} columns, {args.mib} MiB tensors)")
-        print(header)
+        else:
+            print(f"\nGB/s of weight bytes (rows of {args.cols} columns; {args.mib} MiB tensors at T<=4, "
+                  f"max(32, {args.mib}*4/T) MiB above) | ns per 32 weights per token")
+            print("format " + "".join(f"{f'T={t} {n}thr':>17s}" for t in tokens for n in threads))
         for tid in formats:
             name = q.FORMATS[tid].name
-            arena, n_rows = make_tensor(tid, args.cols, args.mib, rng)
-            row = {}
-            line = f"{name:7s} "
+            row, ns_row = {}, {}
+            line = f"{name:6s} "
+            cache: dict[int, tuple[np.ndarray, int]] = {}
             for t in tokens:
+                mib = scaled_mib(args.mib, t)
+                if mib not in cache:
+                    cache.clear()
+                    cache[mib] = make_tensor(tid, args.cols, mib, rng)
+                arena, n_rows = cache[mib]
+                reps = max(2, args.repeats if t <= 4 else args.repeats * 4 // t + 1)
                 for n in threads:
                     if n == 1:
-                        v = kernel_gbps(tid, arena, n_rows, args.cols, t, rng, args.repeats)
+                        v = kernel_gbps(tid, arena, n_rows, args.cols, t, rng, reps)
                     else:
-                        v = pool_gbps(pools[n], tid, arena, n_rows, args.cols, t, rng, args.repeats)
+                        v = pool_gbps(pools[n], tid, arena, n_rows, args.cols, t, rng, reps)
                     row[f"T{t}_{n}thr"] = v
-                    line += f"  {v:10.1f}"
+                    ns_row[f"T{t}_{n}thr"] = ns_per_block_token(v, tid, t)
+                    line += f" {v:8.2f}|{ns_row[f'T{t}_{n}thr']:6.3f}"
+            cache.clear()
             res["kernels_gbps"][name] = row
+            res["kernels_ns_per_block_token"][name] = ns_row
             print(line, flush=True)
-            del arena
         res["scenarios"] = []
         for sc_name in args.scenario:
             for n in threads:
                 pool = pools[n] if n > 1 else WorkerPool(n_threads=1, pin_caller=False)
-                r = decode_step_scenario(sc_name, pool, layers=args.scenario_layers or None,
-                                         expert_type=args.scenario_expert_type, rng=rng)
-                r["threads"] = n
-                res["scenarios"].append(r)
-                print(f"\n{sc_name} ({r['expert_type']} experts), {n} thread(s): {r['ms_per_layer']:.3f} ms/layer, "
-                      f"head {r['head_ms']:.2f} ms -> {r['tok_s']:.1f} tok/s (kernels only), "
-                      f"{r['token_mb']:.0f} MB/token = {r['gbps']:.1f} GB/s", flush=True)
+                for n_tok in (int(v) for v in args.scenario_tokens.split(",")):
+                    r = decode_step_scenario(sc_name, pool, layers=args.scenario_layers or None,
+                                             expert_type=args.scenario_expert_type, rng=rng, n_tok=n_tok)
+                    r["threads"] = n
+                    res["scenarios"].append(r)
+                    print(f"\n{sc_name} ({r['expert_type']} experts), {n} thread(s), T={n_tok}: "
+                          f"{r['ms_per_layer']:.3f} ms/layer, head {r['head_ms']:.2f} ms -> {r['tok_s']:.1f} tok/s "
+                          f"(kernels only; {r['token_mb']:.0f} MB per T=1 token)", flush=True)
     finally:
         for p in pools.values():
             p.close()
+    if args.model:
+        res["model_steps"] = []
+        for n in threads:
+            r = model_steps(args.model, n, repeats=args.repeats)
+            res["model_steps"].append(r)
+            streams_tok_s = r[f"decode_{r['n_streams']}_tok_s"]
+            print(f"\nModel.step on {Path(args.model).name}, {n} thread(s): decode 1 stream "
+                  f"{r['decode_1_tok_s']:.1f} tok/s (best {r['decode_1_best_tok_s']:.1f}); "
+                  f"{r['n_streams']} streams {streams_tok_s:.1f} tok/s aggregate "
+                  f"(x{r['streams_speedup']:.2f}); prefill {r['n_prompt']} tokens {r['prefill_tok_s']:.1f} tok/s "
+                  f"(best {r['prefill_best_tok_s']:.1f})", flush=True)
     if not args.no_compile:
         res["compile"] = compile_seconds()
         c = res["compile"]

@@ -22,12 +22,16 @@ precision (ggml's vec_dot_type for those types), accumulating in float32.
 Performance (the point of this module; bench/kernels.py measures GB/s of weight bytes per
 format against the machine's read bandwidth):
 
-- The block dot products are written in LLVM vector IR (numba intrinsics): a block's
-  weights become 32 bytes, multiplied with the activation's 32 int8 by vpmaddubsw and
-  vpmaddwd (512-bit for the K-quants where AVX-512BW exists), scaled into float
-  accumulators that stay in registers; the horizontal sum happens once per row.
-- Each weight row is read from memory once per call and dotted with the activation rows
-  4 at a time (each block unpacked once per 4 rows) while it sits in L1.
+- The block dot products are written in LLVM vector IR (numba intrinsics). A matmul runs
+  in *tiles*: 4 consecutive weight rows x up to 4 activation rows per pass over the rows'
+  blocks (AVX-512 VNNI; 1 row on AVX2). Each weight block is unpacked once per tile and
+  each activation block loaded once per tile, so a weight row is read from memory once per
+  call however many tokens there are, and the per-token cost at T >= 4 is the vpdpbusd /
+  vpmaddubsw arithmetic, not the unpacking. Accumulators stay in registers; the horizontal
+  sum happens once per (row, token). Tiles prefetch the next tile's rows.
+- Results are bit-identical whatever the tile shape, the number of tokens, or the ISA: the
+  integer sums are exact and each row's float32 steps follow one fixed per-lane order (see
+  the tile sections).
 - The format kernels are C-ABI functions (numba cfunc) called through an address table:
   each compiles once and only when a model uses the format (``ensure_kernels``), and no
   reference counting runs per row (they take raw pointers).
@@ -618,6 +622,101 @@ def dequantize_rows(arena, w_off, ggml_type, n_cols, row_bytes_, rows, out):
 # ---------------------------------------------------------------------------------------
 
 
+@intrinsic
+def _absmax(typingctx, x, base, n):
+    """max |x[base : base + n]| (n a literal 32 or 256) as numba's running ``max(amax, abs(v))``
+    from 0.0 computes it (NaN elements ignored: maxnum), as one vector reduction: the running
+    scalar max is a loop-carried chain the vectorizer cannot break without fast-math."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    sig = types.float32(x, base, n)
+    count = n.literal_value
+
+    def codegen(context, builder, signature, args):
+        vty = _vt(_F32, count)
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, vty.as_pointer()))
+        v.align = 4
+        a = _call(builder, f"llvm.fabs.v{count}f32", vty, [v])
+        m = _call(builder, f"llvm.vector.reduce.fmax.v{count}f32", _F32, [a])
+        return _call(builder, "llvm.maxnum.f32", _F32, [m, ir.Constant(_F32, 0.0)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _first_absmax(typingctx, x, base, amax):
+    """The first of x[base : base + 256] whose magnitude equals ``amax`` (> 0, one of them):
+    the element quantize_row_q8_k's strict ``abs(v) > amax`` scan keeps, found with one
+    vector compare and a count of trailing zeros."""
+    sig = types.float32(x, base, types.float32)
+
+    def codegen(context, builder, signature, args):
+        vty = _vt(_F32, QK_K)
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, vty.as_pointer()))
+        v.align = 4
+        a = _call(builder, f"llvm.fabs.v{QK_K}f32", vty, [v])
+        hit = builder.fcmp_ordered("==", a, _splat_f32(builder, args[2], QK_K))
+        bits = builder.bitcast(hit, ir.IntType(QK_K))
+        tz = _call(builder, f"llvm.cttz.i{QK_K}", ir.IntType(QK_K), [bits, ir.Constant(ir.IntType(1), 0)])
+        return builder.extract_element(v, builder.trunc(tz, _I32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _quant_block(typingctx, x, base, scale, qs, qo, n, clamp):
+    """qs[qo + j] = int8(q_j), q_j = rint(x[base + j] * scale) (round half to even; clamped to
+    <= 127 when the literal ``clamp`` is 1) for j < n (literal 32 or 256), as one vector
+    pass; returns sum(q_j) as int32 (exact). Element for element what the scalar
+    ``np.int8(rintf(x * scale))`` loop stores."""
+    if not (isinstance(n, types.IntegerLiteral) and isinstance(clamp, types.IntegerLiteral)):
+        return None
+    sig = types.int32(x, base, types.float32, qs, qo, n, clamp)
+    count, do_clamp = n.literal_value, clamp.literal_value
+
+    def codegen(context, builder, signature, args):
+        vf = _vt(_F32, count)
+        vi = _vt(_I32, count)
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, vf.as_pointer()))
+        v.align = 4
+        r = _call(builder, f"llvm.rint.v{count}f32", vf, [builder.fmul(v, _splat_f32(builder, args[2], count))])
+        q = builder.fptosi(r, vi)
+        if do_clamp:
+            q = _call(builder, f"llvm.smin.v{count}i32", vi, [q, _cvec(_I32, [127] * count)])
+        out = _elem_ptr(context, builder, signature.args[3], args[3], args[4], signature.args[4])
+        st_ = builder.store(builder.trunc(q, _vt(_I8, count)), builder.bitcast(out, _vt(_I8, count).as_pointer()))
+        st_.align = 1
+        return _call(builder, f"llvm.vector.reduce.add.v{count}i32", _I32, [q])
+
+    return sig, codegen
+
+
+@intrinsic
+def _sums16(typingctx, qs, qo, bsums, bo):
+    """bsums[bo + j] = int16(sum of qs[qo + 16j : qo + 16j + 16]) for j < 16 (Q8_K's sums)."""
+    sig = types.void(qs, qo, bsums, bo)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = builder.load(builder.bitcast(p, _vt(_I8, QK_K).as_pointer()))
+        v.align = 1
+        w = builder.sext(v, _vt(_I32, QK_K))
+        sums = ir.Constant(_vt(_I16, 16), None)
+        for j in range(16):
+            g = _shuf(builder, w, range(16 * j, 16 * j + 16))
+            t = _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [g])
+            sums = builder.insert_element(sums, builder.trunc(t, _I16), ir.Constant(_I32, j))
+        out = _elem_ptr(context, builder, signature.args[2], args[2], args[3], signature.args[3])
+        st_ = builder.store(sums, builder.bitcast(out, _vt(_I16, 16).as_pointer()))
+        st_.align = 2
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(**_JIT)
 def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
     """As ggml-cpu's x86 quantize_row_q8_0 (the AVX2/AVX-512 path llama.cpp runs on these
@@ -631,14 +730,11 @@ def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
     """
     for b in range(n // QK):
         base = xo + b * QK
-        amax = np.float32(0.0)
-        for j in range(QK):
-            amax = max(amax, abs(ld(x, base + j)))
+        amax = _absmax(x, base, 32)
         d = amax / np.float32(127.0)
         idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
         st(d_out, do_ + b, f16_round(d))
-        for j in range(QK):
-            st(qs, qo + b * QK + j, np.int8(rintf(ld(x, base + j) * idd)))
+        _quant_block(x, base, idd, qs, qo + b * QK, 32, 0)
 
 
 @njit(**_JIT)
@@ -647,17 +743,11 @@ def quantize_row_q8_1(x, xo, n, qs, qo, d_out, s_out, do_):
     plus s = f16(d * sum(q)) per 32-element block."""
     for b in range(n // QK):
         base = xo + b * QK
-        amax = np.float32(0.0)
-        for j in range(QK):
-            amax = max(amax, abs(ld(x, base + j)))
+        amax = _absmax(x, base, 32)
         d = amax / np.float32(127.0)
         idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
         st(d_out, do_ + b, f16_round(d))
-        total = 0
-        for j in range(QK):
-            q = np.int32(rintf(ld(x, base + j) * idd))
-            total += q
-            st(qs, qo + b * QK + j, np.int8(q))
+        total = _quant_block(x, base, idd, qs, qo + b * QK, 32, 0)
         st(s_out, do_ + b, f16_round(np.float32(total) * d))
 
 
@@ -669,13 +759,7 @@ def quantize_row_q8_k(x, xo, n, qs, qo, d_out, do_, bsums, bo):
     """
     for b in range(n // QK_K):
         base = xo + b * QK_K
-        vmax = np.float32(0.0)
-        amax = np.float32(0.0)
-        for j in range(QK_K):
-            v = ld(x, base + j)
-            if abs(v) > amax:
-                amax = abs(v)
-                vmax = v
+        amax = _absmax(x, base, 256)
         if amax == 0:
             st(d_out, do_ + b, np.float32(0.0))
             for j in range(QK_K):
@@ -683,15 +767,9 @@ def quantize_row_q8_k(x, xo, n, qs, qo, d_out, do_, bsums, bo):
             for j in range(QK_K // 16):
                 st(bsums, bo + b * 16 + j, np.int16(0))
             continue
-        iscale = np.float32(-127.0) / vmax
-        for j in range(QK_K):
-            q = np.int32(rintf(iscale * ld(x, base + j)))
-            st(qs, qo + b * QK_K + j, np.int8(min(127, q)))
-        for j in range(QK_K // 16):
-            total = 0
-            for k in range(16):
-                total += np.int32(ld(qs, qo + b * QK_K + 16 * j + k))
-            st(bsums, bo + b * 16 + j, np.int16(total))
+        iscale = np.float32(-127.0) / _first_absmax(x, base, amax)
+        _quant_block(x, base, iscale, qs, qo + b * QK_K, 256, 1)
+        _sums16(qs, qo + b * QK_K, bsums, bo + b * 16)
         st(d_out, do_ + b, np.float32(1.0) / iscale)
 
 
@@ -732,43 +810,33 @@ def quantize_partner_rows_range(partner, x, row_lo, row_hi, n, xf, xq, xd, xs, x
 
 
 # ---------------------------------------------------------------------------------------
-# Vector block intrinsics: one weight block x 1 or 4 activation rows, in LLVM vector IR
+# Vector building blocks (LLVM vector IR) for the tile kernels below
 # ---------------------------------------------------------------------------------------
-# As ggml's AVX2 kernels: a block's 32 weights become 32 bytes (unpacked nibbles, or the
-# int8 values), multiplied with the activation's 32 int8 by vpmaddubsw (unsigned x signed
-# bytes -> 16 int16 pair sums; signed weights go through the sign trick |w| x sign(a, w))
-# and vpmaddwd (int16 pairs -> 8 int32, times 1 or times the sub-block scale). No pair sum
-# can saturate int16: |w| <= 128 and |a| <= 127 (both quantizers clamp to 127), so
-# 2 * 128 * 127 = 32512. The 8 int32 are then scaled into a float accumulator (fma:
-# 32-element formats) or added into an int32 accumulator (K-quants, flushed once per
-# super-block). Accumulators are 4 slots of <8 x float> / <8 x i32> in a stack slot the
-# kernel allocates once; LLVM keeps them in registers. The horizontal sum happens once per
-# row (as ggml's AVX kernels do), not once per block. The 4-row form unpacks each weight
-# block once for 4 activation rows (prefill, batched decode, experts chosen by several
-# tokens). Only AVX2 instructions are required (plus SSSE3 pshufb for MXFP4).
+# As ggml's x86 kernels: weights become bytes (unpacked nibbles, or the int8 values),
+# multiplied with the activation's int8 by vpdpbusd (AVX-512 VNNI: unsigned x signed bytes,
+# four adjacent products summed into each int32 lane) or by vpmaddubsw (unsigned x signed
+# bytes -> int16 pair sums) + vpmaddwd (int16 pairs -> int32, times 1 or times the
+# sub-block scale). No int16 pair sum can saturate: |w| <= 128 and |a| <= 127 (both
+# quantizers clamp to 127), so 2 * 128 * 127 = 32512. Integer sums are exact, so every
+# instruction choice gives the same int32 lanes; the float steps are spelled out per lane.
 
-def _target_has_avx512bw() -> bool:
-    """Whether numba compiles for a CPU with AVX-512BW (the host, unless NUMBA_CPU_NAME is set).
-    MOE_SERVICE_KERNEL_ISA=avx2 forces the AVX2 code (use a separate NUMBA_CACHE_DIR: numba's
-    cache key does not include this choice)."""
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 BW + VL + VNNI (the host, unless
+    NUMBA_CPU_NAME is set): the 512-bit kernels need all three (Ice Lake / Zen 4 and later);
+    other AVX-512 CPUs (Skylake-SP) run the AVX2 code. MOE_SERVICE_KERNEL_ISA=avx2 forces the
+    AVX2 code (the engine's numba cache folder is keyed by it, see engine/__init__.py)."""
     if os.environ.get("MOE_SERVICE_KERNEL_ISA", "").lower() == "avx2":
         return False
+    need = ("avx512bw", "avx512vl", "avx512vnni")
     if _numba_config.CPU_NAME:
-        return "+avx512bw" in (_numba_config.CPU_FEATURES or "")
-    return bool(_llb.get_host_cpu_features().get("avx512bw", False))
+        return all(f"+{f}" in (_numba_config.CPU_FEATURES or "") for f in need)
+    feats = _llb.get_host_cpu_features()
+    return all(bool(feats.get(f, False)) for f in need)
 
 
-# K-quant pieces use 512-bit vpmaddubsw/vpmaddwd (64 bytes: two 32-element sub-blocks per
-# instruction) where the target has AVX-512BW; AVX2 elsewhere. Integer sums are exact, so
-# both give bit-identical results.
-_AVX512 = _target_has_avx512bw()
-_IW = 16 if _AVX512 else 8  # lanes of the K-quant int32 accumulators
-
-_ACC = types.CPointer(types.float32)   # -> [8 x <8 x float>]: two per activation row (block parity)
-_IACC = types.CPointer(types.int32)    # -> [4 x <_IW x i32>]
+_AVX512 = _target_has_avx512()
 _VF = ir.VectorType(_F32, 8)
 _VI = ir.VectorType(_I32, 8)
-_VIW = ir.VectorType(_I32, _IW)
 
 
 def _vt(t, n):
@@ -779,47 +847,19 @@ def _cvec(t, vals):
     return ir.Constant(_vt(t, len(vals)), list(vals))
 
 
-def _splat(builder, val, n):
-    v = builder.insert_element(ir.Constant(_vt(val.type, n), None), val, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _cvec(_I32, [0] * n))
+def _splat_f32(builder, v, n):
+    """<n x float> of the scalar float v."""
+    one = builder.insert_element(ir.Constant(_vt(_F32, n), None), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, _cvec(_I32, [0] * n))
 
 
 def _i64(context, builder, val, ty):
     return context.cast(builder, val, ty, types.int64)
 
 
-def _bytes(context, builder, aryty, ary, off, n):
-    """<n x i8> at byte offset ``off`` (i64) of a uint8/int8 array or pointer, unaligned."""
-    v = builder.load(_byte_ptr(context, builder, aryty, ary, off, _vt(_I8, n)))
-    v.align = 1
-    return v
-
-
-def _add(builder, off, k):
-    return builder.add(off, ir.Constant(_I64, k)) if k else off
-
-
 def _call(builder, name, ret, args):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, args)
-
-
-def _nibbles(builder, v16):
-    """16 packed bytes -> <32 x i8>: the 16 low nibbles, then the 16 high nibbles."""
-    lo = builder.and_(v16, _cvec(_I8, [15] * 16))
-    hi = builder.lshr(v16, _cvec(_I8, [4] * 16))
-    return builder.shuffle_vector(lo, hi, _cvec(_I32, range(32)))
-
-
-def _high_bits(builder, qh32):
-    """u32 (i32) qh -> <32 x i8> whose lane j is bit j of qh shifted to bit 4 (Q5_0/Q5_1):
-    byte j // 8 of qh spread to lane j (vpshufb), tested against bit j % 8 (as ggml's
-    bytes_from_bits_32)."""
-    b4 = builder.bitcast(qh32, _vt(_I8, 4))
-    spread = builder.shuffle_vector(b4, b4, _cvec(_I32, [j // 8 for j in range(32)]))
-    hit = builder.icmp_unsigned("!=", builder.and_(spread, _cvec(_I8, [1 << (j % 8) for j in range(32)])),
-                                _cvec(_I8, [0] * 32))
-    return builder.select(hit, _cvec(_I8, [16] * 32), _cvec(_I8, [0] * 32))
 
 
 def _maddubs(builder, w_u8, a_s8):
@@ -837,30 +877,9 @@ def _maddubs512(builder, w_u8, a_s8):
     return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vt(_I16, 32), [w_u8, a_s8])
 
 
-def _madd512(builder, p16, m16):
-    """512-bit vpmaddwd: <32 x i16> . <32 x i16> -> <16 x i32> (AVX-512BW)."""
-    return _call(builder, "llvm.x86.avx512.pmaddw.d.512", _vt(_I32, 16), [p16, m16])
-
-
 def _concat(builder, a, b):
     n = a.type.count
     return builder.shuffle_vector(a, b, _cvec(_I32, range(2 * n)))
-
-
-def _lanes16(builder, scales, per):
-    """<len(scales) * per x i16>: each scale repeated ``per`` times."""
-    parts = [_splat(builder, sc, per) for sc in scales]
-    while len(parts) > 1:
-        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def _iacc_add(builder, iaccp, t, v):
-    """iacc[t] += v, v <8 x i32> or <_IW x i32> (an 8-lane v goes into the low lanes)."""
-    p = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
-    if v.type.count != _IW:
-        v = builder.shuffle_vector(v, ir.Constant(_VI, [0] * 8), _cvec(_I32, range(16)))
-    builder.store(builder.add(builder.load(p), v), p)
 
 
 def _abs8(builder, w):
@@ -875,848 +894,629 @@ def _sign8(builder, a, w):
 _ONES16 = _cvec(_I16, [1] * 16)
 
 
-class _Weights:
-    """A weight block unpacked to 32 bytes; ``signed`` selects the sign trick."""
-
-    def __init__(self, builder, w8, signed):
-        self.w8 = w8
-        self.signed = signed
-        self.u8 = _abs8(builder, w8) if signed else w8
-
-    def pairs(self, builder, a8):
-        """<16 x i16> adjacent pair sums of w . a."""
-        return _maddubs(builder, self.u8, _sign8(builder, a8, self.w8) if self.signed else a8)
-
-
-def _slot(builder, ptr, slot, vty):
-    base = builder.bitcast(ptr, ir.ArrayType(vty, 8 if vty.element == _F32 else 4).as_pointer())
-    return builder.gep(base, [ir.Constant(_I32, 0), slot])
-
-
-def _fma_into(builder, accp, slot, i32v, scale):
-    p = _slot(builder, accp, slot, _VF)
-    f = builder.sitofp(i32v, _VF)
-    builder.store(_call(builder, "llvm.fma.v8f32", _VF, [f, _splat(builder, scale, 8), builder.load(p)]), p)
-
-
-def _unpack_q8_0(context, builder, aryty, arena, wo):
-    return _Weights(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 2), 32), True)
-
-
-def _unpack_q4_0(context, builder, aryty, arena, wo):
-    q = _nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 2), 16))
-    return _Weights(builder, builder.sub(q, _cvec(_I8, [8] * 32)), True)
-
-
-def _unpack_q4_1(context, builder, aryty, arena, wo):
-    return _Weights(builder, _nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, 4), 16)),
-                    False)
-
-
-def _unpack_q5(context, builder, aryty, arena, wo, qh_off, qs_off, bias):
-    qh = builder.load(_byte_ptr(context, builder, aryty, arena, _add(builder, wo, qh_off), _I32))
-    qh.align = 1
-    q = builder.or_(_nibbles(builder, _bytes(context, builder, aryty, arena, _add(builder, wo, qs_off), 16)),
-                    _high_bits(builder, qh))
-    if bias:
-        return _Weights(builder, builder.sub(q, _cvec(_I8, [bias] * 32)), True)
-    return _Weights(builder, q, False)
-
-
-def _unpack_q5_0(context, builder, aryty, arena, wo):
-    return _unpack_q5(context, builder, aryty, arena, wo, 2, 6, 16)
-
-
-def _unpack_q5_1(context, builder, aryty, arena, wo):
-    return _unpack_q5(context, builder, aryty, arena, wo, 4, 8, 0)
-
-
 _MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
-def _unpack_mxfp4(context, builder, aryty, arena, wo):
-    table = _cvec(_I8, [v & 0xFF for v in _MXFP4_KVALUES])
-    v = _bytes(context, builder, aryty, arena, _add(builder, wo, 1), 16)
-    lo = _call(builder, "llvm.x86.ssse3.pshuf.b.128", _vt(_I8, 16), [table, builder.and_(v, _cvec(_I8, [15] * 16))])
-    hi = _call(builder, "llvm.x86.ssse3.pshuf.b.128", _vt(_I8, 16), [table, builder.lshr(v, _cvec(_I8, [4] * 16))])
-    return _Weights(builder, builder.shuffle_vector(lo, hi, _cvec(_I32, range(32))), True)
+# ---------------------------------------------------------------------------------------
+# Tile kernels of the 32-element formats: R weight rows x A activation rows per pass
+# ---------------------------------------------------------------------------------------
+# One call of a tile intrinsic computes R x A dot products (R consecutive weight rows, A
+# activation rows picked through a_rows) in one pass over the rows' blocks, taking blocks
+# two at a time (a *pair*). Per pair it unpacks each weight row's two blocks once (64 int8,
+# the float16 scales widened) and loads each activation row's two blocks once; the R x A
+# products then cost four vector instructions each on AVX-512 VNNI: vpdpbusd (64 byte
+# products -> 16 int32, four adjacent products per lane), vcvtdq2ps, vmulps (d_w * d_x,
+# both pre-expanded to the 16 lanes), vfmadd. The R x A accumulators stay in registers.
+#
+# Numerics are exactly the per-row order of the one-row dot: each row's accumulator is
+# 8 lanes for even blocks and 8 for odd blocks (on AVX-512 the two halves of one zmm);
+# lane k of block b gets fma(float(sum of the 4 products 4k..4k+3), d_w(b) * d_x(b), acc);
+# at the end each half is summed by the same pairwise tree, even + odd, then (Q4_1/Q5_1)
+# + (m_even + m_odd) where m_par accumulates m_w(b) * s_x(b) (multiply, then add) over the
+# blocks of its parity. The int32 lane sums are exact whatever instructions compute them,
+# so the result of a row never depends on R, A, the tile a row lands in, or the ISA.
+#
+# Signed weights (Q8_0, Q4_0, Q5_0, MXFP4) with vpdpbusd (unsigned x signed bytes): the
+# activation goes in as unsigned a + 128 (a xor 0x80) and every lane starts from
+# -128 * (sum of its 4 weights), computed once per weight pair: sum w*(a+128) - 128 sum w =
+# sum w*a exactly (vpdpbusd does not saturate). Without VNNI (the AVX2 path) a block is one
+# ymm and the products go through vpmaddubsw + vpmaddwd (signed weights: ggml's sign trick,
+# |w| x sign(a, w)); no int16 pair sum can saturate (|w| <= 128, |a| <= 127).
+
+_VNNI = _AVX512  # the 512-bit path requires AVX-512 BW + VL + VNNI (see _target_has_avx512)
 
 
-def _blk32_codegen(unpack, nt):
+@dataclass(frozen=True)
+class _Fmt32:
+    """Byte layout of one 32-element weight format for the tile kernels."""
+
+    bb: int            # block bytes
+    qs: int            # offset of the 16 nibble bytes (or the 32 int8 of Q8_0)
+    qh: int            # offset of the u32 high bits (Q5_*), -1 if none
+    bias: int          # subtracted from the unsigned values (Q4_0: 8, Q5_0: 16)
+    signed: bool       # weight values signed (sign trick / a + 128 path)
+    has_min: bool      # Q4_1 / Q5_1: x = d*q + m (the m term uses the Q8_1 sums s)
+    kind: str          # "q8", "nib" (4/5-bit nibbles), "mxfp4"
+
+
+_FMT32 = {
+    GGML_Q8_0: _Fmt32(34, 2, -1, 0, True, False, "q8"),
+    GGML_Q4_0: _Fmt32(18, 2, -1, 8, True, False, "nib"),
+    GGML_Q4_1: _Fmt32(20, 4, -1, 0, False, True, "nib"),
+    GGML_Q5_0: _Fmt32(22, 6, 2, 16, True, False, "nib"),
+    GGML_Q5_1: _Fmt32(24, 8, 4, 0, False, True, "nib"),
+    GGML_MXFP4: _Fmt32(17, 1, -1, 0, True, False, "mxfp4"),
+}
+
+
+def _ldv(builder, ptr, off, vty, align=1):
+    """Load a value of type vty at byte offset ``off`` (an int or an i64 value) of the i8* ``ptr``."""
+    if isinstance(off, int):
+        off = _ci(off)
+    p = builder.bitcast(builder.gep(ptr, [off]), vty.as_pointer())
+    v = builder.load(p)
+    v.align = align
+    return v
+
+
+def _ci(v):
+    return ir.Constant(_I64, v)
+
+
+def _shuf(builder, v, idx):
+    return builder.shuffle_vector(v, v, _cvec(_I32, idx))
+
+
+def _cat(builder, parts):
+    """Concatenate equal vectors into one."""
+    while len(parts) > 1:
+        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _tree8(builder, v, lo):
+    """Pairwise sum of lanes lo..lo+7 of float vector v, as _acc_sum."""
+    v = builder.shuffle_vector(v, v, _cvec(_I32, range(lo, lo + 8)))
+    n = 8
+    while n > 1:
+        h = n // 2
+        v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, n)))
+        n = h
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _tree8_many(builder, vecs, ids):
+    """The _tree8 sums of many 8-lane float groups at once (transposed: ~1.3 vector ops per
+    group instead of ~7), with exactly _tree8's pairings: (j, j+4), then (j, j+2), then (0, 1).
+
+    vecs: <8 x float> (one group) or <16 x float> (two groups) values; ids: per vector, the
+    ids of its groups. Returns (one float vector holding every sum, {id: lane})."""
+    zero8 = ir.Constant(_VF, [0.0] * 8)
+    zero16 = ir.Constant(_vt(_F32, 16), [0.0] * 16)
+    v16, gid, eights = [], [], []
+    for v, i in zip(vecs, ids, strict=True):
+        if v.type.count == 16:
+            v16.append(v)
+            gid += list(i)
+        else:
+            eights.append((v, i[0]))
+    if len(eights) % 2:
+        eights.append((zero8, None))
+    for (a, ia), (b, ib) in zip(eights[::2], eights[1::2], strict=True):
+        v16.append(_concat(builder, a, b))
+        gid += [ia, ib]
+
+    def level(vs, lanes):  # each group of ``lanes`` lanes -> lanes/2: j + (j + lanes/2)
+        if len(vs) % 2:
+            vs = vs + [zero16]
+        h = lanes // 2
+        out = []
+        for a, b in zip(vs[::2], vs[1::2], strict=True):
+            lo = [16 * src + lanes * g + j for src in (0, 1) for g in range(16 // lanes) for j in range(h)]
+            out.append(builder.fadd(builder.shuffle_vector(a, b, _cvec(_I32, lo)),
+                                    builder.shuffle_vector(a, b, _cvec(_I32, [i + h for i in lo]))))
+        return out
+
+    w = level(level(level(v16, 8), 4), 2)  # 16 group sums per vector, in input order
+    while len(w) & (len(w) - 1):
+        w.append(zero16)
+    return _cat(builder, w), {g: lane for lane, g in enumerate(gid) if g is not None}
+
+
+def _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a):
+    """res: float vector, lane t * n_w + k = the result of (weight row k, item t): one n_w-float
+    store per item at out[o_rows[i0 + t] * ostride + ocol]."""
+    for t in range(n_a):
+        orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
+        ptr = builder.gep(outp, [builder.add(builder.mul(orow_t, ostride), ocol)])
+        if n_w == 1:
+            builder.store(builder.extract_element(res, ir.Constant(_I32, t)), ptr)
+        else:
+            st_ = builder.store(_shuf(builder, res, range(t * n_w, t * n_w + n_w)),
+                                builder.bitcast(ptr, _vt(_F32, n_w).as_pointer()))
+            st_.align = 4
+
+
+def _unpack32(builder, f, ptrs):
+    """The int8 values of the blocks at i8* ptrs (1 or 2 consecutive blocks of one row) as
+    one <32*len(ptrs) x i8> (signed values for signed formats, else 0..31)."""
+    n = len(ptrs)
+    if f.kind == "q8":
+        return _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 32)) for p in ptrs])
+    v = _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 16)) for p in ptrs])  # <16n x i8>
+    # block j: its 16 low nibbles (elements 0..15), then its 16 high nibbles (16..31): each
+    # block's 16 bytes twice, the second copy shifted right by 4 (as 16-bit lanes), & 15
+    dup = _shuf(builder, v, [16 * j + i for j in range(n) for _ in range(2) for i in range(16)])
+    w16 = builder.lshr(builder.bitcast(dup, _vt(_I16, 16 * n)), _cvec(_I16, ([0] * 8 + [4] * 8) * n))
+    q = builder.and_(builder.bitcast(w16, _vt(_I8, 32 * n)), _cvec(_I8, [15] * 32 * n))
+    if f.kind == "mxfp4":
+        table = _cvec(_I8, [v_ & 0xFF for v_ in _MXFP4_KVALUES] * (2 * n))
+        name = "llvm.x86.avx512.pshuf.b.512" if n == 2 else "llvm.x86.avx2.pshuf.b"
+        return _call(builder, name, _vt(_I8, 32 * n), [table, q])
+    if f.qh >= 0:
+        bits = [builder.zext(_ldv(builder, p, _ci(f.qh), _I32), _I64) for p in ptrs]
+        m = bits[0] if n == 1 else builder.or_(bits[0], builder.shl(bits[1], _ci(32)))
+        mask = builder.bitcast(builder.trunc(m, _I32) if n == 1 else m, _vt(ir.IntType(1), 32 * n))
+        q = builder.or_(q, builder.select(mask, _cvec(_I8, [16] * 32 * n), _cvec(_I8, [0] * 32 * n)))
+    if f.bias:
+        q = builder.sub(q, _cvec(_I8, [f.bias] * 32 * n))
+    return q
+
+
+def _scales32(builder, f, ptrs):
+    """<2n x float>: [d, m] of each block (m only meaningful for Q4_1 / Q5_1), widened
+    exactly from float16 (MXFP4: [2^(e-128), 0])."""
+    n = len(ptrs)
+    if f.kind == "mxfp4":
+        e = ir.Constant(_vt(_I32, 2 * n), None)
+        for j, p in enumerate(ptrs):
+            e = builder.insert_element(e, builder.zext(builder.load(p), _I32), ir.Constant(_I32, 2 * j))
+            e = builder.insert_element(e, ir.Constant(_I32, 2), ir.Constant(_I32, 2 * j + 1))
+        small = builder.shl(_cvec(_I32, [0x00200000] * 2 * n), e)
+        big = builder.shl(builder.sub(e, _cvec(_I32, [1] * 2 * n)), _cvec(_I32, [23] * 2 * n))
+        bits = builder.select(builder.icmp_unsigned("<", e, _cvec(_I32, [2] * 2 * n)), small, big)
+        return builder.bitcast(bits, _vt(_F32, 2 * n))
+    w = ir.Constant(_vt(_I32, n), None)
+    for j, p in enumerate(ptrs):
+        w = builder.insert_element(w, _ldv(builder, p, _ci(0), _I32), ir.Constant(_I32, j))
+    return builder.fpext(builder.bitcast(w, _vt(ir.HalfType(), 2 * n)), _vt(_F32, 2 * n))
+
+
+def _dot32(builder, f, w, neg, a, a_u):
+    """int32 lanes (8 per block) of w . a for one weight value vector w and activation a
+    (<32n x i8>); on VNNI ``neg``/``a_u`` carry the signed-weight correction (see above)."""
+    n = w.type.count // 32
+    vi = _vt(_I32, 8 * n)
+    if _VNNI:
+        name = "llvm.x86.avx512.vpdpbusd.512" if n == 2 else "llvm.x86.avx512.vpdpbusd.256"
+        if f.signed:
+            return _call(builder, name, vi, [neg, builder.bitcast(a_u, vi), builder.bitcast(w, vi)])
+        return _call(builder, name, vi, [ir.Constant(vi, [0] * 8 * n), builder.bitcast(w, vi), builder.bitcast(a, vi)])
+    if f.signed:
+        return _madd(builder, _maddubs(builder, _abs8(builder, w), _sign8(builder, a, w)), _ONES16)
+    return _madd(builder, _maddubs(builder, w, a), _ONES16)
+
+
+# Software prefetch distance, at least the next tile (n_w rows on) and at least this many
+# bytes: a tile streams n_w rows side by side, which the hardware prefetchers do not follow
+# (T=1 from DRAM ran at half speed without prefetching). Measured on Zen 5 at T=1, one
+# thread (GB/s vs distance 2/4/6/8/12/16 KiB): the 32-element formats peak at 8-16 KiB
+# (Q4_1 +30% at 12 KiB over 8 KiB), the K-quants at 8 KiB (Q6_K -10% at 12 KiB).
+_PF_MIN_32 = 12288
+_PF_MIN_K = 8192
+
+
+def _pf_distance(builder, rb, n_w, min_bytes):
+    """Prefetch distance in bytes: max(n_w * rb, min_bytes) (see _PF_MIN_32)."""
+    d = builder.mul(rb, _ci(n_w))
+    return builder.select(builder.icmp_signed("<", d, _ci(min_bytes)), _ci(min_bytes), d)
+
+
+def _prefetch(builder, ptr):
+    """prefetcht0 of the line at i8* ptr (a hint: never faults)."""
+    _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                                         ir.Constant(_I32, 1)])
+
+
+def _tile32_codegen(fmt, n_w, n_a):
+    f = _FMT32[fmt]
+    # accumulator layout: VNNI: one <16 x float> per (row, item) = [even blocks | odd blocks];
+    # AVX2: two <8 x float> (even, odd).
+    n_par_parts = 1 if _VNNI else 2
+
     def codegen(context, builder, sig, args):
-        k = 1
-        accp = args[0]
-        par = _i64(context, builder, args[1], sig.args[1])  # nt == 1: the slot; nt == 4: block parity
-        arena, wo, xq = args[1 + k], args[2 + k], args[3 + k]
-        w = unpack(context, builder, sig.args[1 + k], arena, _i64(context, builder, wo, sig.args[2 + k]))
-        for t in range(nt):
-            xo = _i64(context, builder, args[4 + k + t], sig.args[4 + k + t])
-            a8 = _bytes(context, builder, sig.args[3 + k], xq, xo, 32)
-            s = context.cast(builder, args[4 + k + nt + t], sig.args[4 + k + nt + t], types.float32)
-            i32 = _madd(builder, w.pairs(builder, a8), _ONES16)
-            slot = par if nt == 1 else builder.add(ir.Constant(_I64, 2 * t), par)
-            _fma_into(builder, accp, slot, i32, s)
-        return context.get_dummy_value()
+        (_, _, _, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, ostride, ocol) = args
+        ty = sig.args
+        wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
+                                        ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
+                                         (ocol, ty[15])))
+        base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
+        xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
+        xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
+        xs32 = builder.bitcast(_data(context, builder, ty[9], xs), _F32.as_pointer())
+        arow = _data(context, builder, ty[10], a_rows)
+        orow = _data(context, builder, ty[12], o_rows)
+        outp = _data(context, builder, ty[13], out)
+        wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+        n_cols = builder.mul(nb, _ci(QK))
+        pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_32)
+        arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
+        xq_t = [builder.gep(xq8, [builder.mul(a, n_cols)]) for a in arows]
+        xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
+        xs_t = [builder.gep(xs32, [builder.mul(a, nb)]) for a in arows]
+        acc_ty = _vt(_F32, 16) if _VNNI else _VF
+        acc = [[[cgutils.alloca_once(builder, acc_ty) for _ in range(n_par_parts)] for _ in range(n_a)]
+               for _ in range(n_w)]
+        for k in range(n_w):
+            for t in range(n_a):
+                for p in acc[k][t]:
+                    builder.store(ir.Constant(acc_ty, [0.0] * acc_ty.count), p)
+        mvec = []
+        if f.has_min:
+            mty = _vt(_F32, 2 * n_a)
+            mvec = [cgutils.alloca_once(builder, mty) for _ in range(n_w)]
+            for p in mvec:
+                builder.store(ir.Constant(mty, [0.0] * 2 * n_a), p)
 
-    return codegen
-
-
-def _blk32_pair(unpack, name):
-    """(blk1, blk4) intrinsics of one 32-element format.
-
-    blk1(acc, slot, arena, wo, xq, xo, s): acc[slot] += s * (W_block . xq[xo:xo+32]) (8 partial
-    int32 sums); blk4(acc, par, arena, wo, xq, xo0..xo3, s0..s3): the same for 4 activation
-    blocks into slots 2t + par, unpacking the weight block once. wo: the block's byte offset;
-    s: d_w * d_x. Row kernels alternate par / slot with block parity, the same way for 1 and
-    4 rows, so a row's result does not depend on how activation rows were grouped.
-    """
-
-    @intrinsic
-    def blk1(typingctx, acc, slot, arena, wo, xq, xo, s):
-        sig = types.void(acc, slot, arena, wo, xq, xo, types.float32)
-        return sig, _blk32_codegen(unpack, 1)
-
-    @intrinsic
-    def blk4(typingctx, acc, par, arena, wo, xq, xo0, xo1, xo2, xo3, s0, s1, s2, s3):
-        f = types.float32
-        sig = types.void(acc, par, arena, wo, xq, xo0, xo1, xo2, xo3, f, f, f, f)
-        return sig, _blk32_codegen(unpack, 4)
-
-    blk1.__doc__ = f"{name} block x 1 activation block into acc[slot]."
-    blk4.__doc__ = f"{name} block x 4 activation blocks into acc[0..3]."
-    return blk1, blk4
-
-
-_blk1_q8_0, _blk4_q8_0 = _blk32_pair(_unpack_q8_0, "Q8_0")
-_blk1_q4_0, _blk4_q4_0 = _blk32_pair(_unpack_q4_0, "Q4_0")
-_blk1_q4_1, _blk4_q4_1 = _blk32_pair(_unpack_q4_1, "Q4_1")
-_blk1_q5_0, _blk4_q5_0 = _blk32_pair(_unpack_q5_0, "Q5_0")
-_blk1_q5_1, _blk4_q5_1 = _blk32_pair(_unpack_q5_1, "Q5_1")
-_blk1_mxfp4, _blk4_mxfp4 = _blk32_pair(_unpack_mxfp4, "MXFP4")
-
-
-# K-quant pieces: one 64-element pair of sub-blocks (Q4_K/Q5_K, index g: unsigned 4/5-bit
-# values) or one 32-element group (Q6_K, index i: unsigned 6-bit values, the -32 offset is
-# applied once per super-block through the Q8_K 16-sums, _q6k_corr*) times the activation,
-# weighted by the int sub-block scales inside vpmaddwd, added into the int32 accumulators.
-
-
-def _piece_q45k(context, builder, aryty, arena, wo, g, q5):
-    off = builder.add(wo, builder.add(ir.Constant(_I64, 48 if q5 else 16), builder.mul(g, ir.Constant(_I64, 32))))
-    qs = _bytes(context, builder, aryty, arena, off, 32)
-    lo = builder.and_(qs, _cvec(_I8, [15] * 32))
-    hi = builder.lshr(qs, _cvec(_I8, [4] * 32))
-    if q5:
-        qh = _bytes(context, builder, aryty, arena, _add(builder, wo, 16), 32)
-        sh = builder.mul(builder.trunc(g, _I8), ir.Constant(_I8, 2))
-        one = _cvec(_I8, [1] * 32)
-        hb_lo = builder.and_(builder.lshr(qh, _splat(builder, sh, 32)), one)
-        hb_hi = builder.and_(builder.lshr(qh, _splat(builder, builder.add(sh, ir.Constant(_I8, 1)), 32)), one)
-        lo = builder.or_(lo, builder.shl(hb_lo, _cvec(_I8, [4] * 32)))
-        hi = builder.or_(hi, builder.shl(hb_hi, _cvec(_I8, [4] * 32)))
-    return lo, hi
-
-
-def _q6k_group(context, builder, aryty, arena, wo, i, delta):
-    """The 32 unsigned 6-bit values of 32-element group i + delta of a Q6_K block (i even)."""
-    n = builder.lshr(i, ir.Constant(_I64, 2))
-    k = builder.add(builder.and_(i, ir.Constant(_I64, 3)), ir.Constant(_I64, delta))
-    ql_off = builder.add(wo, builder.add(builder.mul(n, ir.Constant(_I64, 64)), ir.Constant(_I64, 32 * delta)))
-    qh_off = builder.add(wo, builder.add(ir.Constant(_I64, 128), builder.mul(n, ir.Constant(_I64, 32))))
-    ql = _bytes(context, builder, aryty, arena, ql_off, 32)
-    qh = _bytes(context, builder, aryty, arena, qh_off, 32)
-    sh_l = builder.trunc(builder.mul(builder.lshr(k, ir.Constant(_I64, 1)), ir.Constant(_I64, 4)), _I8)
-    sh_h = builder.trunc(builder.mul(k, ir.Constant(_I64, 2)), _I8)
-    lo = builder.and_(builder.lshr(ql, _splat(builder, sh_l, 32)), _cvec(_I8, [15] * 32))
-    hi = builder.and_(builder.lshr(qh, _splat(builder, sh_h, 32)), _cvec(_I8, [3] * 32))
-    return builder.or_(lo, builder.shl(hi, _cvec(_I8, [4] * 32)))
-
-
-def _kpiece_codegen(kind, nt):
-    def codegen(context, builder, sig, args):
-        iaccp, arena, wo, xq = args[0], args[1], _i64(context, builder, args[2], sig.args[2]), args[3]
-        xos = [_i64(context, builder, args[4 + t], sig.args[4 + t]) for t in range(nt)]
-        j = _i64(context, builder, args[4 + nt], sig.args[4 + nt])
-        sc = [builder.trunc(context.cast(builder, args[5 + nt + m], sig.args[5 + nt + m], types.int32), _I16)
-              for m in range(4)]
-        if kind == "q6k":  # groups j and j + 1 (j even): 64 elements, 4 scales of 16
-            q0 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 0)
-            q1 = _q6k_group(context, builder, sig.args[1], arena, wo, j, 1)
-            a_off = builder.mul(j, ir.Constant(_I64, 32))
-            if _AVX512:
-                w64 = _concat(builder, q0, q1)
-                scv = _lanes16(builder, sc, 8)
+        def step(b, n):
+            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even)."""
+            boff = builder.mul(b, _ci(f.bb))
+            wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
+            if n == 2:
+                for k in range(n_w):
+                    for line in range(0, 2 * f.bb, 64):
+                        _prefetch(builder, builder.gep(wp[k][0], [builder.add(pf_dist, _ci(line))]))
+            if _VNNI:
+                ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
             else:
-                sc01, sc23 = _lanes16(builder, sc[:2], 8), _lanes16(builder, sc[2:], 8)
-        else:  # Q4_K / Q5_K sub-block pair j: 64 elements, scales sc[0], sc[1]
-            lo, hi = _piece_q45k(context, builder, sig.args[1], arena, wo, j, kind == "q5k")
-            a_off = builder.mul(j, ir.Constant(_I64, 64))
-            if _AVX512:
-                w64 = _concat(builder, lo, hi)
-                scv = _lanes16(builder, sc[:2], 16)
+                ws = [[_unpack32(builder, f, [wp[k][j]]) for j in range(n)] for k in range(n_w)]
+            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)]  # [d0, m0, (d1, m1)]
+            if _VNNI:
+                dw = [[_shuf(builder, sc[k], [0] * 8 + ([2] * 8 if n == 2 else []))] for k in range(n_w)]
             else:
-                q0, q1 = lo, hi
-                sc01, sc23 = _lanes16(builder, sc[:1], 16), _lanes16(builder, sc[1:2], 16)
-        for t in range(nt):
-            base = builder.add(xos[t], a_off)
-            if _AVX512:
-                a64 = _bytes(context, builder, sig.args[3], xq, base, 64)
-                v = _madd512(builder, _maddubs512(builder, w64, a64), scv)
-            else:
-                a0 = _bytes(context, builder, sig.args[3], xq, base, 32)
-                a1 = _bytes(context, builder, sig.args[3], xq, _add(builder, base, 32), 32)
-                v = builder.add(_madd(builder, _maddubs(builder, q0, a0), sc01),
-                                _madd(builder, _maddubs(builder, q1, a1), sc23))
-            _iacc_add(builder, iaccp, t, v)
+                dw = [[_shuf(builder, sc[k], [2 * j] * 8) for j in range(n)] for k in range(n_w)]
+            neg = [[None] * len(ws[k]) for k in range(n_w)]
+            if _VNNI and f.signed:
+                for k in range(n_w):
+                    for j, w in enumerate(ws[k]):
+                        vi = _vt(_I32, w.type.count // 4)
+                        name = "llvm.x86.avx512.vpdpbusd.512" if w.type.count == 64 else "llvm.x86.avx512.vpdpbusd.256"
+                        s = _call(builder, name, vi, [ir.Constant(vi, [0] * vi.count),
+                                                      builder.bitcast(_cvec(_I8, [0x80] * w.type.count), vi),
+                                                      builder.bitcast(w, vi)])
+                        neg[k][j] = builder.sub(ir.Constant(vi, [0] * vi.count), s)
+            xoff = builder.mul(b, _ci(QK))
+            for t in range(n_a):
+                if _VNNI:
+                    av = [_ldv(builder, xq_t[t], xoff, _vt(_I8, 32 * n))]
+                else:
+                    av = [_ldv(builder, xq_t[t], builder.add(xoff, _ci(32 * j)), _vt(_I8, 32)) for j in range(n)]
+                au = [builder.xor(v, _cvec(_I8, [0x80] * v.type.count)) for v in av] if (_VNNI and f.signed) else av
+                dx2 = _ldv(builder, builder.bitcast(builder.gep(xd_t[t], [b]), _I8.as_pointer()), 0, _vt(_F32, n), 4)
+                if _VNNI:
+                    dx = [_shuf(builder, dx2, [0] * 8 + ([1] * 8 if n == 2 else []))]
+                else:
+                    dx = [_shuf(builder, dx2, [j] * 8) for j in range(n)]
+                for k in range(n_w):
+                    for j in range(len(av)):
+                        li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
+                        fl = builder.sitofp(li, _vt(_F32, li.type.count))
+                        s = builder.fmul(dw[k][j], dx[j])
+                        if _VNNI:
+                            p = acc[k][t][0]
+                            old = builder.load(p)
+                            if n == 2:
+                                new = _call(builder, "llvm.fma.v16f32", acc_ty, [fl, s, old])
+                            else:  # even block only: the low 8 lanes
+                                lo = _call(builder, "llvm.fma.v8f32", _VF, [fl, s, _shuf(builder, old, range(8))])
+                                lo16 = _shuf(builder, lo, list(range(8)) + [0] * 8)
+                                new = builder.shuffle_vector(lo16, old, _cvec(_I32, list(range(8)) + list(range(24, 32))))
+                            builder.store(new, p)
+                        else:
+                            p = acc[k][t][j]
+                            builder.store(_call(builder, "llvm.fma.v8f32", _VF, [fl, s, builder.load(p)]), p)
+            if f.has_min:
+                # m_par += m_w(b) * s_x(b): lanes [2t + parity], one vector per weight row
+                xsv = _cat(builder, [_ldv(builder, builder.bitcast(builder.gep(xs_t[t], [b]), _I8.as_pointer()), 0,
+                                          _vt(_F32, n), 4) for t in range(n_a)]) if n_a > 1 else \
+                    _ldv(builder, builder.bitcast(builder.gep(xs_t[0], [b]), _I8.as_pointer()), 0, _vt(_F32, n), 4)
+                for k in range(n_w):
+                    p = mvec[k]
+                    old = builder.load(p)
+                    if n == 2:
+                        mw = _shuf(builder, sc[k], [1, 3] * n_a)
+                        builder.store(builder.fadd(old, builder.fmul(mw, xsv)), p)
+                    else:
+                        prod = builder.fmul(_shuf(builder, sc[k], [1] * n_a), xsv)  # <n_a>
+                        prod2 = _shuf(builder, prod, [t // 2 for t in range(2 * n_a)])
+                        new = builder.fadd(old, prod2)
+                        keep = _cvec(ir.IntType(1), [1 - (ln & 1) for ln in range(2 * n_a)])
+                        builder.store(builder.select(keep, new, old), p)
+
+        npairs = builder.lshr(nb, _ci(1))
+        with cgutils.for_range(builder, npairs) as loop:
+            step(builder.mul(loop.index, _ci(2)), 2)
+        odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
+        with builder.if_then(odd, likely=False):
+            step(builder.sub(nb, _ci(1)), 1)
+        # result (k, t) = (tree(even) + tree(odd)) [+ (m_even + m_odd)], lanes t * n_w + k
+        vecs, ids = [], []
+        for t in range(n_a):
+            for k in range(n_w):
+                if _VNNI:
+                    vecs.append(builder.load(acc[k][t][0]))
+                else:
+                    vecs.append(_concat(builder, builder.load(acc[k][t][0]), builder.load(acc[k][t][1])))
+                ids.append(((k, t, 0), (k, t, 1)))
+        sums, lane = _tree8_many(builder, vecs, ids)
+        order = [(k, t) for t in range(n_a) for k in range(n_w)]
+        res = builder.fadd(_shuf(builder, sums, [lane[(k, t, 0)] for k, t in order]),
+                           _shuf(builder, sums, [lane[(k, t, 1)] for k, t in order]))
+        if f.has_min:
+            m = _cat(builder, [builder.load(mvec[k]) for k in range(n_w)]) if n_w > 1 else builder.load(mvec[0])
+            ms = builder.fadd(_shuf(builder, m, [2 * n_a * k + 2 * t for k, t in order]),
+                              _shuf(builder, m, [2 * n_a * k + 2 * t + 1 for k, t in order]))
+            res = builder.fadd(res, ms)
+        _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a)
         return context.get_dummy_value()
 
     return codegen
-
-
-def _kpiece_pair(kind):
-    @intrinsic
-    def piece1(typingctx, iacc, arena, wo, xq, xo, j, s0, s1, s2, s3):
-        i32 = types.int32
-        sig = types.void(iacc, arena, wo, xq, xo, j, i32, i32, i32, i32)
-        return sig, _kpiece_codegen(kind, 1)
-
-    @intrinsic
-    def piece4(typingctx, iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, s0, s1, s2, s3):
-        i32 = types.int32
-        sig = types.void(iacc, arena, wo, xq, xo0, xo1, xo2, xo3, j, i32, i32, i32, i32)
-        return sig, _kpiece_codegen(kind, 4)
-
-    piece1.__doc__ = piece4.__doc__ = (
-        f"{kind}: 64 elements of the super-block at byte wo (Q4_K/Q5_K: sub-block pair j, scales s0, "
-        "s1; Q6_K: groups j, j+1, 16-element scales s0..s3) x the activation super-block(s) at xo: "
-        "iacc[t] += scale-weighted partial int32 sums."
-    )
-    return piece1, piece4
-
-
-_piece1_q4k, _piece4_q4k = _kpiece_pair("q4k")
-_piece1_q5k, _piece4_q5k = _kpiece_pair("q5k")
-_piece1_q6k, _piece4_q6k = _kpiece_pair("q6k")
-
-
-def _q6k_corr_codegen(nt):
-    def codegen(context, builder, sig, args):
-        iaccp, arena = args[0], args[1]
-        o = _i64(context, builder, args[2], sig.args[2])
-        xbs = args[3]
-        sc = builder.load(_byte_ptr(context, builder, sig.args[1], arena, _add(builder, o, 192), _vt(_I8, 16)))
-        sc.align = 1
-        sc16 = builder.sext(sc, _vt(_I16, 16))
-        for t in range(nt):
-            so = _i64(context, builder, args[4 + t], sig.args[4 + t])
-            boff = builder.mul(so, ir.Constant(_I64, 2))
-            bs = builder.load(_byte_ptr(context, builder, sig.args[3], xbs, boff, _vt(_I16, 16)))
-            bs.align = 1
-            corr = builder.mul(_madd(builder, sc16, bs), _cvec(_I32, [-32] * 8))
-            _iacc_add(builder, iaccp, t, corr)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-@intrinsic
-def _q6k_corr1(typingctx, iacc, arena, o, xbs, so):
-    """Q6_K's -32: iacc[0] += -32 * (16 int8 scales . 16 Q8_K sums at xbs[so]) in 8 lanes (the
-    values are q - 32; the kernels multiply the unsigned q and correct once per super-block,
-    in int32, as ggml's AVX2 q6_K kernel does)."""
-    sig = types.void(iacc, arena, o, xbs, so)
-    return sig, _q6k_corr_codegen(1)
-
-
-@intrinsic
-def _q6k_corr4(typingctx, iacc, arena, o, xbs, so0, so1, so2, so3):
-    """_q6k_corr1 for 4 activation rows (iacc slots 0..3)."""
-    sig = types.void(iacc, arena, o, xbs, so0, so1, so2, so3)
-    return sig, _q6k_corr_codegen(4)
-
-
-@intrinsic
-def _k4_min_dot(typingctx, m_lo, m_hi, xbs, so):
-    """sum_j min_j * (bsums[2j] + bsums[2j+1]) for the 8 packed 6-bit mins of a Q4_K/Q5_K block
-    (bytes of m_lo: mins 0-3, of m_hi: mins 4-7) and the 16 Q8_K sums at xbs[so]: one
-    vpmaddwd and a horizontal add (exact int32)."""
-    sig = types.int32(types.int64, types.int64, xbs, so)
-
-    def codegen(context, builder, signature, args):
-        lo = builder.trunc(args[0], _I32)
-        hi = builder.trunc(args[1], _I32)
-        w = builder.or_(builder.zext(lo, _I64), builder.shl(builder.zext(hi, _I64), ir.Constant(_I64, 32)))
-        m8 = builder.bitcast(w, _vt(_I8, 8))
-        m16 = builder.zext(builder.shuffle_vector(m8, m8, _cvec(_I32, [j // 2 for j in range(16)])), _vt(_I16, 16))
-        so64 = _i64(context, builder, args[3], signature.args[3])
-        bs = builder.load(_byte_ptr(context, builder, signature.args[2], args[2],
-                                    builder.mul(so64, ir.Constant(_I64, 2)), _vt(_I16, 16)))
-        bs.align = 1
-        v = _madd(builder, m16, bs)
-        n = 8
-        while n > 1:
-            h = n // 2
-            v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(h))),
-                            builder.shuffle_vector(v, v, _cvec(_I32, range(h, n))))
-            n = h
-        return builder.extract_element(v, ir.Constant(_I32, 0))
-
-    return sig, codegen
-
-
-@intrinsic
-def _acc_alloc(typingctx):
-    """A stack slot of 8 x <8 x float> accumulators (in the calling kernel's frame)."""
-    sig = _ACC()
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VF, 8)), _F32.as_pointer())
-
-    return sig, codegen
-
-
-@intrinsic
-def _iacc_alloc(typingctx):
-    """A stack slot of 4 x <_IW x i32> accumulators (in the calling kernel's frame)."""
-    sig = _IACC()
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_VIW, 4)), _I32.as_pointer())
-
-    return sig, codegen
-
-
-@intrinsic
-def _acc_clear(typingctx, acc, iacc):
-    """Zero all 8 float and 4 int accumulators."""
-    sig = types.void(acc, iacc)
-
-    def codegen(context, builder, signature, args):
-        for t in range(8):
-            builder.store(ir.Constant(_VF, [0.0] * 8), _slot(builder, args[0], ir.Constant(_I64, t), _VF))
-        for t in range(4):
-            builder.store(ir.Constant(_VIW, [0] * _IW), _slot(builder, args[1], ir.Constant(_I64, t), _VIW))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-def _flush_codegen(nt):
-    def codegen(context, builder, sig, args):
-        accp, iaccp = args[0], args[1]
-        slot = _i64(context, builder, args[2], sig.args[2]) if nt == 1 else None
-        first = 3 if nt == 1 else 2
-        for t in range(nt):
-            s = context.cast(builder, args[first + t], sig.args[first + t], types.float32)
-            ip = _slot(builder, iaccp, ir.Constant(_I64, t), _VIW)
-            v = builder.load(ip)
-            if _IW == 16:  # fold to 8 lanes (exact: integers)
-                v = builder.add(builder.shuffle_vector(v, v, _cvec(_I32, range(8))),
-                                builder.shuffle_vector(v, v, _cvec(_I32, range(8, 16))))
-            _fma_into(builder, accp, slot if nt == 1 else ir.Constant(_I64, 2 * t), v, s)
-            builder.store(ir.Constant(_VIW, [0] * _IW), ip)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-@intrinsic
-def _flush1(typingctx, acc, iacc, slot, s):
-    """acc[slot] += s * float(iacc[0]); iacc[0] = 0 (end of a K-quant super-block)."""
-    sig = types.void(acc, iacc, slot, types.float32)
-    return sig, _flush_codegen(1)
-
-
-@intrinsic
-def _flush4(typingctx, acc, iacc, s0, s1, s2, s3):
-    """acc[2t] += s_t * float(iacc[t]); iacc[t] = 0 for t < 4 (the slots row 1 kernels use)."""
-    f = types.float32
-    sig = types.void(acc, iacc, f, f, f, f)
-    return sig, _flush_codegen(4)
-
-
-@intrinsic
-def _acc_sum(typingctx, acc, slot):
-    """Horizontal sum of accumulator ``slot`` (pairwise tree, deterministic)."""
-    sig = types.float32(acc, slot)
-
-    def codegen(context, builder, signature, args):
-        v = builder.load(_slot(builder, args[0], _i64(context, builder, args[1], signature.args[1]), _VF))
-        n = 8
-        while n > 1:
-            h = n // 2
-            a = builder.shuffle_vector(v, v, _cvec(_I32, range(h)))
-            b = builder.shuffle_vector(v, v, _cvec(_I32, range(h, n)))
-            v = builder.fadd(a, b)
-            n = h
-        return builder.extract_element(v, ir.Constant(_I32, 0))
-
-    return sig, codegen
 
 
 # ---------------------------------------------------------------------------------------
-# Row dots: one weight row (byte offset wo, nb blocks) x 1 or 4 activation rows
+# Tile kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K): R weight rows x A items per pass
 # ---------------------------------------------------------------------------------------
-# Activation row a (an index into the partner arrays) starts at xq[a*C], its block scales at
-# xd[a*nbx], Q8_1 sums at xs[a*nbx], Q8_K 16-sums at xbs[a*C/16]. One-row kernels alternate
-# two accumulators by block parity so consecutive blocks' fma's do not wait on each other.
+# Per super-block (256 elements) and (row, item): an int32 accumulator of 16 lanes takes
+# four 64-element pieces, each vpmaddubsw (unsigned weights x activation -> int16 pairs)
+# then vpdpwssd / vpmaddwd+vpaddd with the int16 sub-block scales; lanes k and k + 8 are
+# then folded (exact), so lane k holds the same integer as ggml's AVX2 kernel's lane k.
+# Q6_K's -32 offset enters as -32 * (16 scales . 16 Q8_K sums) in lanes 0..7, and Q4_K /
+# Q5_K's mins as sum_j min_j * (bsums[2j] + bsums[2j+1]) (exact int32 dot).
+# Float part, in the one-row order: acc = fma(float(lanes), d_w * d_x, acc) per
+# super-block (8 lanes; on AVX-512 two items share one zmm), mins = mins + ((dmin_w * d_x) *
+# float(min dot)), result = tree sum of acc - mins.
+
+
+def _kq_pieces(builder, fmt, o):
+    """Weight side of one super-block at i8* o: ([4 pieces of <64 x i8> unsigned values],
+    [4 x <32 x i16> scale lanes], min lanes <16 x i16> or None, Q6 -32*scales <16 x i16> or
+    None, <2 x float> [d, dmin])."""
+    pieces, scl = [], []
+    if fmt == GGML_Q6_K:
+        sc = builder.sext(_ldv(builder, o, 192, _vt(_I8, 16)), _vt(_I16, 16))
+        for g in range(4):  # groups 2g, 2g+1: ql half n = g // 2, shift by 4 * (g % 2)
+            n, hi4 = g // 2, g % 2
+            qh = _ldv(builder, o, 128 + 32 * n, _vt(_I8, 32))
+            parts = []
+            for delta in range(2):
+                ql = _ldv(builder, o, 64 * n + 32 * delta, _vt(_I8, 32))
+                k = 2 * hi4 + delta  # group index within its 128-element half
+                lo = builder.and_(builder.lshr(ql, _cvec(_I8, [4 * hi4] * 32)), _cvec(_I8, [15] * 32))
+                h2 = builder.and_(builder.lshr(qh, _cvec(_I8, [2 * k] * 32)), _cvec(_I8, [3] * 32))
+                parts.append(builder.or_(lo, builder.shl(h2, _cvec(_I8, [4] * 32))))
+            pieces.append(_concat(builder, parts[0], parts[1]))
+            scl.append(_shuf(builder, sc, [4 * g + m // 8 for m in range(32)]))
+        neg = builder.mul(sc, _cvec(_I16, [-32] * 16))
+        # d: the f16 at 208, read with the scales' last two bytes as one u32 (a lone 16-bit
+        # load becomes a vpinsrw into a live register, see ld_f16x2), moved to lane 0
+        d2 = builder.fpext(builder.bitcast(_ldv(builder, o, 206, _I32), _vt(ir.HalfType(), 2)), _vt(_F32, 2))
+        return pieces, scl, None, neg, _shuf(builder, d2, [1, 0])
+    q5 = fmt == GGML_Q5_K
+    u = [builder.zext(_ldv(builder, o, 4 + 4 * i, _I32), _I64) for i in range(3)]
+    c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
+    sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)),
+                        builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
+    m_lo = builder.and_(u[1], c(0x3F3F3F3F))
+    m_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
+                       builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
+    sc8 = builder.bitcast(builder.or_(sc_lo, builder.shl(sc_hi, c(32))), _vt(_I8, 8))
+    m8 = builder.bitcast(builder.or_(m_lo, builder.shl(m_hi, c(32))), _vt(_I8, 8))
+    sc16 = builder.zext(sc8, _vt(_I16, 8))
+    mins = builder.zext(_shuf(builder, m8, [j // 2 for j in range(16)]), _vt(_I16, 16))
+    qs_off = 48 if q5 else 16
+    qh = _ldv(builder, o, 16, _vt(_I8, 32)) if q5 else None
+    for g in range(4):
+        qs = _ldv(builder, o, qs_off + 32 * g, _vt(_I8, 32))
+        if not q5:  # low nibbles | high nibbles: qs in both halves, the high half shifted by 4
+            q2 = builder.bitcast(_concat(builder, qs, qs), _vt(_I16, 32))
+            q2 = builder.lshr(q2, _cvec(_I16, [0] * 16 + [4] * 16))
+            pieces.append(builder.and_(builder.bitcast(q2, _vt(_I8, 64)), _cvec(_I8, [15] * 64)))
+            scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+            continue
+        lo = builder.and_(qs, _cvec(_I8, [15] * 32))
+        hi = builder.lshr(qs, _cvec(_I8, [4] * 32))
+        if q5:
+            one = _cvec(_I8, [1] * 32)
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh, _cvec(_I8, [2 * g] * 32)), one),
+                                             _cvec(_I8, [4] * 32)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh, _cvec(_I8, [2 * g + 1] * 32)), one),
+                                             _cvec(_I8, [4] * 32)))
+        pieces.append(_concat(builder, lo, hi))
+        scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+    d2 = builder.fpext(builder.bitcast(_ldv(builder, o, 0, _I32), _vt(ir.HalfType(), 2)), _vt(_F32, 2))
+    return pieces, scl, mins, None, d2
+
+
+def _kq_dot(builder, w64, a64, sc32, iacc):
+    """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8)."""
+    if _VNNI:
+        vi = _vt(_I32, 16)
+        p = _maddubs512(builder, w64, a64)
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", vi,
+                     [iacc, builder.bitcast(p, vi), builder.bitcast(sc32, vi)])
+    halves = []
+    for h in range(2):
+        w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
+        a = _shuf(builder, a64, range(32 * h, 32 * h + 32))
+        halves.append(_madd(builder, _maddubs(builder, w, a), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
+    return builder.add(iacc, _concat(builder, halves[0], halves[1]))
+
+
+def _hsum_i32(builder, vs):
+    """<len(vs) x i32>: lane t = the (exact) sum of the 8 lanes of vs[t] (len a power of 2)."""
+    x = _cat(builder, vs) if len(vs) > 1 else vs[0]
+    n = x.type.count
+    while n > len(vs):
+        x = builder.add(_shuf(builder, x, range(0, n, 2)), _shuf(builder, x, range(1, n, 2)))
+        n //= 2
+    return x
+
+
+def _tilek_codegen(fmt, n_w, n_a):
+    bb = FORMATS[fmt].block_bytes
+    has_min = fmt != GGML_Q6_K
+    n_pk = (n_a + 1) // 2  # accumulators per row: items packed two per <16 x float>
+
+    def codegen(context, builder, sig, args):
+        (_, _, _, arena, wo, rb, nb, xq, xd, xbs, a_rows, i0, o_rows, out, ostride, ocol) = args
+        ty = sig.args
+        wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
+                                        ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
+                                         (ocol, ty[15])))
+        base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
+        xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
+        xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
+        xbs8 = builder.bitcast(_data(context, builder, ty[9], xbs), _I8.as_pointer())
+        arow = _data(context, builder, ty[10], a_rows)
+        orow = _data(context, builder, ty[12], o_rows)
+        outp = _data(context, builder, ty[13], out)
+        wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+        pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_K)
+        arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
+        xq_t = [builder.gep(xq8, [builder.mul(a, builder.mul(nb, _ci(QK_K)))]) for a in arows]
+        xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
+        xbs_t = [builder.gep(xbs8, [builder.mul(a, builder.mul(nb, _ci(32)))]) for a in arows]
+        acc_ty = [_vt(_F32, 16 if 2 * p + 1 < n_a else 8) for p in range(n_pk)]
+        acc = [[cgutils.alloca_once(builder, acc_ty[p]) for p in range(n_pk)] for _ in range(n_w)]
+        for k in range(n_w):
+            for p in range(n_pk):
+                builder.store(ir.Constant(acc_ty[p], [0.0] * acc_ty[p].count), acc[k][p])
+        mty = _vt(_F32, n_a)
+        mvec = [cgutils.alloca_once(builder, mty) for _ in range(n_w)] if has_min else []
+        for p in mvec:
+            builder.store(ir.Constant(mty, [0.0] * n_a), p)
+        z16 = ir.Constant(_vt(_I32, 16), [0] * 16)
+
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            boff = builder.mul(b, _ci(bb))
+            wb = [builder.gep(wrow[k], [boff]) for k in range(n_w)]
+            for k in range(n_w):
+                for line in range(0, bb, 64):
+                    _prefetch(builder, builder.gep(wb[k], [builder.add(pf_dist, _ci(line))]))
+            aoff = builder.mul(b, _ci(QK_K))
+            yd = _cat(builder, [builder.insert_element(ir.Constant(_vt(_F32, 1), None),
+                                                       builder.load(builder.gep(xd_t[t], [b])), ir.Constant(_I32, 0))
+                                for t in range(n_a)]) if n_a > 1 else \
+                builder.insert_element(ir.Constant(_vt(_F32, 1), None), builder.load(builder.gep(xd_t[0], [b])),
+                                       ir.Constant(_I32, 0))
+            bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
+            wk = [_kq_pieces(builder, fmt, wb[k]) for k in range(n_w)]
+            # int32 lanes per (row, item); Q6_K starts from -32 * (scales . bsums) in lanes 0..7
+            iacc = [[_concat(builder, _madd(builder, wk[k][3], bs[t]), ir.Constant(_VI, [0] * 8))
+                     if fmt == GGML_Q6_K else z16 for t in range(n_a)] for k in range(n_w)]
+            for g in range(4):  # piece-major: one piece of every row live at a time
+                for t in range(n_a):
+                    a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
+                    for k in range(n_w):
+                        iacc[k][t] = _kq_dot(builder, wk[k][0][g], a64, wk[k][1][g], iacc[k][t])
+            for k in range(n_w):
+                _, _, mins, _, d2 = wk[k]
+                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) for v in iacc[k]]
+                dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item
+                for p in range(n_pk):
+                    two = 2 * p + 1 < n_a
+                    li = _concat(builder, lanes[2 * p], lanes[2 * p + 1]) if two else lanes[2 * p]
+                    s = _shuf(builder, dsc, [2 * p] * 8 + ([2 * p + 1] * 8 if two else []))
+                    fl = builder.sitofp(li, acc_ty[p])
+                    old = builder.load(acc[k][p])
+                    name = "llvm.fma.v16f32" if two else "llvm.fma.v8f32"
+                    builder.store(_call(builder, name, acc_ty[p], [fl, s, old]), acc[k][p])
+                if has_min:
+                    md = _hsum_i32(builder, [_madd(builder, mins, bs[t]) for t in range(n_a)])
+                    t1 = builder.fmul(_shuf(builder, d2, [1] * n_a), yd)
+                    old = builder.load(mvec[k])
+                    builder.store(builder.fadd(old, builder.fmul(t1, builder.sitofp(md, mty))), mvec[k])
+        # result (k, t) = tree(acc) [- mins], lanes t * n_w + k
+        vecs, ids = [], []
+        for k in range(n_w):
+            for p in range(n_pk):
+                vecs.append(builder.load(acc[k][p]))
+                ids.append(((k, 2 * p), (k, 2 * p + 1)) if 2 * p + 1 < n_a else ((k, 2 * p),))
+        sums, lane = _tree8_many(builder, vecs, ids)
+        order = [(k, t) for t in range(n_a) for k in range(n_w)]
+        res = _shuf(builder, sums, [lane[kt] for kt in order])
+        if has_min:
+            m = _cat(builder, [builder.load(mvec[k]) for k in range(n_w)]) if n_w > 1 else builder.load(mvec[0])
+            res = builder.fsub(res, _shuf(builder, m, [n_a * k + t for k, t in order]))
+        _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _tile(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol):
+    """out[o_rows[i0+t] * out_stride + ocol + k] = W[k] . act[a_rows[i0+t]] for k < n_w, t < n_a.
+
+    fmt, n_w, n_a: literal ints (a quantized GGML type, weight rows, items); W[k] is the row
+    at byte ``wo + k * rb`` of ``arena`` (nb blocks); xq/xd: the partner's int8 values and
+    block scales, xaux: Q8_1 sums s (32-element formats) or Q8_K 16-sums (K-quants). Emits
+    the whole pass over the row's blocks (see the two tile sections above)."""
+    for v in (fmt, n_w, n_a):
+        if not isinstance(v, types.IntegerLiteral):
+            return None
+    sig = types.void(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol)
+    gen = _tile32_codegen if fmt.literal_value in _FMT32 else _tilek_codegen
+    return sig, gen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
+
+
+_R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
 
 
 @njit(**_JIT_INLINE)
-def _row1_q8_0(arena, wo, nb, xq, xd, xs, a):
-    """Q8_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 34
-        _blk1_q8_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-        o = wo + (b + 1) * 34
-        _blk1_q8_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 34
-        _blk1_q8_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
+def _sequential_t1(fmt):
+    """Whether a single-item (T=1) matmul of ``fmt`` runs one weight row at a time: a plain
+    sequential stream reaches more DRAM bandwidth than a tile's 4 side-by-side rows, which
+    decides T=1 for the formats with the least arithmetic per byte. Measured (Zen 5, 256 MiB
+    tensors, GB/s, 4-row tiles -> single rows): 1 thread Q8_0 31 -> 38, Q6_K 33 -> 40, Q4_K
+    33 -> 33, Q4_1 36 -> 28; 2 threads Q8_0 38 -> 45, Q6_K 36 -> 46, Q4_K 41 -> 46, Q4_1 41 ->
+    46 (memory bandwidth ~45). The nibble formats keep their tiles: at T=1 they are
+    compute-bound on one core, and so is a small model's decode (SmolLM2-MoE, Q4_1)."""
+    return fmt == GGML_Q8_0 or fmt == GGML_Q4_K or fmt == GGML_Q5_K or fmt == GGML_Q6_K
 
 
 @njit(**_JIT_INLINE)
-def _row4_q8_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q8_0 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 34
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q8_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-        o = wo + (b + 1) * 34
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q8_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
-                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 34
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q8_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
+def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
+    """n_w weight rows at byte wo x every item, in tiles of 4, 2, 1 items."""
+    i = 0
+    while i + 4 <= n_items:
+        _tile(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
+        i += 4
+    if i + 2 <= n_items:
+        _tile(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
+        i += 2
+    if i < n_items:
+        _tile(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
 
 
 @njit(**_JIT_INLINE)
-def _row1_q4_0(arena, wo, nb, xq, xd, xs, a):
-    """Q4_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 18
-        _blk1_q4_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-        o = wo + (b + 1) * 18
-        _blk1_q4_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 18
-        _blk1_q4_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q4_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q4_0 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 18
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q4_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-        o = wo + (b + 1) * 18
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q4_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
-                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 18
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q4_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q4_1(arena, wo, nb, xq, xd, xs, a):
-    """Q4_1 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m0 = np.float32(0.0)
-    m1 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk1_q4_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-        o = wo + (b + 1) * 20
-        dm = ld_f16x2(arena, o)
-        _blk1_q4_1(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, dm[0] * ld(xd, a * nb + b + 1))
-        m1 += dm[1] * ld(xs, a * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk1_q4_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1) + (m0 + m1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q4_1(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q4_1 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m00 = m10 = m20 = m30 = np.float32(0.0)
-    m01 = m11 = m21 = m31 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk4_q4_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-        o = wo + (b + 1) * 20
-        dm = ld_f16x2(arena, o)
-        _blk4_q4_1(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, dm[0] * ld(xd, a0 * nb + b + 1),
-                    dm[0] * ld(xd, a1 * nb + b + 1), dm[0] * ld(xd, a2 * nb + b + 1), dm[0] * ld(xd, a3 * nb + b + 1))
-        m01 += dm[1] * ld(xs, a0 * nb + b + 1)
-        m11 += dm[1] * ld(xs, a1 * nb + b + 1)
-        m21 += dm[1] * ld(xs, a2 * nb + b + 1)
-        m31 += dm[1] * ld(xs, a3 * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 20
-        dm = ld_f16x2(arena, o)
-        _blk4_q4_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1) + (m00 + m01), _acc_sum(acc, 2) + _acc_sum(acc, 3) + (m10 + m11),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5) + (m20 + m21), _acc_sum(acc, 6) + _acc_sum(acc, 7) + (m30 + m31))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q5_0(arena, wo, nb, xq, xd, xs, a):
-    """Q5_0 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 22
-        _blk1_q5_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-        o = wo + (b + 1) * 22
-        _blk1_q5_0(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 22
-        _blk1_q5_0(acc, 0, arena, o, xq, (a * nb + b) * QK, ld_f16x2(arena, o)[0] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q5_0(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q5_0 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 22
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q5_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-        o = wo + (b + 1) * 22
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q5_0(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, d * ld(xd, a0 * nb + b + 1),
-                    d * ld(xd, a1 * nb + b + 1), d * ld(xd, a2 * nb + b + 1), d * ld(xd, a3 * nb + b + 1))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 22
-        d = ld_f16x2(arena, o)[0]
-        _blk4_q5_0(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, d * ld(xd, a0 * nb + b),
-                    d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b), d * ld(xd, a3 * nb + b))
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
-
-
-@njit(**_JIT_INLINE)
-def _row1_q5_1(arena, wo, nb, xq, xd, xs, a):
-    """Q5_1 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m0 = np.float32(0.0)
-    m1 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk1_q5_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-        o = wo + (b + 1) * 24
-        dm = ld_f16x2(arena, o)
-        _blk1_q5_1(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, dm[0] * ld(xd, a * nb + b + 1))
-        m1 += dm[1] * ld(xs, a * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk1_q5_1(acc, 0, arena, o, xq, (a * nb + b) * QK, dm[0] * ld(xd, a * nb + b))
-        m0 += dm[1] * ld(xs, a * nb + b)
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1) + (m0 + m1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q5_1(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """Q5_1 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    m00 = m10 = m20 = m30 = np.float32(0.0)
-    m01 = m11 = m21 = m31 = np.float32(0.0)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk4_q5_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-        o = wo + (b + 1) * 24
-        dm = ld_f16x2(arena, o)
-        _blk4_q5_1(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, dm[0] * ld(xd, a0 * nb + b + 1),
-                    dm[0] * ld(xd, a1 * nb + b + 1), dm[0] * ld(xd, a2 * nb + b + 1), dm[0] * ld(xd, a3 * nb + b + 1))
-        m01 += dm[1] * ld(xs, a0 * nb + b + 1)
-        m11 += dm[1] * ld(xs, a1 * nb + b + 1)
-        m21 += dm[1] * ld(xs, a2 * nb + b + 1)
-        m31 += dm[1] * ld(xs, a3 * nb + b + 1)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 24
-        dm = ld_f16x2(arena, o)
-        _blk4_q5_1(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, dm[0] * ld(xd, a0 * nb + b),
-                    dm[0] * ld(xd, a1 * nb + b), dm[0] * ld(xd, a2 * nb + b), dm[0] * ld(xd, a3 * nb + b))
-        m00 += dm[1] * ld(xs, a0 * nb + b)
-        m10 += dm[1] * ld(xs, a1 * nb + b)
-        m20 += dm[1] * ld(xs, a2 * nb + b)
-        m30 += dm[1] * ld(xs, a3 * nb + b)
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1) + (m00 + m01), _acc_sum(acc, 2) + _acc_sum(acc, 3) + (m10 + m11),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5) + (m20 + m21), _acc_sum(acc, 6) + _acc_sum(acc, 7) + (m30 + m31))
-
-
-@njit(**_JIT_INLINE)
-def _row1_mxfp4(arena, wo, nb, xq, xd, xs, a):
-    """MXFP4 row x activation row a; blocks alternate between accumulators 0 and 1."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 17
-        _blk1_mxfp4(acc, 0, arena, o, xq, (a * nb + b) * QK, ld(xd, a * nb + b) * _e8m0_half(ld_u8(arena, o)))
-        o = wo + (b + 1) * 17
-        _blk1_mxfp4(acc, 1, arena, o, xq, (a * nb + b + 1) * QK, ld(xd, a * nb + b + 1) * _e8m0_half(ld_u8(arena, o)))
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 17
-        _blk1_mxfp4(acc, 0, arena, o, xq, (a * nb + b) * QK, ld(xd, a * nb + b) * _e8m0_half(ld_u8(arena, o)))
-    return _acc_sum(acc, 0) + _acc_sum(acc, 1)
-
-
-@njit(**_JIT_INLINE)
-def _row4_mxfp4(arena, wo, nb, xq, xd, xs, a0, a1, a2, a3):
-    """MXFP4 row x activation rows a0..a3, each weight block unpacked once; the same
-    accumulation order per row as _row1 (accumulators 2t and 2t+1 by block parity)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(0, nb - 1, 2):
-        o = wo + b * 17
-        e = _e8m0_half(ld_u8(arena, o))
-        _blk4_mxfp4(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, ld(xd, a0 * nb + b) * e,
-                    ld(xd, a1 * nb + b) * e, ld(xd, a2 * nb + b) * e, ld(xd, a3 * nb + b) * e)
-        o = wo + (b + 1) * 17
-        e = _e8m0_half(ld_u8(arena, o))
-        _blk4_mxfp4(acc, 1, arena, o, xq, (a0 * nb + b + 1) * QK, (a1 * nb + b + 1) * QK,
-                    (a2 * nb + b + 1) * QK, (a3 * nb + b + 1) * QK, ld(xd, a0 * nb + b + 1) * e,
-                    ld(xd, a1 * nb + b + 1) * e, ld(xd, a2 * nb + b + 1) * e, ld(xd, a3 * nb + b + 1) * e)
-    if nb & 1:
-        b = nb - 1
-        o = wo + b * 17
-        e = _e8m0_half(ld_u8(arena, o))
-        _blk4_mxfp4(acc, 0, arena, o, xq, (a0 * nb + b) * QK, (a1 * nb + b) * QK,
-                    (a2 * nb + b) * QK, (a3 * nb + b) * QK, ld(xd, a0 * nb + b) * e,
-                    ld(xd, a1 * nb + b) * e, ld(xd, a2 * nb + b) * e, ld(xd, a3 * nb + b) * e)
-    return (_acc_sum(acc, 0) + _acc_sum(acc, 1), _acc_sum(acc, 2) + _acc_sum(acc, 3),
-            _acc_sum(acc, 4) + _acc_sum(acc, 5), _acc_sum(acc, 6) + _acc_sum(acc, 7))
-
-
-@njit(**_JIT_INLINE)
-def _k4_scales(arena, so):
-    """The 12 packed 6-bit scale/min bytes of a Q4_K/Q5_K block at byte ``so`` -> (scales 0-3,
-    scales 4-7, mins 0-3, mins 4-7), each as 4 bytes of an int (as ggml's utmp unpacking)."""
-    u0 = ld_u32(arena, so)
-    u1 = ld_u32(arena, so + 4)
-    u2 = ld_u32(arena, so + 8)
-    sc_lo = u0 & 0x3F3F3F3F
-    sc_hi = (u2 & 0x0F0F0F0F) | (((u0 >> 6) & 0x03030303) << 4)
-    m_lo = u1 & 0x3F3F3F3F
-    m_hi = ((u2 >> 4) & 0x0F0F0F0F) | (((u1 >> 6) & 0x03030303) << 4)
-    return sc_lo, sc_hi, m_lo, m_hi
-
-
-@njit(**_JIT_INLINE)
-def _byte(v, k):
-    return np.int32((v >> (8 * k)) & 0xFF)
-
-
-@njit(**_JIT_INLINE)
-def _row1_q4_k(arena, wo, nb, xq, xd, xbs, a, is_q5):
-    """Q4_K (or Q5_K when is_q5) row x Q8_K activation row a."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    bb = 176 if is_q5 else 144
-    mins = np.float32(0.0)
-    for b in range(nb):
-        o = wo + b * bb
-        sc_lo, sc_hi, m_lo, m_hi = _k4_scales(arena, o + 4)
-        xo = (a * nb + b) * QK_K
-        if is_q5:
-            for g in range(2):
-                _piece1_q5k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
-            for g in range(2):
-                _piece1_q5k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
-        else:
-            for g in range(2):
-                _piece1_q4k(iacc, arena, o, xq, xo, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1), 0, 0)
-            for g in range(2):
-                _piece1_q4k(iacc, arena, o, xq, xo, g + 2, _byte(sc_hi, 2 * g), _byte(sc_hi, 2 * g + 1), 0, 0)
-        dd = ld_f16x2(arena, o)
-        yd = ld(xd, a * nb + b)
-        _flush1(acc, iacc, 0, dd[0] * yd)
-        mins += (dd[1] * yd) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a * nb + b) * 16))
-    return _acc_sum(acc, 0) - mins
-
-
-@njit(**_JIT_INLINE)
-def _row4_q4_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3, is_q5):
-    """Q4_K (or Q5_K) row x Q8_K activation rows a0..a3 (each weight block unpacked once)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    bb = 176 if is_q5 else 144
-    mins0 = mins1 = mins2 = mins3 = np.float32(0.0)
-    for b in range(nb):
-        o = wo + b * bb
-        sc_lo, sc_hi, m_lo, m_hi = _k4_scales(arena, o + 4)
-        x0 = (a0 * nb + b) * QK_K
-        x1 = (a1 * nb + b) * QK_K
-        x2 = (a2 * nb + b) * QK_K
-        x3 = (a3 * nb + b) * QK_K
-        if is_q5:
-            for g in range(2):
-                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
-                            0, 0)
-            for g in range(2):
-                _piece4_q5k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
-                            _byte(sc_hi, 2 * g + 1), 0, 0)
-        else:
-            for g in range(2):
-                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g, _byte(sc_lo, 2 * g), _byte(sc_lo, 2 * g + 1),
-                            0, 0)
-            for g in range(2):
-                _piece4_q4k(iacc, arena, o, xq, x0, x1, x2, x3, g + 2, _byte(sc_hi, 2 * g),
-                            _byte(sc_hi, 2 * g + 1), 0, 0)
-        dd = ld_f16x2(arena, o)
-        y0 = ld(xd, a0 * nb + b)
-        y1 = ld(xd, a1 * nb + b)
-        y2 = ld(xd, a2 * nb + b)
-        y3 = ld(xd, a3 * nb + b)
-        _flush4(acc, iacc, dd[0] * y0, dd[0] * y1, dd[0] * y2, dd[0] * y3)
-        mins0 += (dd[1] * y0) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a0 * nb + b) * 16))
-        mins1 += (dd[1] * y1) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a1 * nb + b) * 16))
-        mins2 += (dd[1] * y2) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a2 * nb + b) * 16))
-        mins3 += (dd[1] * y3) * np.float32(_k4_min_dot(m_lo, m_hi, xbs, (a3 * nb + b) * 16))
-    return (_acc_sum(acc, 0) - mins0, _acc_sum(acc, 2) - mins1, _acc_sum(acc, 4) - mins2,
-            _acc_sum(acc, 6) - mins3)
-
-
-@njit(**_JIT_INLINE)
-def _row1_q6_k(arena, wo, nb, xq, xd, xbs, a):
-    """Q6_K row x Q8_K activation row a."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(nb):
-        o = wo + b * 210
-        xo = (a * nb + b) * QK_K
-        for i in range(0, 8, 2):
-            _piece1_q6k(iacc, arena, o, xq, xo, i, ld_i8(arena, o + 192 + 2 * i), ld_i8(arena, o + 193 + 2 * i),
-                        ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
-        _q6k_corr1(iacc, arena, o, xbs, (a * nb + b) * 16)
-        _flush1(acc, iacc, 0, ld_f16x2(arena, o + 206)[1] * ld(xd, a * nb + b))
-    return _acc_sum(acc, 0)
-
-
-@njit(**_JIT_INLINE)
-def _row4_q6_k(arena, wo, nb, xq, xd, xbs, a0, a1, a2, a3):
-    """Q6_K row x Q8_K activation rows a0..a3 (each weight block unpacked once)."""
-    acc = _acc_alloc()
-    iacc = _iacc_alloc()
-    _acc_clear(acc, iacc)
-    for b in range(nb):
-        o = wo + b * 210
-        x0 = (a0 * nb + b) * QK_K
-        x1 = (a1 * nb + b) * QK_K
-        x2 = (a2 * nb + b) * QK_K
-        x3 = (a3 * nb + b) * QK_K
-        for i in range(0, 8, 2):
-            _piece4_q6k(iacc, arena, o, xq, x0, x1, x2, x3, i, ld_i8(arena, o + 192 + 2 * i),
-                        ld_i8(arena, o + 193 + 2 * i), ld_i8(arena, o + 194 + 2 * i), ld_i8(arena, o + 195 + 2 * i))
-        _q6k_corr4(iacc, arena, o, xbs, (a0 * nb + b) * 16, (a1 * nb + b) * 16, (a2 * nb + b) * 16,
-                   (a3 * nb + b) * 16)
-        d = ld_f16x2(arena, o + 206)[1]
-        _flush4(acc, iacc, d * ld(xd, a0 * nb + b), d * ld(xd, a1 * nb + b), d * ld(xd, a2 * nb + b),
-                d * ld(xd, a3 * nb + b))
-    return _acc_sum(acc, 0), _acc_sum(acc, 2), _acc_sum(acc, 4), _acc_sum(acc, 6)
+def _mmq(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items, out,
+         out_stride, out_col):
+    """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
+    tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
+    every item; a single item of a _sequential_t1 format goes row by row."""
+    r = row_lo
+    if not (n_items == 1 and _sequential_t1(fmt)):
+        while r + _R_TILE <= row_hi:
+            _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
+                   n_items, out, out_stride, out_col + r)
+            r += _R_TILE
+    while r < row_hi:
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
+               out_stride, out_col + r)
+        r += 1
 
 
 @njit(**_JIT_INLINE)
@@ -1750,148 +1550,66 @@ def _row1_float(ggml_type, arena, wo, n, xf, a):
 
 
 def _mm_q8_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q8_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q8_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q8_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mmq(GGML_Q8_0, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q4_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q4_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q4_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mmq(GGML_Q4_0, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q4_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q4_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q4_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mmq(GGML_Q4_1, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q5_0(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q5_0 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q5_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q5_0(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mmq(GGML_Q5_0, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_q5_1(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-             out, out_stride, out_col, ggml_type):
+            out, out_stride, out_col, ggml_type):
     """Q5_1 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q5_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q5_1(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mmq(GGML_Q5_1, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
 
 
 def _mm_mxfp4(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
              out, out_stride, out_col, ggml_type):
     """MXFP4 rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_mxfp4(arena, wo, nb, xq, xd, xs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                          ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_mxfp4(arena, wo, nb, xq, xd, xs, ld(a_rows, i)))
-            i += 1
+    _mmq(GGML_MXFP4, arena, w_off, row_bytes_, n_cols // QK, row_lo, row_hi, xq, xd, xs, a_rows, o_rows, n_items, out,
+          out_stride, out_col)
+
+
+def _mm_q4_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q4_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    _mmq(GGML_Q4_K, arena, w_off, row_bytes_, n_cols // QK_K, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items,
+         out, out_stride, out_col)
+
+
+def _mm_q5_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+             out, out_stride, out_col, ggml_type):
+    """Q5_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
+    _mmq(GGML_Q5_K, arena, w_off, row_bytes_, n_cols // QK_K, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items,
+         out, out_stride, out_col)
 
 
 def _mm_q6_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
              out, out_stride, out_col, ggml_type):
     """Q6_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK_K
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                           ld(a_rows, i + 3))
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q6_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i)))
-            i += 1
-
-
-def _mm_q45_k(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
-              out, out_stride, out_col, ggml_type):
-    """Q4_K / Q5_K rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."""
-    nb = n_cols // QK_K
-    is_q5 = ggml_type == GGML_Q5_K
-    for r in range(row_lo, row_hi):
-        wo = w_off + r * row_bytes_
-        i = 0
-        while i + 4 <= n_items:
-            v = _row4_q4_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), ld(a_rows, i + 1), ld(a_rows, i + 2),
-                           ld(a_rows, i + 3), is_q5)
-            for k in range(4):
-                st(out, ld(o_rows, i + k) * out_stride + out_col + r, v[k])
-            i += 4
-        while i < n_items:
-            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_q4_k(arena, wo, nb, xq, xd, xbs, ld(a_rows, i), is_q5))
-            i += 1
+    _mmq(GGML_Q6_K, arena, w_off, row_bytes_, n_cols // QK_K, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items,
+         out, out_stride, out_col)
 
 
 def _mm_float(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
@@ -1909,8 +1627,8 @@ _KERNEL_SIG = types.void(_P(types.uint8), types.int64, types.int64, types.int64,
                          _P(types.int64), _P(types.int64), types.int64, _P(types.float32), types.int64, types.int64,
                          types.int64)
 _KERNEL_PY = {GGML_Q8_0: _mm_q8_0, GGML_Q4_0: _mm_q4_0, GGML_Q4_1: _mm_q4_1, GGML_Q5_0: _mm_q5_0,
-              GGML_Q5_1: _mm_q5_1, GGML_MXFP4: _mm_mxfp4, GGML_Q6_K: _mm_q6_k, GGML_Q4_K: _mm_q45_k,
-              GGML_Q5_K: _mm_q45_k, GGML_F32: _mm_float, GGML_F16: _mm_float, GGML_BF16: _mm_float}
+              GGML_Q5_1: _mm_q5_1, GGML_MXFP4: _mm_mxfp4, GGML_Q6_K: _mm_q6_k, GGML_Q4_K: _mm_q4_k,
+              GGML_Q5_K: _mm_q5_k, GGML_F32: _mm_float, GGML_F16: _mm_float, GGML_BF16: _mm_float}
 _KERNEL_TABLE = np.zeros(64, np.int64)  # ggml type id -> cfunc address (0: not compiled yet)
 _KERNEL_CFUNCS: dict[object, object] = {}  # python function -> its cfunc (keeps the code alive)
 _KERNEL_LOCK = threading.Lock()
@@ -1971,9 +1689,10 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     activation row and output row of each item (arange(T) for a plain matmul; the tokens
     routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
-    Each weight row is read from memory once and dotted with the items 4 at a time (each
-    block unpacked once per 4 items) while it sits in L1. The caller validates types,
-    offsets and shapes; a type whose kernel is not compiled writes nothing.
+    Quantized formats run in tiles of 4 weight rows x 4 items (see the tile sections): each
+    weight row is read from memory once per call and each block unpacked once per tile.
+    The caller validates types, offsets and shapes; a type whose kernel is not compiled
+    writes nothing.
     """
     addr = ld(kernels, ggml_type)
     if addr == 0:
