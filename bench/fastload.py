@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import logging
 import mmap
 import os
 import statistics
@@ -438,9 +437,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (or write the synthetic model); prints the table or JSON. Returns 0."""
-    import structlog
+    from moe_service.log import configure_logging
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    configure_logging("warning", "auto")  # on stderr: stdout is the report
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.make_synthetic:
         t0 = time.perf_counter()

@@ -41,6 +41,7 @@ from numba import njit
 from moe_service.engine import quant as q
 from moe_service.engine.pool import Job, WorkerPool
 from moe_service.engine.quant import ld
+from moe_service.memory import reserve_thp_arena
 
 DEFAULT_FORMATS = "Q8_0,Q4_K,Q4_1,Q6_K,Q4_0,Q5_K,Q5_0,Q5_1,MXFP4,F16,BF16,F32"
 BY_NAME = {f.name: t for t, f in q.FORMATS.items()}
@@ -56,7 +57,9 @@ def _sum_u64(a, lo, hi):
 
 def memory_bandwidth_gbps(n_threads: int, gib: float = 1.0, repeats: int = 3) -> float:
     """Read bandwidth: n_threads numba reductions over disjoint parts of a `gib` GiB array."""
-    a = np.ones(int(gib * (1 << 30)) // 8, np.uint64)
+    # huge pages, as the engine's weights (THP "madvise" mode gives np.ones 4 KiB pages)
+    a = reserve_thp_arena(int(gib * (1 << 30)) // 8 * 8).view(np.uint64)
+    a[:] = 1
     _sum_u64(a, 0, 1024)
     bounds = np.linspace(0, a.size, n_threads + 1).astype(np.int64)
     best = float("inf")

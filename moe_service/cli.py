@@ -114,6 +114,7 @@ def cmd_bench(args) -> int:
     """Run one side-by-side benchmark; its own options follow the benchmark's name."""
     import importlib
 
+    configure_logging("warning", "auto")  # on stderr: stdout is the report (--json: one object)
     module = importlib.import_module(BENCHES[args.bench])
     return int(module.main(args.bench_args) or 0)
 

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from moe_service.layout import Layout, plain_layout
-from moe_service.memory import pread_full
+from moe_service.memory import pread_full, reserve_thp_arena
 
 
 class WeightStore:
@@ -66,7 +66,7 @@ class WeightStore:
         offset when it ends early (:func:`moe_service.memory.pread_full`, fastload's read loop).
         """
         layout = plain_layout(catalog)
-        arena = np.zeros(layout.arena_bytes, dtype=np.uint8)
+        arena = reserve_thp_arena(layout.arena_bytes)  # huge pages, as fastload's arena
         view = memoryview(arena)
         fds: dict[int, int] = {}
         try:
