@@ -82,9 +82,10 @@ def pytest_collection_finish(session):
     lab's tests were deselected or are skipped (no VM here)."""
     if session.config.option.collectonly:
         return
+    lab_file = Path(__file__).resolve().parent / "systemd" / "test_lab.py"
     for item in session.items:
         module = getattr(item, "module", None)
-        if (module is not None and module.__name__ == "tests.systemd.test_lab"
-                and item.get_closest_marker("skip") is None):
+        if (module is not None and Path(str(item.path)).resolve() == lab_file
+                and hasattr(module, "start_in_background") and item.get_closest_marker("skip") is None):
             module.start_in_background()
             return

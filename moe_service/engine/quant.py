@@ -1118,6 +1118,29 @@ def _prefetch(builder, ptr):
                                                          ir.Constant(_I32, 1)])
 
 
+def _tile_args(context, builder, sig, args, n_w, n_a):
+    """The tile intrinsics' arguments (fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, x3, a_rows, i0,
+    o_rows, out, out_stride, out_col) as IR values: (rb, nb, i0, out_stride, out_col as i64; xq as
+    i8*, xd as f32*, x3's data pointer for the caller to cast (Q8_1 sums f32*, Q8_K block sums
+    i8*); o_rows' and out's data pointers; the n_w weight row pointers wo + k*rb into the
+    arena; the n_a activation rows a_rows[i0 + t])."""
+    (_, _, _, arena, wo, rb, nb, xq, xd, x3, a_rows, i0, o_rows, out, ostride, ocol) = args
+    ty = sig.args
+    wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
+                                    ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
+                                     (ocol, ty[15])))
+    base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
+    xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
+    xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
+    x3p = _data(context, builder, ty[9], x3)
+    arow = _data(context, builder, ty[10], a_rows)
+    orow = _data(context, builder, ty[12], o_rows)
+    outp = _data(context, builder, ty[13], out)
+    wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+    arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
+    return rb, nb, i0, ostride, ocol, xq8, xd32, x3p, orow, outp, wrow, arows
+
+
 def _tile32_codegen(fmt, n_w, n_a):
     f = _FMT32[fmt]
     # accumulator layout: VNNI: one <16 x float> per (row, item) = [even blocks | odd blocks];
@@ -1125,22 +1148,11 @@ def _tile32_codegen(fmt, n_w, n_a):
     n_par_parts = 1 if _VNNI else 2
 
     def codegen(context, builder, sig, args):
-        (_, _, _, arena, wo, rb, nb, xq, xd, xs, a_rows, i0, o_rows, out, ostride, ocol) = args
-        ty = sig.args
-        wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
-                                        ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
-                                         (ocol, ty[15])))
-        base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
-        xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
-        xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
-        xs32 = builder.bitcast(_data(context, builder, ty[9], xs), _F32.as_pointer())
-        arow = _data(context, builder, ty[10], a_rows)
-        orow = _data(context, builder, ty[12], o_rows)
-        outp = _data(context, builder, ty[13], out)
-        wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+        rb, nb, i0, ostride, ocol, xq8, xd32, x3, orow, outp, wrow, arows = _tile_args(context, builder, sig,
+                                                                                        args, n_w, n_a)
+        xs32 = builder.bitcast(x3, _F32.as_pointer())
         n_cols = builder.mul(nb, _ci(QK))
         pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_32)
-        arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
         xq_t = [builder.gep(xq8, [builder.mul(a, n_cols)]) for a in arows]
         xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
         xs_t = [builder.gep(xs32, [builder.mul(a, nb)]) for a in arows]
@@ -1369,21 +1381,10 @@ def _tilek_codegen(fmt, n_w, n_a):
     n_pk = (n_a + 1) // 2  # accumulators per row: items packed two per <16 x float>
 
     def codegen(context, builder, sig, args):
-        (_, _, _, arena, wo, rb, nb, xq, xd, xbs, a_rows, i0, o_rows, out, ostride, ocol) = args
-        ty = sig.args
-        wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
-                                        ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
-                                         (ocol, ty[15])))
-        base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
-        xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
-        xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
-        xbs8 = builder.bitcast(_data(context, builder, ty[9], xbs), _I8.as_pointer())
-        arow = _data(context, builder, ty[10], a_rows)
-        orow = _data(context, builder, ty[12], o_rows)
-        outp = _data(context, builder, ty[13], out)
-        wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+        rb, nb, i0, ostride, ocol, xq8, xd32, x3, orow, outp, wrow, arows = _tile_args(context, builder, sig,
+                                                                                        args, n_w, n_a)
+        xbs8 = builder.bitcast(x3, _I8.as_pointer())
         pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_K)
-        arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
         xq_t = [builder.gep(xq8, [builder.mul(a, builder.mul(nb, _ci(QK_K)))]) for a in arows]
         xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
         xbs_t = [builder.gep(xbs8, [builder.mul(a, builder.mul(nb, _ci(32)))]) for a in arows]
