@@ -283,9 +283,12 @@ class _Mailbox:
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
-        box = cls._by_loop.get(loop)
-        if box is None:
-            box = cls._by_loop[loop] = cls(loop)
+        try:
+            box = cls._by_loop.get(loop)
+            if box is None:
+                box = cls._by_loop[loop] = cls(loop)
+        except TypeError:  # a loop type without weak references: one mailbox per request then
+            box = cls(loop)
         return box
 
     def post(self, queue: asyncio.Queue, ev: Event) -> None:  # engine thread
