@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_service.engine import cpu_layers, torch_quant
+from moe_service.engine import attention, cpu_layers, torch_quant
 from moe_service.errors import ModelFileError
 from moe_service.log import get_logger
 
@@ -236,9 +236,8 @@ class CpuPath:
         kc, vc = m.kv.k[lw.index], m.kv.v[lw.index]
         out = np.empty((T, p.n_head, p.head_dim_v), np.float32)
         scale = np.float32(1.0 / math.sqrt(p.head_dim))
-        for s, a, e, n0 in spans:
-            cpu_layers.store_kv(k[a:e], v[a:e], kc, vc, s, n0)
-            cpu_layers.attention(q[a:e], kc, vc, s, n0, scale, out[a:e], *self.scratch)
+        attention.store(kc, vc, k, v, spans)
+        attention.attend(m.ops, q, kc, vc, spans, scale, out)
         (o,) = self.linear(lw, ("attn_output",), out.reshape(T, -1))
         return o
 
