@@ -171,8 +171,9 @@ def test_bad_request_gets_its_error_and_the_next_request_succeeds(service, clien
 
 def test_openai_client_raises_bad_request_for_unsupported(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert e.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
+                                       presence_penalty=0.5)
+    assert e.value.body["param"] == "presence_penalty"
 
 
 def test_metrics_parse(service, client):
