@@ -143,13 +143,85 @@ def bench_engines(tok) -> dict:
 
 
 def bench_decode(model_path: str, n_tokens: int, rounds: int) -> dict:
-    from moe_service.api.grammar import compile_constraint, json_schema_grammar
-    from moe_service.config import load_config
-    from moe_service.engine.sampler import SamplingParams
-    from pipeline.warmup import build_engine  # noqa: F401 - imported for its side effects when present
+    """Greedy decode of ``n_tokens`` on one sequence, free vs under a JSON-schema constraint
+    (mask computed and applied on the sampling path, serially: the batch loop overlaps the
+    computation with the forward pass, so this is the upper bound of its cost)."""
+    import numpy as np
+    import torch
 
-    raise NotImplementedError(model_path, n_tokens, rounds, compile_constraint, json_schema_grammar, load_config,
-                              SamplingParams)
+    from moe_service.api.grammar import compile_constraint, json_schema_grammar
+    from moe_service.engine.engine import Engine, GenerationRequest
+    from moe_service.engine.model import Model
+    from moe_service.engine.ops import CpuOps
+    from moe_service.engine.sampler import SamplingParams
+    from moe_service.engine.tokenizer import Tokenizer
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.weights import WeightStore
+
+    torch.set_num_threads(1)
+    ops = CpuOps(threads=0)
+    cat = GGUFModel.open(model_path)
+    model = Model(cat, WeightStore.load_simple(cat), ops, n_seq=1, n_ctx=64 + n_tokens + 64)
+    tok = Tokenizer.from_gguf(cat.metadata, source=model_path)
+    engine = Engine(model, tok, model_name="bench")
+    prompt, _ = engine.render_chat([{"role": "user", "content": "Write a long story about a robot, as JSON."}])
+    # a schema that lets the model write n_tokens: one long string
+    long_schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    grammar = json_schema_grammar(long_schema)
+
+    def run(constrained: bool) -> dict:
+        constraint = compile_constraint(tok, grammar) if constrained else None
+        req = GenerationRequest(list(prompt), n_tokens, SamplingParams(temperature=0.0), ignore_eos=True,
+                                constraint=constraint)
+        seq = engine.new_sequence(req)
+        slot = model.kv.alloc()
+        try:
+            logits = model.step([(slot, seq.prompt_ids)])
+            seq.n_prefilled = len(seq.prompt_ids)
+            t0 = time.perf_counter()
+            n = 0
+            accept_s, step_s = [], []
+            while True:
+                a = time.perf_counter()
+                ev = seq.accept(logits[0].numpy())
+                accept_s.append(time.perf_counter() - a)
+                n += 1
+                if ev.final:
+                    break
+                a = time.perf_counter()
+                logits = model.step([(slot, seq.next_input())])
+                step_s.append(time.perf_counter() - a)
+            dt = time.perf_counter() - t0
+        finally:
+            model.kv.free(slot)
+        out = {"tokens": n, "tok_per_s": n / dt, "accept_ms": 1e3 * float(np.median(accept_s)),
+               "step_ms": 1e3 * float(np.median(step_s))}
+        if constraint is not None:
+            out["mask_ms_mean"] = 1e3 * constraint.mask_s / max(1, constraint.masks)
+            out["text"] = tok.decode(seq.generated)[:80]
+        return out
+
+    free, cons = [], []
+    for _ in range(rounds):
+        free.append(run(False))
+        cons.append(run(True))
+    ops.close()
+    f = float(np.median([r["tok_per_s"] for r in free]))
+    c = float(np.median([r["tok_per_s"] for r in cons]))
+    acc_f = float(np.median([r["accept_ms"] for r in free]))
+    acc_c = float(np.median([r["accept_ms"] for r in cons]))
+    step = float(np.median([r["step_ms"] for r in free + cons]))
+    # the mask's cost per token: the extra sampling time under the constraint (mask computed
+    # and applied serially here), over a free token's whole time (forward step + sampling)
+    cost = (acc_c - acc_f) / (step + acc_f)
+    return {"free_tok_per_s": round(f, 2), "constrained_tok_per_s": round(c, 2),
+            "wall_cost_pct": round(100 * (f - c) / f, 2),
+            "step_ms_median": round(step, 2), "sample_ms_free": round(acc_f, 3), "sample_ms_constrained": round(acc_c, 3),
+            "mask_cost_pct": round(100 * cost, 3),
+            "tok_per_s_at_mask_cost": round(1e3 / (step + acc_c), 2), "tok_per_s_free_model": round(1e3 / (step + acc_f), 2),
+            "mask_ms_mean": round(float(np.median([r["mask_ms_mean"] for r in cons])), 4),
+            "tokens": [r["tokens"] for r in cons], "sample": cons[-1]["text"],
+            "rounds": rounds}
 
 
 def main() -> None:

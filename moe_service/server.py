@@ -706,7 +706,7 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
         parsed = parser.feed(ev.text, ev.token_ids)
         if ev.final:
             parsed += parser.finish()
-        deltas = builder.deltas(parsed)
+        deltas = builder.deltas(parsed, final=ev.final)
         lps = lp_fmt.chat_logprobs(tokenizer, ev.logprobs or []) if want_lp and ev.logprobs else None
         if lps is not None and not deltas:
             deltas = [{}]

@@ -57,8 +57,8 @@ def check_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
 
 
 def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """(mode, the tools a call may use): mode ``none`` | ``auto`` | ``required`` (a named
-    function is ``required`` over that one tool). Raises RequestError (param ``tool_choice``)."""
+    """(mode, the tools a call may use): mode ``none`` | ``auto`` | ``required`` | ``named``
+    (exactly one call of that one tool). Raises RequestError (param ``tool_choice``)."""
     if choice is None:
         return ("auto" if tools else "none"), tools
     if choice in ("none", "auto", "required"):
@@ -72,7 +72,7 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, li
             raise RequestError(f"tool_choice names function {name!r}, which is not in 'tools' "
                                f"({', '.join(t['function']['name'] for t in tools) or 'none given'})",
                                param="tool_choice.function.name")
-        return "required", match
+        return "named", match
     raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
                        f"{{'name': ...}}}} (got {json.dumps(choice)[:80]})", param="tool_choice")
 
@@ -145,8 +145,8 @@ def plan_chat(engine, messages: list[dict[str, Any]], *, tools: list[dict[str, A
                     tokenizer=tok)
     grammar = None
     param = None
-    if mode == "required":
-        parallel = parallel_tool_calls is not False and len(allowed) >= 1
+    if mode in ("required", "named"):
+        parallel = mode == "required" and parallel_tool_calls is not False
         for t in allowed:
             try:
                 compile_constraint(tok, json_schema_grammar(tl._schema_of(t)))
@@ -182,6 +182,7 @@ class MessageBuilder:
         self.calls: list[tl.ToolCall] = []
 
     def add(self, deltas: Sequence[tl.Delta]) -> None:
+        """Add parsed pieces; whitespace-only content around tool calls is dropped."""
         for d in deltas:
             if d.kind == "content":
                 self.content.append(d.text)
@@ -192,6 +193,8 @@ class MessageBuilder:
 
     def message(self) -> dict[str, Any]:
         content = "".join(self.content)
+        if self.calls and not content.strip():
+            content = ""
         msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not self.calls) else None}
         reasoning = "".join(self.reasoning)
         if reasoning:
@@ -209,24 +212,37 @@ class StreamBuilder:
 
     def __init__(self) -> None:
         self.n_calls = 0
+        self._space = ""  # whitespace-only content held: dropped when a tool call follows
 
-    def deltas(self, items: Sequence[tl.Delta]) -> list[dict[str, Any]]:
+    def deltas(self, items: Sequence[tl.Delta], *, final: bool = False) -> list[dict[str, Any]]:
+        """Delta objects for ``items``; ``final``: the last call, held whitespace is released
+        when no tool call came."""
         out: list[dict[str, Any]] = []
         for d in items:
             if d.kind in ("content", "reasoning"):
                 key = "content" if d.kind == "content" else "reasoning_content"
                 if not d.text:
                     continue
+                if key == "content":
+                    if not d.text.strip():
+                        self._space += d.text
+                        continue
+                    d = tl.Delta("content", self._space + d.text)
+                    self._space = ""
                 if out and set(out[-1]) == {key}:
                     out[-1][key] += d.text
                 else:
                     out.append({key: d.text})
             elif d.call is not None:
+                self._space = ""
                 i = self.n_calls
                 self.n_calls += 1
                 out.append({"tool_calls": [{"index": i, "id": d.call.id, "type": "function",
                                             "function": {"name": d.call.name, "arguments": ""}}]})
                 out.append({"tool_calls": [{"index": i, "function": {"arguments": d.call.arguments}}]})
+        if final and self._space and not self.n_calls:
+            out.append({"content": self._space})
+            self._space = ""
         return out
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

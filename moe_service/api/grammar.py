@@ -123,7 +123,8 @@ def lark_string(text: str) -> str:
 def compile_constraint(tokenizer, grammar: str) -> TokenConstraint:
     """A fresh :class:`TokenConstraint` for ``grammar`` (from json_schema_grammar / lark_grammar).
 
-    Raises GrammarError with llguidance's message when the grammar does not compile.
+    Raises GrammarError with llguidance's message when the grammar does not compile, or when
+    no token of the vocabulary can start the output (the first mask is empty).
     """
     import llguidance
 
@@ -134,7 +135,12 @@ def compile_constraint(tokenizer, grammar: str) -> TokenConstraint:
     matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
     if matcher.is_error():
         raise GrammarError(matcher.get_error())
-    return TokenConstraint(matcher, tokenizer.n_vocab)
+    c = TokenConstraint(matcher, tokenizer.n_vocab)
+    c.compute_mask()  # the first mask now: kept for the first sampling step
+    if matcher.is_error() or not c.bitmask.any():
+        raise GrammarError("no token of this model's vocabulary can start the required output"
+                           + (f": {matcher.get_error()}" if matcher.is_error() else ""))
+    return c
 
 
 class TokenConstraint:

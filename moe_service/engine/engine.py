@@ -127,10 +127,9 @@ def token_logprob(logp: np.ndarray, token: int, n_top: int) -> TokenLogprob:
     """``token``'s entry and the ``n_top`` best of ``logp`` [V] (ties: lower id first)."""
     top: list[tuple[int, float]] = []
     if n_top > 0:
-        k = min(n_top, logp.shape[0])
-        cand = np.argpartition(-logp, k - 1)[:k]
-        cand = cand[np.lexsort((cand, -logp[cand]))]
-        top = [(int(i), float(logp[i])) for i in cand]
+        from moe_service.engine.sampler import _top_ids
+
+        top = [(int(i), float(logp[i])) for i in _top_ids(logp, min(n_top, logp.shape[0]))]
     return TokenLogprob(int(token), float(logp[token]), top)
 
 
