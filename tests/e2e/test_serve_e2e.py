@@ -333,8 +333,9 @@ def test_tool_round_trips_required_and_named_streamed_and_not(client):
 
 
 def test_json_schema_twenty_samples_at_temperature_1_all_validate(client):
-    import jsonschema
     from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
 
     schema = {"type": "object", "properties": {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
