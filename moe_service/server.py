@@ -539,7 +539,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
 
             messages = _chat_messages(body)
             tools = check_tools(body.tools)
-            schema = check_response_format(body.response_format)
+            schema, schema_param = check_response_format(body.response_format)
             if body.logprobs:
                 n_logprobs = body.top_logprobs or 0
             elif body.top_logprobs:
@@ -547,7 +547,8 @@ async def _generate(service: Service, request: Request, *, chat: bool):
             plan = await asyncio.to_thread(
                 plan_chat, engine, messages, tools=tools, tool_choice=body.tool_choice,
                 parallel_tool_calls=body.parallel_tool_calls, schema=schema,
-                template_kwargs=body.chat_template_kwargs, reasoning_effort=body.reasoning_effort)
+                template_kwargs=body.chat_template_kwargs, reasoning_effort=body.reasoning_effort,
+                schema_param=schema_param)
             prompt_ids = plan.prompt_ids
             requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                                 if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))

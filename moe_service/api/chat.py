@@ -77,15 +77,16 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, li
                        f"{{'name': ...}}}} (got {json.dumps(choice)[:80]})", param="tool_choice")
 
 
-def check_response_format(fmt: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The JSON schema a response must follow (``json_object``: any object), or None for text."""
+def check_response_format(fmt: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, str]:
+    """(the JSON schema a response must follow (``json_object``: any object) or None for
+    text, the request field to name in errors)."""
     if not fmt:
-        return None
+        return None, "response_format"
     kind = fmt.get("type")
     if kind == "text":
-        return None
+        return None, "response_format"
     if kind == "json_object":
-        return {"type": "object"}
+        return {"type": "object"}, "response_format"
     if kind == "json_schema":
         js = fmt.get("json_schema")
         if not isinstance(js, dict):
@@ -95,7 +96,7 @@ def check_response_format(fmt: Mapping[str, Any] | None) -> dict[str, Any] | Non
         if not isinstance(schema, dict):
             raise RequestError("response_format.json_schema.schema: must be a JSON schema object",
                                param="response_format.json_schema.schema")
-        return schema
+        return schema, "response_format.json_schema.schema"
     raise RequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema' (got {kind!r})",
                        param="response_format.type")
 
@@ -113,15 +114,18 @@ class ChatPlan:
     in_reasoning: bool = False
     constraint: Any = None
     tokenizer: Any = None
+    single_call: bool = False  # parallel_tool_calls false: calls after the first are dropped
 
     def parser(self) -> tl.OutputParser:
         return tl.OutputParser(self.fmt, tools=self.tools if self.tool_mode != "none" else None,
-                               reasoning=self.reasoning, in_reasoning=self.in_reasoning, tokenizer=self.tokenizer)
+                               reasoning=self.reasoning, in_reasoning=self.in_reasoning, tokenizer=self.tokenizer,
+                               max_calls=1 if (self.single_call or self.tool_mode == "named") else None)
 
 
 def plan_chat(engine, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]], tool_choice: Any,
               parallel_tool_calls: bool | None, schema: dict[str, Any] | None,
-              template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None = None) -> ChatPlan:
+              template_kwargs: Mapping[str, Any] | None, reasoning_effort: str | None = None,
+              schema_param: str = "response_format.json_schema.schema") -> ChatPlan:
     """Render the prompt and build the constraint (a worker thread: templates and grammar
     compilation take milliseconds). Raises RequestError naming the field at fault."""
     tok = engine.tokenizer
@@ -142,7 +146,7 @@ def plan_chat(engine, messages: list[dict[str, Any]], *, tools: list[dict[str, A
     thinking = tvars.get("enable_thinking", tvars.get("thinking", True)) is not False
     in_reasoning = tl.prompt_opens_reasoning(fmt, text)
     plan = ChatPlan(prompt_ids, text, fmt, tools=tools, tool_mode=mode, reasoning=True, in_reasoning=in_reasoning,
-                    tokenizer=tok)
+                    tokenizer=tok, single_call=parallel_tool_calls is False)
     grammar = None
     param = None
     if mode in ("required", "named"):
@@ -161,9 +165,9 @@ def plan_chat(engine, messages: list[dict[str, Any]], *, tools: list[dict[str, A
         try:
             grammar = tl.json_grammar(fmt, schema, reasoning_open=in_reasoning, reasoning_allowed=thinking or in_reasoning)
         except (GrammarError, ValueError) as e:
-            raise RequestError(f"response_format.json_schema.schema: the schema cannot be enforced: {e}",
-                               param="response_format.json_schema.schema", code="invalid_json_schema") from None
-        param = "response_format.json_schema.schema"
+            raise RequestError(f"{schema_param}: the schema cannot be enforced: {e}",
+                               param=schema_param, code="invalid_json_schema") from None
+        param = schema_param
     if grammar is not None:
         try:
             plan.constraint = compile_constraint(tok, grammar)

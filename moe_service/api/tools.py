@@ -540,11 +540,12 @@ class OutputParser:
     ``feed(text, token_ids)`` with each engine event's text and tokens returns the
     :class:`Delta` list that is final now; ``finish()`` flushes the rest. ``tools``: the
     request's tool list (None: no tool parsing); ``reasoning``: parse ``<think>``;
-    ``in_reasoning``: the prompt already opened the reasoning block.
+    ``in_reasoning``: the prompt already opened the reasoning block; ``max_calls``: calls past
+    this many are dropped (``parallel_tool_calls: false``; logged).
     """
 
     def __init__(self, fmt: ChatFormat, *, tools: list[dict[str, Any]] | None, reasoning: bool,
-                 in_reasoning: bool = False, tokenizer=None):
+                 in_reasoning: bool = False, tokenizer=None, max_calls: int | None = None):
         self.fmt = fmt
         self.names = {t["function"]["name"] for t in tools or []}
         self.parse_tools = bool(tools)
@@ -552,6 +553,7 @@ class OutputParser:
         self.state = "reasoning" if (self.reasoning and in_reasoning) else "start"
         self.buf = ""
         self.calls: list[ToolCall] = []
+        self.max_calls = max_calls
         self._harmony = None
         if fmt.family == "harmony" and fmt.harmony_error is None and tokenizer is not None:
             from openai_harmony import Role, StreamableParser
@@ -653,8 +655,7 @@ class OutputParser:
                     out.append(Delta("content", block))
                 else:
                     for c in calls:
-                        self.calls.append(c)
-                        out.append(Delta("tool_call", call=c))
+                        out.extend(self._call(c))
                 self.state = "content"
             elif self.state == "json_call":
                 if not final:
@@ -664,8 +665,7 @@ class OutputParser:
                     out.append(Delta("content", self.buf))
                 else:
                     for c in calls:
-                        self.calls.append(c)
-                        out.append(Delta("tool_call", call=c))
+                        out.extend(self._call(c))
                 self.buf = ""
                 return out
             if (self.state, len(self.buf)) == before and final:
@@ -673,6 +673,13 @@ class OutputParser:
                     out.append(Delta("content", self.buf))
                     self.buf = ""
                 return out
+
+    def _call(self, c: ToolCall) -> list[Delta]:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            log.info("tool_call_dropped", name=c.name, reason="parallel_tool_calls is false")
+            return []
+        self.calls.append(c)
+        return [Delta("tool_call", call=c)]
 
     def _call_end(self, buf: str) -> int:
         """Index just past the end of the call block at the start of ``buf``; -1 while open."""
@@ -727,9 +734,7 @@ class OutputParser:
             text = "".join(getattr(c, "text", "") for c in m.content)
             args = _parse_json_object(text)
             if name in self.names and args is not None and self.parse_tools:
-                c = ToolCall(name, json.dumps(args, ensure_ascii=False))
-                self.calls.append(c)
-                out.append(Delta("tool_call", call=c))
+                out.extend(self._call(ToolCall(name, json.dumps(args, ensure_ascii=False))))
             else:
                 out.append(Delta("content", text))
         self._h_msgs = len(msgs)

@@ -328,3 +328,10 @@ def test_json_grammar_and_uncompilable_schema(tok):
         compile_constraint(tok, json_schema_grammar({"type": "string", "pattern": "(["}))
     with pytest.raises(GrammarError, match="nope"):
         compile_constraint(tok, json_schema_grammar({"$ref": "#/nope"}))
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = RECORDED[1][2]  # text + two calls
+    p = tl.OutputParser(HERMES, tools=TOOLS, reasoning=False, max_calls=1)
+    calls, content, _ = _collect(p.feed(text) + p.finish())
+    assert calls == [("get_weather", {"city": "Oslo"})] and content.startswith("Let me check both.")
