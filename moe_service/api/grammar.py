@@ -1,7 +1,7 @@
 """Token-level constrained decoding with llguidance (JSON schemas, Lark grammars).
 
 Why llguidance: measured against xgrammar and outlines-core on the demo model's 49,152-token
-vocabulary (bench/grammar.py, numbers in docs/operations.md and the api note) it builds its
+vocabulary (bench/grammar.py, numbers in docs/api.md) it builds its
 token trie in well under a second, compiles a schema in milliseconds (no per-schema index
 over the vocabulary as outlines-core builds), computes a mask in tens of microseconds and
 accepts Lark grammars with embedded JSON schemas (``%json{...}``), which tool calls need
