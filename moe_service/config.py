@@ -24,7 +24,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from moe_service.errors import ConfigError
@@ -303,6 +303,29 @@ class ServeConfig(_Table):
         30.0,
         ge=0,
         description="On SIGTERM: how long in-flight requests may run before they are cancelled.",
+    )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="API keys accepted as `Authorization: Bearer <key>` (compared in constant time). "
+        "Empty together with api_key_file: no key needed (a warning is logged when host is not loopback).",
+    )
+    api_key_file: str = Field(
+        "",
+        description="File of API keys, one per line (`#` comments), read at start and again on SIGHUP; "
+        "keep it 0600. Empty: none.",
+    )
+    metrics_auth: bool = Field(
+        False, description="/metrics needs an API key too (/health is always open for load balancers)."
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header values accepted (`name`, `*.domain`, `*`), against DNS rebinding; "
+        "empty: any. /health is exempt.",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins allowed by CORS (e.g. `https://app.example`, `*`); empty: CORS off, so "
+        "browser pages of other origins cannot call the API.",
     )
 
 

@@ -19,10 +19,15 @@ Request handling, per generation request::
 
 Every error is an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``:
 400 ``invalid_request_error`` for invalid JSON, invalid or unknown fields (pydantic's errors
-come out as 400 naming the field), unsupported values (n > 1, logprobs, tools, ...), an empty
-prompt, an unknown model or a prompt that does not fit the context; 429 ``rate_limit_error``
-when the queue is full; 503 while loading or stopping; 500 ``server_error`` when the engine
-failed on the request's step. A client that goes away has its sequence cancelled.
+come out as 400 naming the field), unsupported values (n > 1, penalties, ...), an empty
+prompt, an unknown model, a schema the grammar engine cannot compile or a prompt that does
+not fit the context; 401 without a valid API key, 415 for a body that is not declared JSON
+(moe_service.api.auth); 429 ``rate_limit_error`` when the queue is full; 503 while loading
+or stopping; 500 ``server_error`` when the engine failed on the request's step. A client that
+goes away has its sequence cancelled.
+
+Tool calls, reasoning_content, response_format and logprobs: moe_service.api (chat.py,
+tools.py, grammar.py, logprobs.py).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe_service.api import logprobs as lp_fmt
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 
@@ -101,7 +107,7 @@ class CompletionBody(_GenerationBody):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=lp_fmt.MAX_TOP_LOGPROBS)
 
 
 class ChatMessage(_Body):
@@ -120,7 +126,7 @@ class ChatBody(_GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=lp_fmt.MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -134,6 +140,7 @@ class ChatBody(_GenerationBody):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, llama.cpp): e.g. enable_thinking
 
 
 # (field, neutral-value test, what the server supports) for values the engine cannot honour
@@ -147,22 +154,16 @@ _UNSUPPORTED_COMPLETION = _UNSUPPORTED_COMMON + [
     ("best_of", lambda v: v in (None, 1), "only best_of=1 is supported"),
     ("echo", lambda v: not v, "echo is not supported"),
     ("suffix", lambda v: not v, "suffix (insertion) is not supported"),
-    ("logprobs", lambda v: v is None, "logprobs are not supported"),
 ]
 _UNSUPPORTED_CHAT = _UNSUPPORTED_COMMON + [
-    ("logprobs", lambda v: not v, "logprobs are not supported"),
-    ("top_logprobs", lambda v: not v, "logprobs are not supported"),
-    ("tools", lambda v: not v, "tool calling is not supported"),
-    ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
-    ("functions", lambda v: not v, "function calling is not supported"),
-    ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
-    ("response_format", lambda v: not v or v.get("type") == "text", "only response_format type 'text' is supported"),
+    ("functions", lambda v: not v, "the legacy 'functions' field is not supported: use 'tools'"),
+    ("function_call", lambda v: v in (None, "none"), "the legacy 'function_call' field is not supported: "
+     "use 'tool_choice'"),
     ("modalities", lambda v: not v or list(v) == ["text"], "only the text modality is supported"),
     ("audio", lambda v: v is None, "audio output is not supported"),
     ("prediction", lambda v: v is None, "predicted outputs are not supported"),
-    ("reasoning_effort", lambda v: v is None, "reasoning_effort is not supported"),
 ]
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _unsupported(body: BaseModel, table) -> None:
@@ -173,31 +174,66 @@ def _unsupported(body: BaseModel, table) -> None:
                                param=name, code="unsupported_parameter")
 
 
-def _chat_messages(body: ChatBody) -> list[dict[str, str]]:
-    """Messages as the chat template wants them: role + text content. Raises RequestError naming
-    the message field that cannot be served (tool messages, images, tool calls)."""
+def _text_content(content, where: str) -> str:
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.{j}: only text parts are supported (got type {kind!r})",
+                                   param=f"{where}.{j}.type", code="unsupported_parameter")
+            parts.append(part["text"])
+        return "".join(parts)
+    return content or ""
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` checked: [{id, type: function, function: {name,
+    arguments (a string)}}]."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}: must be a list of tool calls", param=where)
+    out = []
+    for k, c in enumerate(calls):
+        p = f"{where}.{k}"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{p}.function: an object with 'name' and 'arguments' is required",
+                               param=f"{p}.function")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        out.append({"id": str(c.get("id") or f"call_{k}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: role + text content, assistant ``tool_calls``
+    and ``tool`` results with their ``tool_call_id``. Raises RequestError naming the message
+    field that cannot be served (images, legacy function calls)."""
     out = []
     for i, m in enumerate(body.messages):
         role = _CHAT_ROLES.get(m.role)
         if role is None:
             raise RequestError(f"messages.{i}.role: role {m.role!r} is not supported (supported: "
                                f"{', '.join(_CHAT_ROLES)})", param=f"messages.{i}.role", code="unsupported_parameter")
-        for name in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(m, name):
-                raise RequestError(f"messages.{i}.{name}: tool and function calls are not supported",
-                                   param=f"messages.{i}.{name}", code="unsupported_parameter")
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"messages.{i}.content.{j}: only text parts are supported (got type {kind!r})",
-                                       param=f"messages.{i}.content.{j}.type", code="unsupported_parameter")
-                parts.append(part["text"])
-            content = "".join(parts)
-        else:
-            content = m.content or ""
-        out.append({"role": role, "content": content})
+        if m.function_call:
+            raise RequestError(f"messages.{i}.function_call: legacy function calls are not supported: use "
+                               "tool_calls", param=f"messages.{i}.function_call", code="unsupported_parameter")
+        msg: dict[str, Any] = {"role": role, "content": _text_content(m.content, f"messages.{i}.content")}
+        if m.tool_calls:
+            if role != "assistant":
+                raise RequestError(f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                                   param=f"messages.{i}.tool_calls")
+            msg["tool_calls"] = _tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.tool_call_id, str) or not m.tool_call_id:
+                raise RequestError(f"messages.{i}.tool_call_id: a tool message needs the id of the call it "
+                                   "answers", param=f"messages.{i}.tool_call_id", code="missing_required_parameter")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
     return out
 
 
@@ -240,11 +276,14 @@ class Service:
     ``engine``: moe_service.engine.engine.Engine (prompts, context policy); ``batch``: the
     started BatchLoop; ``metrics``: moe_service.metrics.Metrics; ``model_name``: the id clients
     send; ``stage``: returns the pipeline stage shown by /health while loading. ``ready`` and
-    ``stopping`` are flipped by the serve stage.
+    ``stopping`` are flipped by the serve stage. ``keys`` (moe_service.api.auth.ApiKeys or
+    None), ``metrics_auth``, ``allowed_hosts``, ``cors_origins``: serve.* of the same names.
     """
 
     def __init__(self, *, engine=None, batch=None, metrics=None, model_name: str,
-                 stage: Callable[[], str] = lambda: "starting", status_poll_s: float = 0.25):
+                 stage: Callable[[], str] = lambda: "starting", status_poll_s: float = 0.25,
+                 keys=None, metrics_auth: bool = False, allowed_hosts: tuple[str, ...] = (),
+                 cors_origins: tuple[str, ...] = ()):
         self.engine = engine
         self.batch = batch
         self.metrics = metrics
@@ -253,6 +292,10 @@ class Service:
         self.ready = False
         self.stopping = False
         self.status_poll_s = status_poll_s
+        self.keys = keys
+        self.metrics_auth = metrics_auth
+        self.allowed_hosts = tuple(allowed_hosts)
+        self.cors_origins = tuple(cors_origins)
 
     def check_serving(self) -> None:
         if self.stopping:
@@ -352,9 +395,11 @@ class _Events:
 
 def _merge(events: list[Event]) -> Event:
     last = events[-1]
+    lps = [x for e in events for x in (e.logprobs or ())]
     return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
                  finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-                 completion_tokens=last.completion_tokens, error=last.error)
+                 completion_tokens=last.completion_tokens, error=last.error,
+                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps)
 
 
 def _sse(obj: Any) -> str:
@@ -396,6 +441,15 @@ def create_app(service: Service) -> FastAPI:
     """The FastAPI application over ``service`` (no lifespan: the serve stage runs the rest)."""
     app = FastAPI(title="moe-service", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    from moe_service.api.auth import GuardMiddleware
+
+    app.add_middleware(GuardMiddleware, keys=service.keys, metrics_auth=service.metrics_auth,
+                       allowed_hosts=service.allowed_hosts)
+    if service.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
 
     @app.exception_handler(RequestValidationError)
@@ -478,13 +532,29 @@ async def _generate(service: Service, request: Request, *, chat: bool):
         _unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
         service.check_model(body.model)
         engine = service.engine
+        plan = None
+        n_logprobs = None
         if chat:
+            from moe_service.api.chat import check_response_format, check_tools, plan_chat
+
             messages = _chat_messages(body)
-            prompt_ids = await asyncio.to_thread(engine.encode_chat, messages)
+            tools = check_tools(body.tools)
+            schema, schema_param = check_response_format(body.response_format)
+            if body.logprobs:
+                n_logprobs = body.top_logprobs or 0
+            elif body.top_logprobs:
+                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+            plan = await asyncio.to_thread(
+                plan_chat, engine, messages, tools=tools, tool_choice=body.tool_choice,
+                parallel_tool_calls=body.parallel_tool_calls, schema=schema,
+                template_kwargs=body.chat_template_kwargs, reasoning_effort=body.reasoning_effort,
+                schema_param=schema_param)
+            prompt_ids = plan.prompt_ids
             requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                                 if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
             max_tokens = engine.plan_max_tokens(len(prompt_ids), requested, prompt_param="messages", param=param)
         else:
+            n_logprobs = body.logprobs
             prompt = body.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
                 if len(prompt) != 1:
@@ -504,7 +574,8 @@ async def _generate(service: Service, request: Request, *, chat: bool):
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         events = _Events()
         greq = GenerationRequest(prompt_ids, max_tokens, sampling, stop, events.emit, request_id, t_arrival,
-                                 ignore_eos=bool(body.ignore_eos))
+                                 ignore_eos=bool(body.ignore_eos),
+                                 constraint=plan.constraint if plan is not None else None, logprobs=n_logprobs)
         try:
             service.batch.submit(greq)
         except RequestError as e:
@@ -526,11 +597,11 @@ async def _generate(service: Service, request: Request, *, chat: bool):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _stream(service, request, greq, events, chat=chat, created=created, include_usage=include_usage,
-                    endpoint=endpoint),
+                    endpoint=endpoint, plan=plan),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id},
         )
-    return await _complete(service, request, greq, events, chat=chat, created=created, endpoint=endpoint)
+    return await _complete(service, request, greq, events, chat=chat, created=created, endpoint=endpoint, plan=plan)
 
 
 def _usage(ev: Event) -> dict[str, int]:
@@ -551,9 +622,11 @@ def _finished(service: Service, greq: GenerationRequest, ev: Event, endpoint: st
 
 
 async def _complete(service: Service, request: Request, greq: GenerationRequest, events: _Events, *,
-                    chat: bool, created: int, endpoint: str):
+                    chat: bool, created: int, endpoint: str, plan=None):
     """Wait for the whole completion; cancel it when the client disconnects meanwhile."""
     parts: list[str] = []
+    tokens: list[int] = []
+    logprobs: list = []
     done = False
     next_check = time.monotonic() + service.status_poll_s
     try:
@@ -567,6 +640,8 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
             if ev is None:
                 continue
             parts.append(ev.text)
+            tokens.extend(ev.token_ids)
+            logprobs.extend(ev.logprobs or ())
             if ev.final:
                 done = True
                 break
@@ -578,12 +653,22 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
     if ev.error is not None:
         return error_response(ev.error)
     text = "".join(parts)
+    tokenizer = service.engine.tokenizer
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": ev.finish_reason}
+        from moe_service.api.chat import MessageBuilder
+
+        mb = MessageBuilder()
+        parser = plan.parser()
+        mb.add(parser.feed(text, tokens))
+        mb.add(parser.finish())
+        choice = {"index": 0, "message": mb.message(),
+                  "logprobs": lp_fmt.chat_logprobs(tokenizer, logprobs) if greq.logprobs is not None else None,
+                  "finish_reason": mb.finish_reason(ev.finish_reason)}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+        choice = {"index": 0, "text": text,
+                  "logprobs": lp_fmt.CompletionLogprobs(tokenizer).block(logprobs) if greq.logprobs is not None
+                  else None, "finish_reason": ev.finish_reason}
         obj = "text_completion"
     return JSONResponse(
         {"id": greq.request_id, "object": obj, "created": created, "model": service.model_name,
@@ -593,27 +678,52 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
 
 
 async def _stream(service: Service, request: Request, greq: GenerationRequest, events: _Events, *, chat: bool,
-                  created: int, include_usage: bool, endpoint: str):
-    """SSE chunks as the OpenAI API sends them; cancels the sequence if the client goes away."""
+                  created: int, include_usage: bool, endpoint: str, plan=None):
+    """SSE chunks as the OpenAI API sends them; cancels the sequence if the client goes away.
+
+    Chat: the text goes through the plan's parser, so a chunk's delta holds ``content``,
+    ``reasoning_content`` or ``tool_calls`` (a call's id and name first, then its arguments);
+    logprobs ride on the first chunk of the engine events they came with.
+    """
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": greq.request_id, "object": obj, "created": created, "model": service.model_name}
+    tokenizer = service.engine.tokenizer
+    want_lp = greq.logprobs is not None
+    parser = plan.parser() if chat else None
+    if chat:
+        from moe_service.api.chat import StreamBuilder
 
-    def chunk(text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                {"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        out = {**head, "choices": [choice]}
+        builder = StreamBuilder()
+    else:
+        clp = lp_fmt.CompletionLogprobs(tokenizer)
+
+    def out(choice: dict[str, Any]) -> str:
+        o = {**head, "choices": [choice]}
         if include_usage:
-            out["usage"] = None
-        return out
+            o["usage"] = None
+        return _sse(o)
+
+    def chat_chunks(ev: Event) -> list[str]:
+        parsed = parser.feed(ev.text, ev.token_ids)
+        if ev.final:
+            parsed += parser.finish()
+        deltas = builder.deltas(parsed, final=ev.final)
+        lps = lp_fmt.chat_logprobs(tokenizer, ev.logprobs or []) if want_lp and ev.logprobs else None
+        if lps is not None and not deltas:
+            deltas = [{}]
+        chunks = []
+        for i, d in enumerate(deltas):
+            chunks.append(out({"index": 0, "delta": d, "logprobs": lps if i == 0 else None, "finish_reason": None}))
+        if ev.final:
+            chunks.append(out({"index": 0, "delta": {}, "logprobs": None,
+                               "finish_reason": builder.finish_reason(ev.finish_reason)}))
+        return chunks
 
     done = False
     try:
         if chat:
-            yield _sse(chunk(None, None, role=True))
+            yield out({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None})
         while True:
             first = await events.get(None)
             batch = [first]
@@ -629,8 +739,13 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
                 yield _sse(ev.error.to_dict())
                 yield "data: [DONE]\n\n"
                 return
-            if ev.text or ev.final:
-                yield _sse(chunk(ev.text, ev.finish_reason))
+            if chat:
+                for c in chat_chunks(ev):
+                    yield c
+            elif ev.text or ev.final or (want_lp and ev.logprobs):
+                yield out({"index": 0, "text": ev.text or "",
+                           "logprobs": clp.block(ev.logprobs or []) if want_lp else None,
+                           "finish_reason": ev.finish_reason})
             if ev.final:
                 done = True
                 _finished(service, greq, ev, endpoint, stream=True)

@@ -40,6 +40,9 @@ def install_signal_handlers(ctx: PipelineContext) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # `systemctl reload` (SIGHUP) rereads the API key file once serving (pipeline/serve.py);
+    # before that there is nothing to reload, and SIGHUP's default action would kill the load.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def start_watchdog(ctx: PipelineContext) -> Watchdog:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
+import threading
 import time
 
 from moe_service.errors import StageError
@@ -101,6 +103,19 @@ def _uvicorn_server(app, grace_s: float):
     return Server(config)
 
 
+def _on_sighup(keys):
+    """SIGHUP rereads serve.api_key_file (when set); returns the previous handler to restore,
+    or None when no handler was installed (no key file, or not the main thread)."""
+    if keys.key_file is None or threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        log.info("sighup_received", action="reload serve.api_key_file")
+        keys.reload()
+
+    return signal.signal(signal.SIGHUP, handler)
+
+
 @register_stage
 class ServeStage(Stage):
     """Serve the OpenAI-compatible API until shutdown (see module doc)."""
@@ -124,6 +139,13 @@ class ServeStage(Stage):
         cfg = ctx.config.serve
         if ctx.engine is None:
             raise StageError("serve needs ctx.engine, which the warmup stage builds")
+        from moe_service.api.auth import ApiKeyFileError, ApiKeys, warn_if_open
+
+        try:
+            keys = ApiKeys([k.get_secret_value() for k in cfg.api_keys], cfg.api_key_file or None)
+        except ApiKeyFileError as e:
+            raise StageError(str(e)) from None
+        warn_if_open(cfg.host, keys)
         self.sock = bind_socket(cfg.host, cfg.port)
         host, port = local_address(self.sock)
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -133,10 +155,17 @@ class ServeStage(Stage):
         self.batch = BatchLoop(ctx.engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
                                retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics).start()
         self.service = Service(engine=ctx.engine, batch=self.batch, metrics=metrics,
-                               model_name=ctx.engine.model_name, stage=lambda: ctx.current_stage)
+                               model_name=ctx.engine.model_name, stage=lambda: ctx.current_stage,
+                               keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,
+                               allowed_hosts=tuple(cfg.allowed_hosts), cors_origins=tuple(cfg.cors_origins))
         ctx.server = self.service
         app = create_app(self.service)
-        asyncio.run(self._serve(ctx, app, (host, port)))
+        previous = _on_sighup(keys)
+        try:
+            asyncio.run(self._serve(ctx, app, (host, port)))
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGHUP, previous)
         self.batch.stop()
 
     async def _serve(self, ctx: PipelineContext, app, addr: tuple[str, int]) -> None:

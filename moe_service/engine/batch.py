@@ -82,6 +82,7 @@ class BatchLoop:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.failed_steps = 0
+        self._mask_pool = None  # grammar mask worker, started by the first constrained step
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -148,6 +149,9 @@ class BatchLoop:
                 self._thread = thread
             else:
                 log.info("engine_loop_stopped", steps=self.steps, failed_steps=self.failed_steps)
+        if self._mask_pool is not None and self._thread is None:
+            self._mask_pool.shutdown(wait=False)
+            self._mask_pool = None
 
     # -- engine thread -----------------------------------------------------------------------
 
@@ -249,10 +253,12 @@ class BatchLoop:
             else:
                 batch.append((seq.slot, seq.next_input()))
                 entries.append((seq, 0))
+        masks = self._start_masks(entries)
         t0 = time.monotonic()
         try:
             logits = self.model.step(batch)  # [S, V] float32
         except Exception as e:
+            self._wait_masks(masks)
             self.failed_steps += 1
             log.error("engine_step_failed", sequences=len(batch), tokens=sum(len(t) for _, t in batch),
                       requests=[s.request.request_id for s, _ in entries], error=f"{type(e).__name__}: {e}",
@@ -262,6 +268,7 @@ class BatchLoop:
             for seq, _ in entries:
                 self._fail(seq, err)
             return
+        self._wait_masks(masks)
         now = time.monotonic()
         self.steps += 1
         if self.metrics is not None:
@@ -290,6 +297,35 @@ class BatchLoop:
             self._emit(seq, ev)
             if ev.final:
                 self._release(seq)
+
+    def _start_masks(self, entries: list[tuple[Sequence, int]]):
+        """Compute the grammar masks of the constrained sequences that sample after this step,
+        in the mask worker thread while model.step runs (llguidance and the forward pass both
+        drop the GIL), so a constrained sequence adds no serial time to the step. Returns the
+        future, or None when no sequence in the step is constrained."""
+        todo = [seq.request.constraint for seq, n in entries if seq.request.constraint is not None
+                and (n == 0 or seq.n_prefilled + n >= len(seq.prompt_ids))]
+        if not todo:
+            return None
+        if self._mask_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+
+        def run() -> None:
+            for c in todo:
+                c.compute_mask()
+
+        return self._mask_pool.submit(run)
+
+    @staticmethod
+    def _wait_masks(fut) -> None:
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Exception as e:  # computed again (and reported) on the engine thread by accept()
+            log.warning("grammar_mask_failed", error=f"{type(e).__name__}: {e}")
 
     def _drain_on_stop(self) -> None:
         with self._cv:

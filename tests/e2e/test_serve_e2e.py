@@ -52,10 +52,22 @@ def golden(demo_model):
     return g.prompt_text, tok.decode(chain), "length"
 
 
+API_KEY = "sk-e2e-" + "0" * 24
+
+
 @pytest.fixture(scope="session")
-def service(demo_model, e2e_cache):
+def key_file(e2e_cache):
+    """serve.api_key_file of the shared server (0600, one key): every request below sends it."""
+    path = e2e_cache / "api-keys"
+    path.write_text(f"# e2e\n{API_KEY}\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="session")
+def service(demo_model, e2e_cache, key_file):
     sp = start_service(demo_model, e2e_cache, numba_cache_dir=default_numba_cache_dir(),
-                       config={"max_tokens_default": 16})
+                       config={"max_tokens_default": 16, "api_key_file": str(key_file)})
     yield sp
     code = sp.terminate()
     sp.close()
@@ -64,7 +76,7 @@ def service(demo_model, e2e_cache):
 
 @pytest.fixture
 def client(service):
-    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 def chat_messages():
@@ -160,8 +172,9 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path,body,status,etype,param", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
 def test_bad_request_gets_its_error_and_the_next_request_succeeds(service, client, path, body, status, etype, param):
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-    r = httpx.post(f"{service.url}{path}", timeout=60, **kw)
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{service.url}{path}", timeout=60, headers={"authorization": f"Bearer {API_KEY}",
+                                                                   "content-type": "application/json"}, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["type"] == etype and err["param"] == param and err["message"]
@@ -171,8 +184,9 @@ def test_bad_request_gets_its_error_and_the_next_request_succeeds(service, clien
 
 def test_openai_client_raises_bad_request_for_unsupported(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert e.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
+                                       presence_penalty=0.5)
+    assert e.value.body["param"] == "presence_penalty"
 
 
 def test_metrics_parse(service, client):
@@ -238,3 +252,180 @@ def test_watchdog_pings_while_serving_and_stops_when_the_engine_stalls(demo_mode
         assert sp.proc.poll() is None  # stalled, not dead: systemd is the one that restarts it
     finally:
         sp.close()
+
+
+# -- the agent-facing API on the demo model (moe_service.api) ------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+TOOL_RESULTS = {"get_weather": {"temperature": 18, "unit": "celsius", "sky": "clear"},
+                "get_time": {"time": "14:05"}}
+
+
+def _chat(client, stream: bool, **kw):
+    """(message dict as a client keeps it, finish_reason), from a streamed or a plain answer."""
+    if not stream:
+        r = client.chat.completions.create(model=MODEL_ID, **kw)
+        return r.choices[0].message.model_dump(exclude_none=True), r.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for ch in client.chat.completions.create(model=MODEL_ID, stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            c["id"] = tc.id or c["id"]
+            if tc.function and tc.function.name:
+                c["function"]["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                c["function"]["arguments"] += tc.function.arguments
+        finish = ch.choices[0].finish_reason or finish
+    msg = {"role": "assistant", "content": content or None}
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return msg, finish
+
+
+def _round_trip(client, stream: bool, choice: str) -> dict:
+    import jsonschema
+
+    tools = [WEATHER, CLOCK]
+    if choice == "required":
+        question, tool_choice, expect = "What is the weather in Paris?", "required", {"get_weather", "get_time"}
+    else:
+        question, tool_choice, expect = "What time is it in Tokyo?", {"type": "function",
+                                                                     "function": {"name": "get_time"}}, {"get_time"}
+    msgs = [{"role": "user", "content": question}]
+    first, finish = _chat(client, stream, messages=msgs, tools=tools, tool_choice=tool_choice,
+                          parallel_tool_calls=False, temperature=0, max_tokens=48)
+    assert finish == "tool_calls", first
+    calls = first["tool_calls"]
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_")
+    name = calls[0]["function"]["name"]
+    assert name in expect
+    args = json.loads(calls[0]["function"]["arguments"])
+    schema = next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"]
+    jsonschema.validate(args, schema)
+    msgs += [first, {"role": "tool", "tool_call_id": calls[0]["id"], "content": json.dumps(TOOL_RESULTS[name])}]
+    final, finish = _chat(client, stream, messages=msgs, tools=tools, tool_choice="none", temperature=0,
+                          max_tokens=12)
+    assert finish in ("stop", "length") and final["content"] and "tool_calls" not in final
+    return {"call": (name, args), "answer": final["content"]}
+
+
+def test_tool_round_trips_required_and_named_streamed_and_not(client):
+    """Round trips at once (the server batches them): assistant tool_calls -> tool message ->
+    final answer, with tool_choice 'required' (not streamed) and a named function (streamed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [(False, "required"), (True, "named")]
+    with ThreadPoolExecutor(len(cases)) as ex:
+        results = list(ex.map(lambda sc: _round_trip(client, *sc), cases))
+    assert results[0]["call"][0] in ("get_weather", "get_time") and results[1]["call"][0] == "get_time"
+
+
+def test_json_schema_twenty_samples_at_temperature_1_all_validate(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"type": "string", "enum": ["red", "green", "blue"]}, "pet": {"type": "boolean"}},
+        "required": ["age", "color", "pet"], "additionalProperties": False}
+
+    def one(seed):
+        r = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "Describe a person."}], temperature=1, seed=seed,
+            max_tokens=24, response_format={"type": "json_schema",
+                                            "json_schema": {"name": "person", "schema": schema, "strict": True}})
+        return r.choices[0].finish_reason, r.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(one, range(20)))
+    for finish, text in answers:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    assert len({t for _, t in answers}) > 1  # sampled, not one answer repeated
+
+
+def test_uncompilable_schema_is_a_400_naming_the_problem(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {
+                "a": {"$ref": "#/definitions/missing"}}}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert "missing" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_greedy_chain_is_the_top_choice(client, stream):
+    kw = dict(messages=chat_messages(), max_tokens=6, temperature=0, logprobs=True, top_logprobs=5)
+    if stream:
+        entries, text = [], ""
+        for ch in client.chat.completions.create(model=MODEL_ID, stream=True, **kw):
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                entries += ch.choices[0].logprobs.content if ch.choices[0].logprobs else []
+    else:
+        r = client.chat.completions.create(model=MODEL_ID, **kw)
+        entries, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert 1 <= len(entries) <= 6 and "".join(e.token for e in entries) == text
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert e.top_logprobs[0].token == e.token and e.logprob == tops[0]  # greedy: the argmax
+        assert sum(2.718281828 ** t for t in tops) <= 1 + 1e-9
+    r = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs) == 3
+    assert all(max(d.values()) == v for d, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+
+
+def test_api_keys_401_200_health_open_and_sighup_reload(service, client, key_file):
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=f"{service.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    assert httpx.post(f"{service.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+    assert httpx.get(f"{service.url}/health").status_code == 200
+    assert httpx.get(f"{service.url}/metrics").status_code == 200  # serve.metrics_auth = false
+    new = "sk-rotated-" + "1" * 20
+    original = key_file.read_text()
+    try:
+        key_file.write_text(original + new + "\n")
+        service.proc.send_signal(signal.SIGHUP)
+        rotated = openai.OpenAI(base_url=f"{service.url}/v1", api_key=new, max_retries=0)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert [m.id for m in rotated.models.list()] == [MODEL_ID]
+                break
+            except openai.AuthenticationError:
+                assert time.monotonic() < deadline, "the new key was not accepted after SIGHUP"
+                time.sleep(0.1)
+    finally:
+        key_file.write_text(original)
+        service.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{service.url}/v1/models", headers={"authorization": f"Bearer {new}"}).status_code != 401:
+        assert time.monotonic() < deadline, "the removed key still works after SIGHUP"
+        time.sleep(0.1)
+    assert service.proc.poll() is None
+
+
+def test_plain_text_content_type_is_refused(service):
+    body = json.dumps({"model": MODEL_ID, "prompt": "x", "max_tokens": 1})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(f"{service.url}/v1/completions", content=body,
+                       headers={"content-type": ctype, "authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
