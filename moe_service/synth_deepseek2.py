@@ -157,6 +157,21 @@ PRESETS: dict[str, Deepseek2Preset] = {
                         n_dense_lead=1, n_expert_shared=2, n_group=0, n_group_used=0, gating=0,
                         weights_norm=False, weights_scale=0.0, probs_bias=False, mla_form="split", n_vocab=8192,
                         mscale_all_dim=0.707),
+        # Kimi K2 layout at toy size: the deepseek2 architecture with one expert group written
+        # (expert_group_count 1: no group limit), more experts, scale 2.827, rope base 50000,
+        # YaRN x32, one leading dense layer.
+        Deepseek2Preset("tiny-kimi-k2", n_layer=3, n_embd=256, n_head=2, q_lora_rank=128, kv_lora_rank=128,
+                        qk_nope=64, qk_rope=32, v_head=64, n_expert=48, n_expert_used=6, n_ff_exp=256, n_ff=512,
+                        n_dense_lead=1, n_expert_shared=1, n_group=1, n_group_used=1, gating=2,
+                        weights_norm=True, weights_scale=2.827, probs_bias=True, mla_form="split", n_vocab=8192,
+                        n_ctx_train=131072, rope_freq_base=50000.0, yarn_factor=32.0),
+        # Kimi K2 at its real layer shapes (61 layers in the real model, 163840-token vocabulary).
+        Deepseek2Preset("kimi-k2", n_layer=2, n_embd=7168, n_head=64, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope=128, qk_rope=64, v_head=128, n_expert=384, n_expert_used=8, n_ff_exp=2048,
+                        n_ff=18432, n_dense_lead=1, n_expert_shared=1, n_group=1, n_group_used=1, gating=2,
+                        weights_norm=True, weights_scale=2.827, probs_bias=True, mla_form="split", n_vocab=163840,
+                        vocab="qwen2", expert_type="Q4_K", n_ctx_train=131072, rope_freq_base=50000.0,
+                        yarn_factor=32.0),
         # DeepSeek-V3/R1 (and Kimi K2's attention/expert shapes) at its real layer shapes; the
         # real model has 61 layers (3 dense) and a 129280-token vocabulary.
         Deepseek2Preset("deepseek-v3", n_layer=4, n_embd=7168, n_head=128, q_lora_rank=1536, kv_lora_rank=512,

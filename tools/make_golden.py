@@ -292,7 +292,7 @@ def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
 # DEEPSEEK2_SEEDS whose 48-token llama.cpp chain keeps the largest top-1/top-2 gap at every
 # step (a chain is a sharp test only where each step has a clear winner).
 DEEPSEEK2_FIXTURES = [(preset, et) for preset in ("tiny-deepseek2", "tiny-deepseek2-legacy", "tiny-deepseek2-lite")
-                      for et in ("Q4_K", "Q8_0")]
+                      for et in ("Q4_K", "Q8_0")] + [("tiny-kimi-k2", "Q4_K")]
 DEEPSEEK2_SEEDS = range(8)
 
 

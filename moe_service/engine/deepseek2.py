@@ -413,7 +413,7 @@ class Deepseek2Model(Model):
         for n in ("attn_norm", "ffn_norm", "attn_q_a_norm", "attn_kv_a_norm"):
             if f"{pre}{n}.weight" in t:
                 lw.vecs[n] = self.path.vec(f"{pre}{n}.weight")
-        NH, Dn, Dv, Rkv = hp.n_head, hp.qk_nope, hp.v_head, hp.kv_lora_rank
+        NH, Dn, Dv = hp.n_head, hp.qk_nope, hp.v_head
         lw.mla = {}
         if hp.split_mla:
             kb, vb = t[f"{pre}attn_k_b.weight"], t[f"{pre}attn_v_b.weight"]
