@@ -568,7 +568,9 @@ def _check_ids(ids: np.ndarray, n_expert: int) -> None:
 class MoE:
     """The MoE FFN step over a WorkerPool (or single-threaded with fused=False).
 
-    act: ACT_SILU (default) or ACT_SWIGLU_OAI with ``alpha`` / ``limit`` (gpt-oss: 1.702, 7).
+    act: ACT_SILU (default) or ACT_SWIGLU_OAI with ``alpha`` / ``limit`` (gpt-oss: 1.702, 7),
+    used for expert sets that do not carry their own (the engine's ExpertSet carries the
+    architecture's ``act``/``alpha``/``limit``, which win).
     Buffers are kept between calls (per shape) so a decode step allocates nothing large.
     """
 
@@ -619,7 +621,8 @@ class MoE:
         n_tok, k_n = ids.shape
         h, i_w = spec.h, spec.i_w
         out = np.zeros((n_tok, h), np.float32)
-        alpha, limit = np.float32(self.alpha), np.float32(self.limit)
+        act, alpha, limit = self._act(spec)
+        alpha, limit = np.float32(alpha), np.float32(limit)
         for t in range(n_tok):
             xt = _q.Activations(x[t: t + 1])
             acc = None
@@ -632,7 +635,7 @@ class MoE:
                 if bu is not None:
                     u = u + bu
                 hbuf = np.empty(i_w, np.float32)
-                act_rows(self.act, g.reshape(-1), u.reshape(-1), alpha, limit, hbuf)
+                act_rows(act, g.reshape(-1), u.reshape(-1), alpha, limit, hbuf)
                 off, typ = spec.offset("down", e, 0), spec.types["down"]
                 y = _q.matmul(arena, off, typ, h, i_w, hbuf.reshape(1, i_w))[0]
                 bd = spec.bias_down(arena, e)
@@ -695,6 +698,13 @@ class MoE:
         self._scratch[key] = sc
         return sc
 
+    def _act(self, spec) -> tuple[int, float, float]:
+        """The layer's activation when its expert set carries one (the architecture's, via
+        the engine's ExpertSet), else this MoE's own."""
+        if spec.act is not None:
+            return spec.act, spec.alpha, spec.limit
+        return self.act, self.alpha, self.limit
+
     def _fill_static(self, op, spec) -> None:
         op[M_H] = spec.h
         op[M_I] = spec.i_w
@@ -709,9 +719,10 @@ class MoE:
         op[M_U_ROWB] = _q.row_bytes(op[M_U_TYPE], spec.h)
         op[M_D_ROWB] = _q.row_bytes(spec.types["down"], spec.i_w)
         op[M_KERNELS] = _q.ensure_kernels(spec.types.values()).ctypes.data
-        op[M_ACT] = self.act
-        op[M_ALPHA] = int(f32_bits_py(self.alpha))
-        op[M_LIMIT] = int(f32_bits_py(self.limit))
+        act, alpha, limit = self._act(spec)
+        op[M_ACT] = act
+        op[M_ALPHA] = int(f32_bits_py(alpha))
+        op[M_LIMIT] = int(f32_bits_py(limit))
         b = spec.biases
         if spec.fused and "gate_up" in b:
             op[M_BIAS_G] = b["gate_up"]
@@ -753,6 +764,10 @@ class _Spec:
         self.copies = {k: (np.ascontiguousarray(o, dtype=np.int64), np.ascontiguousarray(n, dtype=np.int32))
                        for k, (o, n) in experts.copies.items()}
         self.biases = {k: int(v) for k, v in (getattr(experts, "biases", None) or {}).items()}
+        act = getattr(experts, "act", None)  # the architecture's activation (engine ExpertSet)
+        self.act = None if act is None else int(act)
+        self.alpha = float(getattr(experts, "alpha", 1.702))
+        self.limit = float(getattr(experts, "limit", 7.0))
         self.fused = "gate_up" in self.copies
         kinds = ["gate_up", "down"] if self.fused else ["gate", "up", "down"]
         for k in kinds:
