@@ -10,7 +10,8 @@ import math
 import numpy as np
 from gguf.quants import dequantize
 
-from moe_service.engine.deepseek2 import Deepseek2Params
+from moe_service.engine.arch.base import GATING_SIGMOID
+from moe_service.engine.arch.rope import yarn_corr_dims
 
 
 def _w(cat, ws, name) -> np.ndarray:
@@ -26,22 +27,23 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def forward(cat, ws, hp: Deepseek2Params, tokens: list[int]) -> np.ndarray:
-    """float64 logits [T, V] of every prompt position."""
+def forward(cat, ws, arch, tokens: list[int]) -> np.ndarray:
+    """float64 logits [T, V] of every prompt position; ``arch``: the model's Deepseek2."""
+    hp = arch.hp
     W = lambda n: _w(cat, ws, n)  # noqa: E731
     T, NH, Dn, Dr, Dv, Rkv = len(tokens), hp.n_head, hp.qk_nope, hp.qk_rope, hp.v_head, hp.kv_lora_rank
-    rs = hp.rope
+    y = hp.yarn
     # YaRN (float64): per pair j, blend of interpolated and extrapolated frequencies
     j = np.arange(Dr // 2)
-    extrap = rs.freq_base ** (-2.0 * j / Dr)
-    if rs.ext_factor:
-        lo, hi = rs.corr_dims(Dr)
+    extrap = hp.rope_base ** (-2.0 * j / Dr)
+    if y.ext_factor:
+        lo, hi = yarn_corr_dims(Dr, y.n_ctx_orig, hp.rope_base, 32.0, 1.0)
         ramp = 1 - np.clip((j - lo) / max(0.001, hi - lo), 0, 1)
-        freq = extrap * rs.freq_scale * (1 - ramp) + extrap * ramp
+        freq = extrap * y.freq_scale * (1 - ramp) + extrap * ramp
         mag = 1.0  # the rope magnitude cancels (llama.cpp's attn_factor correction)
-        m = 1 + 0.1 * rs.log_mul * math.log(1 / rs.freq_scale)
+        m = 1 + 0.1 * y.log_mul * math.log(1 / y.freq_scale)
     else:
-        freq, mag, m = extrap * rs.freq_scale, 1.0, 1.0
+        freq, mag, m = extrap * y.freq_scale, 1.0, 1.0
     ang = np.arange(T)[:, None] * freq[None, :]
     cos, sin = np.cos(ang) * mag, np.sin(ang) * mag
     scale = m * m / math.sqrt(Dn + Dr)
@@ -85,7 +87,7 @@ def forward(cat, ws, hp: Deepseek2Params, tokens: list[int]) -> np.ndarray:
             y = (_silu(h @ W(b + "ffn_gate.weight").T) * (h @ W(b + "ffn_up.weight").T)) @ W(b + "ffn_down.weight").T
         else:
             logits = h @ W(b + "ffn_gate_inp.weight").T
-            if hp.gating == 1:
+            if hp.gating == GATING_SIGMOID:
                 probs = 1 / (1 + np.exp(-logits))
             else:
                 probs = np.exp(logits - logits.max(-1, keepdims=True))

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_service.engine import routing
-from moe_service.engine.deepseek2 import Deepseek2Model
+from moe_service.engine.arch.base import GATING_SIGMOID
+from moe_service.engine.model import Model
 from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
@@ -48,9 +48,9 @@ def ops():
 def _selection_margin(model, lw, h) -> float:
     """Smallest margin of the routing decision of any token: between the k-th and (k+1)-th
     selection score among kept experts, and between the last kept and first dropped group."""
-    hp = model.hp
+    hp = model.arch.hp
     logits = model.path.router_logits(lw, h).astype(np.float64)
-    if hp.gating == routing.GATING_SIGMOID:
+    if hp.gating == GATING_SIGMOID:
         p = 1 / (1 + np.exp(-logits))
     else:
         p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -68,14 +68,14 @@ def _selection_margin(model, lw, h) -> float:
         np.put_along_axis(drop, keep, False, 1)
         sel = np.where(drop[:, :, None], -np.inf, g).reshape(T, E)
     s = -np.sort(-sel, -1)
-    k = hp.n_expert_used
+    k = model.routing.k
     margins.append(float((s[:, k - 1] - s[:, k]).min()))
     return min(margins)
 
 
 def _run(g, path, ops, dense="quant"):
     cat = GGUFModel.open(path)
-    model = Deepseek2Model(cat, WeightStore.load_simple(cat), ops, n_seq=1, n_ctx=len(g.prompt_ids) + 64, dense=dense)
+    model = Model(cat, WeightStore.load_simple(cat), ops, n_seq=1, n_ctx=len(g.prompt_ids) + 64, dense=dense)
     margins = [np.inf]
     route = model.route
 
@@ -122,11 +122,11 @@ def test_deepseek2_paths_agree_with_float64(preset, ops, tmp_path):
     prompt = [int(t) for t in np.random.default_rng(1).integers(1, 8000, 17)]
     out = {}
     for dense in ("quant", "torch"):
-        model = Deepseek2Model(cat, ws, ops, n_seq=1, n_ctx=64, dense=dense)
+        model = Model(cat, ws, ops, n_seq=1, n_ctx=64, dense=dense)
         s = model.kv.alloc()
         out[dense] = model.step([(s, prompt[:-1])])[0].numpy()
         out[dense + "_decode"] = model.step([(s, prompt[-1:])])[0].numpy()
-    ref = ds2_reference.forward(cat, ws, model.hp, prompt)
+    ref = ds2_reference.forward(cat, ws, model.arch, prompt)
     for dense, (tmax, tmean) in (("torch", (0.15, 0.03)), ("quant", (1.2, 0.25))):
         for key, row in ((dense, -2), (dense + "_decode", -1)):
             d = np.abs(out[key] - ref[row])
