@@ -32,6 +32,16 @@ Weights (std s per element): projections 1/sqrt(fan_in) so activations stay unit
 ``attn_k_b``/``attn_kv_b`` 1/sqrt(Rkv); router F32 2/sqrt(H); selection bias uniform
 +-0.05 * sqrt(3); norm weights uniform in [0.5, 1.5] (not 1: a missing norm multiply shows);
 embedding and output 4/sqrt(H) (logit std ~4), untied. Expert blocks as moe_service.synth.
+
+Decisive greedy chains (the tiny presets, ``successor_head``): a random model over 8192
+tokens meets a top-1/top-2 near-tie within a few greedy steps whatever its scales (gap and
+rounding spread scale together), so a 48-token chain would say little. The tiny presets
+give the token embedding element std 1 (the residual stream keeps the current token's
+direction through the layers) and make ``output`` row j the embedding row j-1 with its Q8_0
+block scales x 1/4: the successor of the current token wins by a wide margin (~6 logits
+over the runner-up; the layers move every other logit), and the chain counts up through
+the vocabulary. The logits themselves (the last prompt position, and after the 48 greedy
+tokens) carry the layers' computation and are compared in full.
 """
 
 from __future__ import annotations
@@ -103,6 +113,8 @@ class Deepseek2Preset:
     yarn_factor: float = 40.0  # 0: no rope scaling keys
     yarn_orig_ctx: int = 4096
     mscale_all_dim: float = 1.0  # yarn_log_multiplier = 0.1 * this (0: key absent)
+    embd_std: float = 0.0  # token_embd element std (0: 4/sqrt(H))
+    successor_head: bool = False  # output row j = token_embd row j-1 x 1/4 (decisive greedy chains)
 
     def validate(self) -> None:
         """Raises ConfigError naming the field when the shapes do not fit the formats."""
@@ -143,20 +155,23 @@ PRESETS: dict[str, Deepseek2Preset] = {
         Deepseek2Preset("tiny-deepseek2", n_layer=3, n_embd=256, n_head=4, q_lora_rank=128, kv_lora_rank=128,
                         qk_nope=64, qk_rope=32, v_head=64, n_expert=16, n_expert_used=4, n_ff_exp=256, n_ff=512,
                         n_dense_lead=1, n_expert_shared=1, n_group=4, n_group_used=2, gating=2,
-                        weights_norm=True, weights_scale=2.5, probs_bias=True, mla_form="split", n_vocab=8192),
+                        weights_norm=True, weights_scale=2.5, probs_bias=True, mla_form="split", n_vocab=8192,
+                        embd_std=1.0, successor_head=True),
         # The same with the legacy unsplit attn_kv_b (files converted before the split).
         Deepseek2Preset("tiny-deepseek2-legacy", n_layer=3, n_embd=256, n_head=4, q_lora_rank=128,
                         kv_lora_rank=128, qk_nope=64, qk_rope=32, v_head=64, n_expert=16, n_expert_used=4,
                         n_ff_exp=256, n_ff=512, n_dense_lead=1, n_expert_shared=1, n_group=4, n_group_used=2,
                         gating=2, weights_norm=True, weights_scale=2.5, probs_bias=True, mla_form="legacy",
-                        n_vocab=8192),
+                        n_vocab=8192,
+                        embd_std=1.0, successor_head=True),
         # DeepSeek-V2-Lite layout: no q_lora (attn_q), softmax gating (key absent), no groups, no
         # bias, weights not normalised, no scale key, 2 shared experts, YaRN mscale_all_dim 0.707.
         Deepseek2Preset("tiny-deepseek2-lite", n_layer=3, n_embd=256, n_head=4, q_lora_rank=0, kv_lora_rank=128,
                         qk_nope=64, qk_rope=32, v_head=64, n_expert=16, n_expert_used=4, n_ff_exp=256, n_ff=512,
                         n_dense_lead=1, n_expert_shared=2, n_group=0, n_group_used=0, gating=0,
                         weights_norm=False, weights_scale=0.0, probs_bias=False, mla_form="split", n_vocab=8192,
-                        mscale_all_dim=0.707),
+                        mscale_all_dim=0.707,
+                        embd_std=1.0, successor_head=True),
         # Kimi K2 layout at toy size: the deepseek2 architecture with one expert group written
         # (expert_group_count 1: no group limit), more experts, scale 2.827, rope base 50000,
         # YaRN x32, one leading dense layer.
@@ -164,7 +179,8 @@ PRESETS: dict[str, Deepseek2Preset] = {
                         qk_nope=64, qk_rope=32, v_head=64, n_expert=48, n_expert_used=6, n_ff_exp=256, n_ff=512,
                         n_dense_lead=1, n_expert_shared=1, n_group=1, n_group_used=1, gating=2,
                         weights_norm=True, weights_scale=2.827, probs_bias=True, mla_form="split", n_vocab=8192,
-                        n_ctx_train=131072, rope_freq_base=50000.0, yarn_factor=32.0),
+                        n_ctx_train=131072, rope_freq_base=50000.0, yarn_factor=32.0,
+                        embd_std=1.0, successor_head=True),
         # Kimi K2 at its real layer shapes (61 layers in the real model, 163840-token vocabulary).
         Deepseek2Preset("kimi-k2", n_layer=2, n_embd=7168, n_head=64, q_lora_rank=1536, kv_lora_rank=512,
                         qk_nope=128, qk_rope=64, v_head=128, n_expert=384, n_expert_used=8, n_ff_exp=2048,
@@ -226,9 +242,10 @@ def tensor_plan(p: Deepseek2Preset) -> list[_T]:
     """Every tensor of the model in file order."""
     H, V, E, I, F = p.n_embd, p.n_vocab, p.n_expert, p.n_ff_exp, p.n_ff  # noqa: E741 - shape legend
     NH, Dk = p.n_head, p.qk_nope + p.qk_rope
-    out: list[_T] = [_T("token_embd.weight", (H, V), p.embd_type, 4.0 / math.sqrt(H)),
+    out: list[_T] = [_T("token_embd.weight", (H, V), p.embd_type, p.embd_std or 4.0 / math.sqrt(H)),
                      _T("output_norm.weight", (H,), "F32", kind="norm"),
-                     _T("output.weight", (H, V), p.embd_type, 4.0 / math.sqrt(H))]
+                     _T("output.weight", (H, V), p.embd_type, 4.0 / math.sqrt(H),
+                        kind="successor" if p.successor_head else "rand")]
     for i in range(p.n_layer):
         b = f"blk.{i}."
         out.append(_T(b + "attn_norm.weight", (H,), "F32", kind="norm"))
@@ -316,9 +333,26 @@ def model_metadata(p: Deepseek2Preset, seed: int) -> dict[str, tuple[Any, str]]:
     return kv
 
 
-def _chunks(t: _T, seed: int) -> Iterator[np.ndarray]:
+def _successor_head(p: Deepseek2Preset, seed: int) -> np.ndarray:
+    """output.weight bytes: token_embd's Q8_0 rows rolled by one (row j = embedding row j-1),
+    every block scale d times 1/4 (exact in float16)."""
+    if p.embd_type != "Q8_0":
+        raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
+    H = p.n_embd
+    emb = tensor_bytes("Q8_0", seed, "token_embd.weight", p.n_vocab, H, p.embd_std or 4.0 / math.sqrt(H))
+    blocks = np.roll(emb.reshape(p.n_vocab, H // 32, 34), 1, axis=0).copy()
+    d = blocks[:, :, 0:2].copy().view("<f2")
+    blocks[:, :, 0:2] = (d.astype(np.float32) * np.float32(0.25)).astype("<f2").view(np.uint8).reshape(
+        p.n_vocab, H // 32, 2)
+    return blocks.reshape(-1)
+
+
+def _chunks(t: _T, seed: int, p: Deepseek2Preset | None = None) -> Iterator[np.ndarray]:
     """The tensor's bytes, one expert slab at a time for expert tensors (bounded memory)."""
     n = int(np.prod(t.ne))
+    if t.kind == "successor":
+        yield _successor_head(p, seed)
+        return
     if t.kind in ("norm", "bias"):
         u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
         vals = 1.0 + 0.5 * u if t.kind == "norm" else u * (t.std * math.sqrt(3.0))
@@ -388,7 +422,7 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
             done = 0
             for t in plans:
                 written = 0
-                for chunk in _chunks(t, seed):
+                for chunk in _chunks(t, seed, p):
                     fout.write(chunk.tobytes())
                     written += chunk.nbytes
                     done += chunk.nbytes

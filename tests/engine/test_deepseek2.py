@@ -7,13 +7,22 @@ bias, 4 groups of 4 with 2 used, top-4, normalised x2.5, one shared expert, YaRN
 legacy ``attn_kv_b`` form, and the V2-Lite form (no q_lora, softmax, no groups, 2 shared
 experts, mscale 0.707), each with Q4_K and Q8_0 experts.
 
-Tolerances (measured, see the report in docs and the README of the fixtures):
+Tolerances (measured 2026-12-01 against llama-cpp-python 0.3.36, tools/make_golden.py
+--only deepseek2; the CPU path rounds as ggml: 8-bit activations, float16 latent cache):
 
-- logits: max |diff| <= DS2[0], mean <= DS2[1] against llama.cpp (``TIE`` when our prefill
-  meets a routing near-tie: a selection margin below ROUTE_TIE lets either engine pick the
-  other expert);
-- greedy chains: identical, except that a chain may part where llama.cpp's own top-1/top-2
-  gap is below the logit max tolerance (a coin toss for either engine).
+- CPU path: last-prompt logits max |diff| 0.21-0.55, mean 0.045-0.095; after the 48-token
+  chain (decode path) max 0.31-0.76, mean 0.06-0.16 (legacy attn_kv_b files the largest:
+  llama.cpp expands K/V per head, we run them absorbed). llama.cpp's own batched vs
+  token-by-token deviation on the split form is 0.14-0.16. Bound: DS2 = (1.0, 0.2).
+- torch path (float activations, the GPU path): max 0.23-1.36, mean 0.05-0.29. Bound:
+  DS2_TORCH = (2.0, 0.4).
+- These hold through routing near-ties (the prefills meet selection margins down to 1e-5,
+  printed in the failure message): a flipped expert of one token in one layer stays inside
+  the bound on these 3-layer models.
+- Greedy chains: the tiny presets' successor head makes every llama.cpp step decisive (min
+  top-1/top-2 gap 1.08-8.5 over the 48 steps): the chain must be identical, except where
+  llama.cpp's gap is below the logit max bound (never for the CPU path). When the chains
+  agree, the logits after them are compared too.
 """
 
 from __future__ import annotations
@@ -28,11 +37,10 @@ from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
 from tests.engine import ds2_reference
-from tests.fixtures.golden import golden_model, golden_model_names, model_file
+from tests.fixtures.golden import GOLDEN_DIR, golden_model, golden_model_names, load_manifest, model_file
 
-DS2 = (1.0, 0.2)  # max, mean |logit difference| vs llama.cpp
-TIE = (4.0, 1.0)
-ROUTE_TIE = 2e-3  # selection-score margin (k-th vs (k+1)-th, or the last kept group) below which engines may differ
+DS2 = (1.0, 0.2)  # max, mean |logit difference| vs llama.cpp, CPU path
+DS2_TORCH = (2.0, 0.4)  # the torch path (float activations)
 
 NAMES = [n for n in golden_model_names() if golden_model(n).source.get("arch") == "deepseek2"]
 
@@ -90,24 +98,31 @@ def _run(g, path, ops, dense="quant"):
     chain = [int(np.argmax(logits))]
     while len(chain) < len(g.greedy_ids):
         chain.append(int(np.argmax(model.step([(s, [chain[-1]])])[0].numpy())))
-    return logits, chain, min(margins)
+    final = model.step([(s, [chain[-1]])])[0].numpy()  # after prompt + the whole chain: decode-path numerics
+    return logits, chain, min(margins), final
 
 
+@pytest.mark.parametrize("dense", ["quant", "torch"])
 @pytest.mark.parametrize("name", NAMES)
-def test_deepseek2_logits_and_greedy_chain_match_llama_cpp(name, ops, tmp_path_factory):
+def test_deepseek2_logits_and_greedy_chain_match_llama_cpp(name, dense, ops, tmp_path_factory):
     g = golden_model(name)
     path = model_file(g, tmp_path_factory.mktemp(name))
-    logits, chain, margin = _run(g, path, ops)
-    tol_max, tol_mean = DS2 if margin >= ROUTE_TIE else TIE
+    logits, chain, margin, final = _run(g, path, ops, dense)
+    tol_max, tol_mean = DS2 if dense == "quant" else DS2_TORCH
     diff = np.abs(logits - g.logits)
     assert np.isfinite(logits).all()
     assert diff.max() <= tol_max and diff.mean() <= tol_mean, (
         f"{name}: max {diff.max():.3f} mean {diff.mean():.3f} (routing margin {margin:.2g})")
     i = next((i for i, (a, b) in enumerate(zip(chain, g.greedy_ids, strict=True)) if a != b), None)
-    if i is not None:
-        assert g.greedy_gaps[i] < DS2[0], (
+    if i is None:  # the same 48 tokens: the logits after them (decode path) are comparable too
+        ref = np.load(GOLDEN_DIR / load_manifest()["models"][name]["final_logits_file"])
+        d = np.abs(final - ref)
+        assert d.max() <= tol_max and d.mean() <= tol_mean, (
+            f"{name}: after the chain: max {d.max():.3f} mean {d.mean():.3f} (routing margin {margin:.2g})")
+    else:
+        assert g.greedy_gaps[i] < tol_max, (
             f"{name}: greedy chain parts from llama.cpp's at step {i} ({chain[i]} vs {g.greedy_ids[i]}) "
-            f"where llama.cpp's top-1/top-2 gap is {g.greedy_gaps[i]:.3f} (>= {DS2[0]})")
+            f"where llama.cpp's top-1/top-2 gap is {g.greedy_gaps[i]:.3f} (>= {tol_max})")
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek2", "tiny-deepseek2-legacy", "tiny-deepseek2-lite"])
