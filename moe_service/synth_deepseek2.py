@@ -369,12 +369,13 @@ def _chunks(t: _T, seed: int, p: Deepseek2Preset | None = None) -> Iterator[np.n
 def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: int | None = None,
                     expert_type: str | None = None, seed: int = 0, sparse: bool = False,
                     progress: Callable[[int, int], None] | None = None,
-                    metadata_overrides: dict[str, Any] | None = None) -> Path:
+                    metadata_overrides: dict[str, Any] | None = None, **preset_overrides: Any) -> Path:
     """Write a synthetic deepseek2 GGUF and return its path.
 
     Args:
         path: output file (written beside it, then renamed).
-        preset: a PRESETS name or a Deepseek2Preset; n_layer / expert_type override it.
+        preset: a PRESETS name or a Deepseek2Preset; n_layer / expert_type and any other
+            ``preset_overrides`` (Deepseek2Preset fields, e.g. n_dense_lead) override it.
         seed: the same arguments always give the same bytes.
         sparse: write the header only and extend the file to its full size without data (a
             sparse file of zero blocks: valid GGUF, real shapes, for ``check`` and planning of
@@ -388,7 +389,7 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
     """
     import gguf
 
-    p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type)
+    p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type, **preset_overrides)
     path = Path(path)
     plans = tensor_plan(p)
     with gguf_written_atomically(path, ARCH) as writer:
