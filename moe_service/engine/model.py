@@ -484,16 +484,19 @@ class TorchPath:
         T, nh = q.shape[0], q.shape[1]
         dv = value_dim or v.shape[2]
         out = torch.empty(T, nh, dv, dtype=torch.float32, device=m.device)
-        group = nh // kc.shape[2]
+        nkv = kc.shape[2]
+        group = nh // nkv
         for s, a, e, n0 in spans:
             n = e - a
             kc[s, n0 : n0 + n] = k[a:e].to(torch.float16)
             if not latent:
                 vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
-            keys = kc[s, : n0 + n].float().repeat_interleave(group, dim=1)  # [L, NH, D]
-            vals = (kc[s, : n0 + n, :, :dv] if latent else vc[s, : n0 + n]).float().repeat_interleave(group, dim=1)
-            qs = q[a:e].to(torch.float16).float()  # ggml computes K·Q with Q converted to f16
-            scores = torch.einsum("thd,lhd->htl", qs, keys) * scale  # [NH, n, L]
+            # K/V heads are not repeated per query head (an MLA layer has one shared row of
+            # NH x more values than a head would: repeating it cost NH x the cache in memory)
+            keys = kc[s, : n0 + n].float()  # [L, NKV, D]
+            vals = (kc[s, : n0 + n, :, :dv] if latent else vc[s, : n0 + n]).float()  # [L, NKV, Dv]
+            qs = q[a:e].to(torch.float16).float().reshape(n, nkv, group, -1)  # ggml: K·Q with Q in f16
+            scores = torch.einsum("tkgd,lkd->kgtl", qs, keys).reshape(nh, n, -1) * scale  # [NH, n, L]
             qpos = torch.arange(n0, n0 + n, device=m.device)[:, None]
             kpos = torch.arange(0, n0 + n, device=m.device)[None, :]
             mask = kpos > qpos
@@ -506,7 +509,7 @@ class TorchPath:
             else:
                 probs = torch.softmax(scores, dim=-1)
             probs = probs.to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
-            out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
+            out[a:e] = torch.einsum("kgtl,lkd->tkgd", probs.reshape(nkv, group, n, -1), vals).reshape(n, nh, dv)
         return out
 
     def glu_ffn(self, lw: LayerWeights, h: torch.Tensor, names=("ffn_gate", "ffn_up", "ffn_down"),
