@@ -66,3 +66,18 @@ def test_mutated_header_is_refused_or_runs(key, how, value, ops, tmp_path):
     logits = model.step([(s, [1, 2, 3, 4, 5])])[0].numpy()
     logits2 = model.step([(s, [int(np.argmax(logits))])])[0].numpy()
     assert np.isfinite(logits).all() and np.isfinite(logits2).all(), (key, how, value)
+
+
+def test_nextn_blocks_are_not_part_of_the_trunk(tmp_path):
+    """deepseek2.nextn_predict_layers: the last blocks are multi-token-prediction heads
+    (llama.cpp's n_layer() excludes them); the decode trunk is block_count minus them."""
+    path = write_deepseek2(tmp_path / "mtp.gguf", PRESET, metadata_overrides={"deepseek2.nextn_predict_layers": 1})
+    cat = GGUFModel.open(path)
+    assert archs.check_model(cat) == []
+    assert archs.for_model(cat).hp.n_layer == PRESET.n_layer - 1
+
+
+def test_query_temperature_scaling_is_refused_naming_the_key(tmp_path):
+    path = write_deepseek2(tmp_path / "t.gguf", PRESET, metadata_overrides={"deepseek2.attention.temperature_scale": 0.1})
+    (p,) = archs.check_model(GGUFModel.open(path))
+    assert str(path) in p.message and "deepseek2.attention.temperature_scale" in p.message

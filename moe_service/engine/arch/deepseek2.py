@@ -136,7 +136,8 @@ def yarn_from_metadata(r: HParamReader, n_ctx_train: int) -> Yarn:
 class Deepseek2HParams:
     """deepseek2 hyperparameters (GGUF key in parentheses, under ``deepseek2.``).
 
-    n_layer (block_count), n_embd (embedding_length), n_head (attention.head_count),
+    n_layer (block_count minus nextn_predict_layers: the trunk), n_embd (embedding_length),
+    n_head (attention.head_count),
     q_lora_rank (attention.q_lora_rank; absent or 0: lite, ``attn_q``), kv_lora_rank
     (attention.kv_lora_rank), qk_rope (rope.dimension_count), split_mla (both
     attention.key_length_mla and value_length_mla present: the split form), qk_nope + qk_rope
@@ -146,7 +147,8 @@ class Deepseek2HParams:
     (expert_count / expert_used_count), n_ff_exp (expert_feed_forward_length),
     n_expert_shared (expert_shared_count), n_group / n_group_used (expert_group_count /
     expert_group_used_count; <= 1: no group limit), gating (expert_gating_func: absent or 1
-    softmax, 2 sigmoid), weights_norm (expert_weights_norm), weights_scale
+    softmax, 2 sigmoid; absent on a 47/48-layer 154880-token file: sigmoid, as llama.cpp for
+    GLM-4.7 lite), weights_norm (expert_weights_norm), weights_scale
     (expert_weights_scale; absent or 0: 1), rope_base (rope.freq_base), rms_eps
     (attention.layer_norm_rms_epsilon), n_ctx_train (context_length), yarn (rope.scaling.*).
     """
@@ -191,7 +193,10 @@ class Deepseek2(Architecture):
     # -- hyperparameters -------------------------------------------------------------------
 
     def read_hparams(self, r: HParamReader) -> Deepseek2HParams:
-        n_layer = r.int("block_count", lo=1, hi=1 << 16)
+        n_layer_all = r.int("block_count", lo=1, hi=1 << 16)
+        # multi-token-prediction blocks (nextn) follow the trunk's layers; llama.cpp's n_layer()
+        # is the trunk, and a plain decode never runs them
+        n_layer = n_layer_all - r.int("nextn_predict_layers", 0, hi=n_layer_all - 1)
         n_embd = r.int("embedding_length", lo=1, hi=1 << 20)
         n_head = r.int("attention.head_count", lo=1, hi=1 << 16)
         k_mla = r.int("attention.key_length_mla", 0, hi=1 << 16)
@@ -209,6 +214,8 @@ class Deepseek2(Architecture):
         if not n_vocab:
             ne = self.tensor_ne.get("token_embd.weight")
             n_vocab = int(ne[1]) if ne is not None and len(ne) == 2 else 0
+        if gating == 0 and n_layer in (47, 48) and n_vocab == 154880:
+            gating = 2  # llama.cpp: GLM-4.7 lite files without the key route by sigmoid
         return Deepseek2HParams(
             n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_vocab=n_vocab,
             q_lora_rank=r.int("attention.q_lora_rank", 0, hi=1 << 20),
@@ -242,6 +249,10 @@ class Deepseek2(Architecture):
                     self.r.md.get(k("attention.value_length_mla"), 0) > 0):
             out.append((k("attention.key_length_mla"), f"{k('attention.key_length_mla')} and "
                         f"{k('attention.value_length_mla')} must both be set (the split MLA form) or both absent"))
+        temp = self.r.md.get(k("attention.temperature_scale"))
+        if temp:
+            out.append((k("attention.temperature_scale"), f"{k('attention.temperature_scale')} = {temp}: the "
+                        "position-dependent query temperature (Mistral Large 3 on deepseek2) is not supported"))
         key = k("attention.key_length_mla") if hp.split_mla else k("attention.key_length")
         if hp.qk_rope < 2 or hp.qk_rope % 2 or hp.qk_nope < 1:
             out.append((k("rope.dimension_count"), f"{k('rope.dimension_count')} = {hp.qk_rope} must be even, >= 2 and "
