@@ -249,6 +249,13 @@ class Deepseek2(Architecture):
                     self.r.md.get(k("attention.value_length_mla"), 0) > 0):
             out.append((k("attention.key_length_mla"), f"{k('attention.key_length_mla')} and "
                         f"{k('attention.value_length_mla')} must both be set (the split MLA form) or both absent"))
+        n_kv = self.r.md.get(k("attention.head_count_kv"))
+        want_kv = 1 if hp.split_mla else hp.n_head
+        if n_kv is not None and n_kv != want_kv:
+            form = "split MLA form caches one latent row per token" if hp.split_mla else \
+                "legacy attn_kv_b form has a K and V head per query head"
+            out.append((k("attention.head_count_kv"), f"{k('attention.head_count_kv')} = {n_kv}, expected {want_kv} "
+                        f"(the {form})"))
         temp = self.r.md.get(k("attention.temperature_scale"))
         if temp:
             out.append((k("attention.temperature_scale"), f"{k('attention.temperature_scale')} = {temp}: the "
