@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from moe_service.engine import arch as archs
 from moe_service.gguf_model import GGUFModel
-from moe_service.synth_deepseek2 import model_metadata, resolve_preset, write_deepseek2
+from moe_service.synth_deepseek2 import resolve_preset, write_deepseek2
 from tests.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 
 PRESET = resolve_preset("tiny-deepseek2", n_layer=2, expert_type="Q8_0")
-NUMERIC = [k for k, (v, t) in model_metadata(PRESET, 0).items()
-           if k.startswith("deepseek2.") and t in ("UINT32", "FLOAT32")]
 
 
 def test_nextn_blocks_are_not_part_of_the_trunk(tmp_path):
