@@ -434,3 +434,32 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_service.synth_deepseek2 --preset NAME --out PATH [--layers N]
+    [--dense-layers N] [--expert-type T] [--seed S] [--sparse]``."""
+    import argparse
+    import sys
+
+    from moe_service.synth import sha256_file
+
+    ap = argparse.ArgumentParser(prog="python -m moe_service.synth_deepseek2", description=main.__doc__)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--dense-layers", type=int, default=None, help="leading dense layers (n_dense_lead)")
+    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
+    args = ap.parse_args(argv)
+    extra = {} if args.dense_layers is None else {"n_dense_lead": args.dense_layers}
+    path = write_deepseek2(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type, seed=args.seed,
+                           sparse=args.sparse, **extra)
+    print(f"{path} sha256={sha256_file(path)}" if not args.sparse else str(path))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -146,3 +146,28 @@ def test_deepseek2_paths_agree_with_float64(preset, ops, tmp_path):
         for key, row in ((dense, -2), (dense + "_decode", -1)):
             d = np.abs(out[key] - ref[row])
             assert d.max() < tmax and d.mean() < tmean, (key, d.max(), d.mean())
+
+
+@pytest.mark.parametrize("dense", ["quant", "torch"])
+def test_deepseek2_batched_step_equals_each_sequence_alone(dense, ops, tmp_path):
+    """Continuous batching over the latent cache: a decode token of one sequence and a prefill
+    of another in one step give each the logits it gets alone."""
+    from moe_service.synth_deepseek2 import write_deepseek2
+
+    cat = GGUFModel.open(write_deepseek2(tmp_path / "b.gguf", "tiny-deepseek2", expert_type="Q4_K", seed=2))
+    ws = WeightStore.load_simple(cat)
+    model = Model(cat, ws, ops, n_seq=2, n_ctx=64, dense=dense)
+    a, b = [5, 900, 31, 4000, 77], [12, 13, 600, 7000, 8, 9, 2500, 44, 45]
+    s0 = model.kv.alloc()
+    model.step([(s0, a)])
+    alone_decode = model.step([(s0, [7])])[0].numpy()
+    model.kv.free(s0)
+    s1 = model.kv.alloc()
+    alone_prefill = model.step([(s1, b)])[0].numpy()
+    model.kv.free(s1)
+    sa, sb = model.kv.alloc(), model.kv.alloc()
+    model.step([(sa, a)])
+    both = model.step([(sa, [7]), (sb, b)]).numpy()
+    np.testing.assert_allclose(both[0], alone_decode, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(both[1], alone_prefill, atol=2e-3, rtol=0)
+    assert model.kv.length[sa] == 6 and model.kv.length[sb] == 9
