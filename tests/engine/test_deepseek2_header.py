@@ -4,6 +4,8 @@ prediction blocks, unsupported query temperature, KV head count of each MLA form
 
 from __future__ import annotations
 
+import pytest
+
 from moe_service.engine import arch as archs
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth_deepseek2 import resolve_preset, write_deepseek2
@@ -33,3 +35,13 @@ def test_kv_head_count_must_match_the_mla_form(tmp_path):
     path = write_deepseek2(tmp_path / "kv.gguf", PRESET, metadata_overrides={"deepseek2.attention.head_count_kv": 4})
     (p,) = archs.check_model(GGUFModel.open(path))
     assert "deepseek2.attention.head_count_kv = 4, expected 1" in p.message
+
+
+def test_experts_per_token_beyond_the_kept_groups_is_a_config_error(tmp_path):
+    from moe_service.errors import ConfigError
+
+    cat = GGUFModel.open(write_deepseek2(tmp_path / "g.gguf", PRESET))  # 4 groups of 4, 2 kept: 8 selectable
+    arch = archs.for_model(cat)
+    assert arch.routing(8).k == 8 and arch.routing(0).k == PRESET.n_expert_used
+    with pytest.raises(ConfigError, match="experts_per_token = 9"):
+        arch.routing(9)

@@ -367,6 +367,12 @@ class Deepseek2(Architecture):
         if hp.n_dense_lead >= hp.n_layer:
             return None
         grouped = hp.n_group > 1
+        if grouped and k > hp.n_group_used * (hp.n_expert // hp.n_group):
+            from moe_service.errors import ConfigError
+
+            raise ConfigError(f"engine.experts_per_token = {k}: this model routes among the experts of its "
+                              f"{hp.n_group_used} best groups of {hp.n_expert // hp.n_group} "
+                              f"(at most {hp.n_group_used * (hp.n_expert // hp.n_group)} per token)")
         return Routing(k=k or hp.n_expert_used, gating=hp.gating, norm=hp.weights_norm, scale=hp.weights_scale,
                        n_group=hp.n_group if grouped else 1, n_group_used=hp.n_group_used if grouped else 1)
 
