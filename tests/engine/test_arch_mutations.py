@@ -123,7 +123,7 @@ def test_every_numeric_hyperparameter_mutation_is_refused_cleanly_or_runs(models
 def test_check_cli_names_key_and_tensor_and_lists_supported_architectures(models, tmp_path):
     """``moe-service check`` exits 3 with the sentence an operator needs: the file, the
     tensor, its shape against the header's, and the keys; or the unsupported architecture
-    with the supported list."""
+    with the supported list. ``moe-service serve`` refuses the same file with exit 3."""
     bad = tmp_path / "bad.gguf"
     shutil.copyfile(models["qwen3moe"], bad)
     set_metadata(str(bad), "qwen3moe.expert_feed_forward_length", 512)
@@ -132,6 +132,10 @@ def test_check_cli_names_key_and_tensor_and_lists_supported_architectures(models
     problem = next(ln for ln in r.stdout.splitlines() if "problem:" in ln)
     assert str(bad) in problem and "tensor blk.0.ffn_gate_exps.weight has shape [256, 256, 16]" in problem
     assert "header gives [256, 512, 16]" in problem and "qwen3moe.expert_feed_forward_length=512" in problem
+
+    r = _cli("serve", bad)  # the start refuses it in prepare, before any allocation
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert '"stage": "prepare"' in r.stderr and "tensor blk.0.ffn_gate_exps.weight has shape" in r.stderr
 
     other = tmp_path / "other.gguf"
     shutil.copyfile(models["llama"], other)
@@ -154,7 +158,11 @@ def _set_arch(path, name: str) -> None:
 
 
 def _check(path) -> subprocess.CompletedProcess:
+    return _cli("check", path)
+
+
+def _cli(command: str, path) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("MOE_SERVICE")}
     clean["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "moe_service.cli", "check", "--model", str(path)],
+    return subprocess.run([sys.executable, "-m", "moe_service.cli", command, "--model", str(path)],
                           capture_output=True, text=True, timeout=120, cwd=REPO, env=clean)
