@@ -336,7 +336,7 @@ class Deepseek2(Architecture):
         E, I = hp.n_expert, hp.n_ff_exp  # noqa: E741 - the shape legend
         ek = ("embedding_length", "expert_feed_forward_length", "expert_count")
         out: list[TensorSpec | OneOf] = [
-            s(b + "ffn_gate_inp.weight", (H, E), VECTOR_TYPES, ("embedding_length", "expert_count"), role="router"),
+            s(b + "ffn_gate_inp.weight", (H, E), MATRIX_TYPES, ("embedding_length", "expert_count"), role="router"),
             s(b + "exp_probs_b.bias", (E,), VECTOR_TYPES, ("expert_count",), required=False, role="router_bias"),
             OneOf(((s(b + "ffn_gate_exps.weight", (H, I, E), MATRIX_TYPES, ek, role="expert"),
                     s(b + "ffn_up_exps.weight", (H, I, E), MATRIX_TYPES, ek, role="expert")),
