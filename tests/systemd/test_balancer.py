@@ -197,7 +197,7 @@ backend moe
     option httpchk GET /health
     http-check expect status 200
     default-server check inter 200ms fall 2 rise 2
-""" + "".join(f"    server {n} 127.0.0.1:{b.server_address[1]}\n" for n, b in zip(names, backends)))
+""" + "".join(f"    server {n} 127.0.0.1:{b.server_address[1]}\n" for n, b in zip(names, backends, strict=True)))
     proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30

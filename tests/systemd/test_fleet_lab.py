@@ -6,8 +6,7 @@ site.yml with tests/systemd/lab/fleet-inventory.yml installs HAProxy's configura
 moe_balancer, port 8000) and two instances of moe-service@ on the demo model (8001, 8002);
 the same playbook again changes nothing; then clients stream completions through HAProxy
 without pause while the playbook rolls a configuration change over both instances (drain on
-HAProxy, restart, /health 200, back in), and once more changes nothing. The tests below
-read its report.json.
+HAProxy, restart, /health 200, back in). The tests below read its report.json.
 
 Why a container and not the QEMU VM: every service start imports torch and loads numba's
 kernels, minutes per start under emulation, and the rollout starts the service four times;
@@ -209,12 +208,6 @@ def test_both_instances_serve_behind_haproxy(fleet):
 
 def test_second_run_changes_nothing(fleet):
     run = step(fleet, "ansible_2")
-    assert run["rc"] == 0, run["stdout_tail"][-3000:]
-    assert run.get("changed") == 0, f"not idempotent: {run['changed_task_names']}"
-
-
-def test_run_after_the_rollout_changes_nothing(fleet):
-    run = step(fleet, "ansible_3")
     assert run["rc"] == 0, run["stdout_tail"][-3000:]
     assert run.get("changed") == 0, f"not idempotent: {run['changed_task_names']}"
 

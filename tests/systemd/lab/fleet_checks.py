@@ -14,7 +14,6 @@ system Python and the standard library only. Steps, each recorded as it finishes
              runs with a changed configuration (-e moe_lab_generation=2): every request's
              status and completeness, HAProxy's server states sampled every 0.2 s, each
              unit's InvocationID before and after, HAProxy's own log lines
-  ansible_3  once more after the rollout: changed=0 again (the fleet converged)
 
 Environment (set by the test): LAB_OUT, LAB_REPO, LAB_ANSIBLE_PLAYBOOK, LAB_MOE_WHEELHOUSE,
 LAB_DEMO_MODEL, LAB_SHARED_SITE_PACKAGES, LAB_FLEET_CLIENTS (concurrent streams, default 2).
@@ -287,11 +286,6 @@ def rolling() -> dict:
     }
 
 
-@step("ansible_3")
-def ansible_3() -> dict:
-    return playbook("ansible-3.log", ["-e", "moe_lab_generation=2"])
-
-
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     env_step()
@@ -300,7 +294,6 @@ def main() -> int:
         serving()
         ansible_2()
         rolling()
-        ansible_3()
     report["finished"] = True
     save()
     return 0
