@@ -105,9 +105,13 @@ def container_available() -> tuple[bool, str]:
 
 def nspawn_command(machine: str, out_dir: Path, binds: Sequence[Path], boot_args: Sequence[str]) -> list[str]:
     """The systemd-nspawn argv (the launcher inserts -D ROOT after the program name)."""
-    argv = ["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", f"--machine={machine}",
+    argv = ["systemd-nspawn", "--quiet", "--register=no", f"--machine={machine}",
             "--private-network", "--console=passive", f"--bind={out_dir}:/lab-out",
             "--setenv=MOE_LAB_CONTAINER=1"]
+    if not Path("/run/systemd/system").exists():
+        # No systemd on the host (CI, build containers): no one to create a scope unit for the
+        # container; it stays in the caller's cgroup. Under a host systemd nspawn makes a scope.
+        argv.insert(3, "--keep-unit")
     for b in binds:
         # Folders on other file systems than / are not in the overlay's lower layer: bind them.
         argv.append(f"--bind-ro={b}")

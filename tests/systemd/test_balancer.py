@@ -1,5 +1,6 @@
 """The role moe_balancer on the build machine (the fleet lab runs it for real: test_fleet_lab.py).
 
+- site.yml configures HAProxy before the service play, which goes in batches (`serial`);
 - haproxy.cfg renders from an inventory: one server per instance of the backend group, named
   <host>:<port> (the name the moe_service role drains), instances of other backends left out,
   health checks on /health expecting 200, leastconn or consistent hashing on a header, the
@@ -119,6 +120,20 @@ def test_config_hashes_on_a_header_and_forwards_a_key(tmp_path):
     assert "slowstart 30s maxconn 6" in cfg
     assert "listen stats" not in cfg
     haproxy_check(tmp_path, cfg)
+
+
+def test_site_yml_rolls_the_service_in_batches_after_the_balancer():
+    """site.yml: HAProxy is configured before any instance restarts, and the service play goes
+    a batch of hosts at a time (default 1) and stops at the first failure."""
+    plays = yaml.safe_load((REPO / "ansible/site.yml").read_text())
+    by_role = {p["roles"][0]["role"]: i for i, p in enumerate(plays)}
+    assert plays[by_role["moe_balancer"]]["hosts"] == "moe_balancers"
+    assert by_role["moe_balancer"] < by_role["moe_service"]
+    service = plays[by_role["moe_service"]]
+    assert service["serial"] == "{{ moe_service_serial | default(1) }}"
+    assert service["max_fail_percentage"] == 0
+    # Only the service play restarts anything; the host roles never batch.
+    assert "serial" not in plays[by_role["numa_host"]]
 
 
 # --- moe-balancer-ctl against a real HAProxy ----------------------------------------------
