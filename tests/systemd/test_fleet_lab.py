@@ -6,7 +6,8 @@ site.yml with tests/systemd/lab/fleet-inventory.yml installs HAProxy's configura
 moe_balancer, port 8000) and two instances of moe-service@ on the demo model (8001, 8002);
 the same playbook again changes nothing; then clients stream completions through HAProxy
 without pause while the playbook rolls a configuration change over both instances (drain on
-HAProxy, restart, /health 200, back in). The tests below read its report.json.
+HAProxy, restart, /health 200, back in); last, an operator restarts one instance by hand,
+without the drain. The tests below read its report.json.
 
 Why a container and not the QEMU VM: every service start imports torch and loads numba's
 kernels, minutes per start under emulation, and the rollout starts the service four times;
@@ -262,3 +263,16 @@ def test_haproxy_saw_each_instance_out_and_back_one_at_a_time(fleet):
         serving = [srv for srv, v in c["servers"].items() if v["status"] == "UP" and v["admin_state"] == 0]
         assert serving, f"no instance serving at {c}"
     assert any("lab:8001" in ln for ln in s["haproxy_log"]), s["haproxy_log"]
+
+
+def test_restart_by_hand_loses_no_request_either(fleet):
+    """Without the playbook's drain: the instance's own SIGTERM path (/health 503, listener
+    closed, in-flight requests finished) with HAProxy's checks and retries (retry-on
+    conn-failure empty-response, redispatch) still cut no stream and fail no request."""
+    s = step(fleet, "unmanaged")
+    assert s["restart_rc"] == 0, s["restart_stderr"]
+    assert s["units_before"]["InvocationID"] != s["units_after"]["InvocationID"]
+    assert s["requests_during_restart"] >= 2, s
+    assert s["bad"] == [], s["bad"]
+    statuses = [c["servers"][SERVERS[0]]["status"] for c in s["stats_changes"]]
+    assert any(st.startswith("DOWN") for st in statuses) and statuses[-1] == "UP", statuses

@@ -14,6 +14,9 @@ system Python and the standard library only. Steps, each recorded as it finishes
              runs with a changed configuration (-e moe_lab_generation=2): every request's
              status and completeness, HAProxy's server states sampled every 0.2 s, each
              unit's InvocationID before and after, HAProxy's own log lines
+  unmanaged  the same clients while an operator restarts moe-service@a by hand (systemctl,
+             no drain): the instance's SIGTERM path (/health 503, listener closed, in-flight
+             requests finished) plus HAProxy's health checks and retries alone
 
 Environment (set by the test): LAB_OUT, LAB_REPO, LAB_ANSIBLE_PLAYBOOK, LAB_MOE_WHEELHOUSE,
 LAB_DEMO_MODEL, LAB_SHARED_SITE_PACKAGES, LAB_FLEET_CLIENTS (concurrent streams, default 2).
@@ -286,6 +289,35 @@ def rolling() -> dict:
     }
 
 
+@step("unmanaged")
+def unmanaged() -> dict:
+    unit, server = UNITS["a"], SERVERS["a"]
+    before = unit_props(unit)
+    with StatsSampler() as sampler, Clients(int(os.environ.get("LAB_FLEET_CLIENTS", "2"))) as clients:
+        time.sleep(3)
+        t0 = time.monotonic()
+        restart = lab_checks.sh(["systemctl", "restart", unit], timeout_s=900)
+        t1 = time.monotonic()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and ctl_status()[server]["status"] != "UP":
+            time.sleep(0.2)
+        time.sleep(2)
+    recs = clients.records
+    return {
+        "restart_rc": restart["rc"],
+        "restart_stderr": restart["stderr"][-1500:],
+        "window": [round(t0, 3), round(t1, 3)],
+        "requests": len(recs),
+        "requests_during_restart": sum(1 for r in recs if r["t1"] >= t0 and r["t0"] <= t1),
+        "statuses": sorted({str(r["status"]) for r in recs}),
+        "bad": [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")
+                or not r["finish_reason"]][:20],
+        "stats_changes": sampler.changes,
+        "units_before": before,
+        "units_after": unit_props(unit),
+    }
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     env_step()
@@ -294,6 +326,7 @@ def main() -> int:
         serving()
         ansible_2()
         rolling()
+        unmanaged()
     report["finished"] = True
     save()
     return 0
