@@ -82,8 +82,15 @@ def prepare(environ: dict[str, str]) -> dict[str, str]:
     wheelhouse = LAB_WORK / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     wheelhouse.mkdir()
+    # Built from a copy: an in-tree build writes build/ and *.egg-info into the checkout, and
+    # the VM lab (test_lab.py) builds its wheel from the checkout at the same moment.
+    src = LAB_WORK / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             ".pytest_cache", ".ruff_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheelhouse), str(REPO)], check=True, timeout=600, env=environ, capture_output=True)
+                    str(wheelhouse), str(src)], check=True, timeout=600, env=environ, capture_output=True)
+    shutil.rmtree(src, ignore_errors=True)
     return {
         "LAB_REPO": str(REPO),
         "LAB_ANSIBLE_PLAYBOOK": str(Path(sys.executable).parent / "ansible-playbook"),
