@@ -76,16 +76,19 @@ def clean_env(monkeypatch):
 
 
 def pytest_collection_finish(session):
-    """Start the systemd lab VM (tests/systemd/test_lab.py) in a background thread as soon as
-    collection selected its tests, so its 12-30 minutes of emulation overlap the rest of the
-    suite; its fixture waits for the report. Nothing starts for --collect-only, or when the
+    """Start the systemd lab VM (tests/systemd/test_lab.py) and the fleet container lab
+    (tests/systemd/test_fleet_lab.py) in background threads as soon as collection selected
+    their tests, so their minutes overlap the rest of the suite; their fixtures wait for the
+    reports. Nothing starts for --collect-only, or when the
     lab's tests were deselected or are skipped (no VM here)."""
     if session.config.option.collectonly:
         return
-    lab_file = Path(__file__).resolve().parent / "systemd" / "test_lab.py"
+    lab_files = {Path(__file__).resolve().parent / "systemd" / name for name in ("test_lab.py", "test_fleet_lab.py")}
+    started = set()
     for item in session.items:
         module = getattr(item, "module", None)
-        if (module is not None and Path(str(item.path)).resolve() == lab_file
+        path = Path(str(item.path)).resolve()
+        if (module is not None and path in lab_files and path not in started
                 and hasattr(module, "start_in_background") and item.get_closest_marker("skip") is None):
             module.start_in_background()
-            return
+            started.add(path)

@@ -24,7 +24,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML comes with ansible-core (pip i
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
-ROLES = ("numa_host", "hugepages", "nvidia_prereqs", "moe_service")
+ROLES = ("numa_host", "hugepages", "nvidia_prereqs", "moe_service", "moe_balancer")
 PLAYBOOK_BIN = shutil.which("ansible-playbook", path=str(Path(sys.executable).parent)) or shutil.which(
     "ansible-playbook")
 
@@ -69,14 +69,14 @@ def test_role_defaults_prefixed_and_documented(role: str):
 
 
 def names_defined_in_tasks(node, found: set[str]) -> None:
-    """register:, task-level vars: keys and index_var: values, recursively."""
+    """register:, task-level vars: keys and index_var:/loop_var: values, recursively."""
     if isinstance(node, dict):
         for key, value in node.items():
             if key == "register" and isinstance(value, str):
                 found.add(value)
             elif key == "vars" and isinstance(value, dict):
                 found.update(value)
-            elif key == "index_var" and isinstance(value, str):
+            elif key in ("index_var", "loop_var") and isinstance(value, str):
                 found.add(value)
             names_defined_in_tasks(value, found)
     elif isinstance(node, list):

@@ -190,6 +190,9 @@ def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800, playbo
     argv += extra or []
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible/ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_FORCE_COLOR="0", PYTHONUNBUFFERED="1", ANSIBLE_ROLES_PATH=str(REPO / "ansible/roles"))
+    # A PYTHONPATH naming the checkout (its build leaves moe_service.egg-info there) would make
+    # pip in the service's virtualenv take the package as installed: the wheel must go in.
+    env.pop("PYTHONPATH", None)
     t0 = time.monotonic()
     res = sh(argv, timeout_s=timeout_s, env=env)
     recap = re.search(

@@ -1,0 +1,285 @@
+"""A fleet behind HAProxy: rolling restarts through ansible/site.yml lose no request.
+
+One boot of the systemd container lab (tests/lab/container.py: this machine's processes under
+a real systemd as PID 1, private network, overlay root) runs tests/systemd/lab/fleet_checks.py:
+site.yml with tests/systemd/lab/fleet-inventory.yml installs HAProxy's configuration (role
+moe_balancer, port 8000) and two instances of moe-service@ on the demo model (8001, 8002);
+the same playbook again changes nothing; then clients stream completions through HAProxy
+without pause while the playbook rolls a configuration change over both instances (drain on
+HAProxy, restart, /health 200, back in); last, an operator restarts one instance by hand,
+without the drain. The tests below read its report.json.
+
+Why a container and not the QEMU VM: every service start imports torch and loads numba's
+kernels, minutes per start under emulation, and the rollout starts the service four times;
+here a warm start takes ~11 s. The unit files, systemd, HAProxy, the playbook and the service
+are the real ones; only the kernel is shared with the host (nothing here is about NUMA).
+
+Skips (with the reason) when the container lab cannot run here (not root, no
+systemd-nspawn: `apt-get install -y systemd-container`) or HAProxy is not installed on the
+host (`apt-get install -y haproxy`: the container has no network, and the role's package task
+must find it installed). Environment knobs: FLEET_LAB_WORK_DIR (host folder for the model,
+the wheelhouse and the reports), FLEET_LAB_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from tests.lab.container import container_available, run_in_container
+
+pytestmark = [pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+# Not /tmp: the unit's PrivateTmp=yes would hide the model from the service.
+LAB_WORK = Path(os.environ.get("FLEET_LAB_WORK_DIR", "/srv/moe-service-fleet-lab"))
+SERVERS = ("lab:8001", "lab:8002")
+ROLLING_TASKS = (
+    "moe_service : Take the instance out of every balancer and wait for its requests to finish",
+    "moe_service : Enable the instance and start it, or restart it when its configuration or code changed",
+    "moe_service : Put the instance back into every balancer and wait until HAProxy sees it UP",
+)
+
+
+def unavailable_reason() -> str | None:
+    if os.environ.get("NUMA_LAB") == "1":
+        return "already inside a lab"
+    ok, reason = container_available()
+    if not ok:
+        return reason
+    if not shutil.which("haproxy"):
+        return "HAProxy is not installed on this host (install: apt-get install -y haproxy; make lab-deps)"
+    return None
+
+
+def this_checkout(code: str, environ: dict[str, str], timeout_s: float = 600) -> subprocess.CompletedProcess:
+    prelude = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True,
+                          env=environ, timeout=timeout_s)
+
+
+def prepare(environ: dict[str, str]) -> dict[str, str]:
+    """The demo model and the wheel under test, staged under LAB_WORK; the container's env."""
+    (LAB_WORK / "models").mkdir(parents=True, exist_ok=True)
+    LAB_WORK.chmod(0o755)
+    (LAB_WORK / "models").chmod(0o755)
+    model = LAB_WORK / "models/smollm2-135m-instruct-moe8.gguf"
+    res = this_checkout("from pathlib import Path; from moe_service.demo_model import build_demo_model; "
+                        f"build_demo_model(out=Path({str(model)!r}))", environ)
+    if res.returncode != 0:
+        pytest.fail("the demo model cannot be built: " + (res.stderr.strip().splitlines() or ["?"])[-1])
+    model.chmod(0o644)  # read by the service user
+    wheelhouse = LAB_WORK / "wheelhouse"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
+    wheelhouse.mkdir()
+    # Built from a copy: an in-tree build writes build/ and *.egg-info into the checkout, and
+    # the VM lab (test_lab.py) builds its wheel from the checkout at the same moment.
+    src = LAB_WORK / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             ".pytest_cache", ".ruff_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheelhouse), str(src)], check=True, timeout=600, env=environ, capture_output=True)
+    shutil.rmtree(src, ignore_errors=True)
+    return {
+        "LAB_REPO": str(REPO),
+        "LAB_ANSIBLE_PLAYBOOK": str(Path(sys.executable).parent / "ansible-playbook"),
+        "LAB_SHARED_SITE_PACKAGES": sysconfig.get_paths()["purelib"],
+        "LAB_MOE_WHEELHOUSE": str(wheelhouse),
+        "LAB_DEMO_MODEL": str(model),
+    }
+
+
+def binds() -> list[Path]:
+    """Folders the container must see that the overlay of / does not (other file systems)."""
+    root_dev = Path("/").stat().st_dev
+    wanted = {REPO, LAB_WORK, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    return sorted(p for p in wanted if p.exists() and p.stat().st_dev != root_dev)
+
+
+def boot_fleet_lab(environ: dict[str, str]) -> dict:
+    """Run fleet_checks.py in the container lab; its report (raises pytest's skip or fail)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    LAB_WORK.mkdir(parents=True, exist_ok=True)
+    env = prepare(environ)
+    out = LAB_WORK / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
+    t0 = time.monotonic()
+    rc, output, _ = run_in_container("/usr/bin/python3 tests/systemd/lab/fleet_checks.py", out_dir=out, env=env,
+                                     cwd=REPO, binds=binds(), machine="moe-fleet-lab", base_env=environ,
+                                     timeout_s=float(os.environ.get("FLEET_LAB_TIMEOUT_S", "1500")))
+    (out / "lab.log").write_text(output)
+    report_path = out / "report.json"
+    if not report_path.exists():
+        pytest.fail(f"the fleet lab wrote no report (exit {rc}): {output[-3000:]}")
+    report = json.loads(report_path.read_text())
+    report["host_wall_s"] = round(time.monotonic() - t0, 1)
+    report["out_dir"] = str(out)
+    report["lab_rc"] = rc
+    return report
+
+
+_BACKGROUND: dict[str, Future] = {}
+
+
+def start_in_background() -> Future:
+    """Start :func:`boot_fleet_lab` in a daemon thread now (once per process); the fixture
+    waits for it. tests/conftest.py calls this when collection selected this module."""
+    if "fleet" not in _BACKGROUND:
+        fut: Future = Future()
+        environ = dict(os.environ)
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(boot_fleet_lab(environ))
+            except BaseException as e:  # pytest's Skipped/Failed outcomes travel to the fixture too
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="fleet-lab", daemon=True).start()
+        _BACKGROUND["fleet"] = fut
+    return _BACKGROUND["fleet"]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> dict:
+    report = start_in_background().result()
+    print(f"fleet lab: {report['host_wall_s']} s wall; report: {report['out_dir']}/report.json")
+    return report
+
+
+def step(report: dict, name: str) -> dict:
+    s = report["steps"].get(name)
+    if s is None:
+        pytest.fail(f"the fleet lab did not reach step {name!r} (exit {report['lab_rc']}, steps done: "
+                    f"{report['order']}; see {report['out_dir']})")
+    assert "error" not in s, f"step {name} raised: {s['error']}\n{s.get('traceback', '')}"
+    return s
+
+
+def out_intervals(changes: list[dict], server: str) -> list[tuple[float, float | None]]:
+    """(left, back) times of each period in which HAProxy did not count ``server`` as serving
+    (any status but UP, or an admin state such as drain)."""
+    intervals: list[tuple[float, float | None]] = []
+    start = None
+    for c in changes:
+        s = c["servers"].get(server)
+        serving = s is not None and s["status"] == "UP" and s["admin_state"] == 0
+        if not serving and start is None:
+            start = c["t"]
+        elif serving and start is not None:
+            intervals.append((start, c["t"]))
+            start = None
+    if start is not None:
+        intervals.append((start, None))
+    return intervals
+
+
+# --- provisioning -------------------------------------------------------------------------
+
+
+def test_first_run_installs_the_fleet(fleet):
+    env = step(fleet, "env")
+    assert env["pid1"] == "systemd" and env["haproxy_installed_before"]
+    run = step(fleet, "ansible_1")
+    assert run["rc"] == 0 and run.get("failed") == 0, run["stdout_tail"][-3000:]
+    # HAProxy came from the host: the role's package task found it installed.
+    assert "moe_balancer : Install HAProxy from the distribution's package" not in run["changed_task_names"]
+    assert "moe_balancer : Write the HAProxy configuration, checked by haproxy -c" in run["changed_task_names"]
+
+
+def test_both_instances_serve_behind_haproxy(fleet):
+    s = step(fleet, "serving")
+    for name, props in s["units"].items():
+        assert (props["ActiveState"], props["SubState"]) == ("active", "running"), (name, props)
+    assert s["health"] == {"a": 200, "b": 200}
+    assert s["health_via_haproxy"] == 200 and s["models_via_haproxy"] == 200
+    assert {n: v["status"] for n, v in s["haproxy"].items()} == {srv: "UP" for srv in SERVERS}
+    cfg = s["config"]
+    for line in ("balance leastconn", "option httpchk GET /health", "http-check expect status 200",
+                 "server lab:8001 127.0.0.1:8001", "server lab:8002 127.0.0.1:8002",
+                 "stats socket /run/haproxy/admin.sock mode 660 level admin"):
+        assert line in cfg, line
+
+
+def test_second_run_changes_nothing(fleet):
+    run = step(fleet, "ansible_2")
+    assert run["rc"] == 0, run["stdout_tail"][-3000:]
+    assert run.get("changed") == 0, f"not idempotent: {run['changed_task_names']}"
+
+
+# --- the rolling restart ------------------------------------------------------------------
+
+
+def test_rolling_restart_loses_no_request(fleet):
+    s = step(fleet, "rolling")
+    assert s["playbook"]["rc"] == 0, s["playbook"]["stdout_tail"][-3000:]
+    assert s["bad"] == [], s["bad"]
+    assert s["statuses"] == ["200"]
+    # The clients really streamed across the rollout, not only before or after it.
+    assert s["requests_during_playbook"] >= 4, (s["requests"], s["requests_during_playbook"])
+    t0, t1 = s["window"]
+    for server in SERVERS:
+        (left, back), = out_intervals(s["stats_changes"], server)
+        assert t0 <= left and back is not None and back <= t1
+        served_while_out = [r for r in s["records"] if left <= r["t0"] and r["t1"] <= back]
+        assert served_while_out, f"no request completed while {server} was out"
+
+
+def test_every_instance_restarted_once_after_a_drain(fleet):
+    s = step(fleet, "rolling")
+    for name in ("a", "b"):
+        before, after = s["units_before"][name], s["units_after"][name]
+        assert before["InvocationID"] != after["InvocationID"], name
+        assert after["ActiveState"] == "active" and after["NRestarts"] == before["NRestarts"], (before, after)
+    assert 'prompt = "The fleet lab, generation 2:"' in s["config_a"]
+    # Per instance, in this order: drain, restart, back in; the drains and readies changed.
+    log = (Path(fleet["out_dir"]) / s["playbook"]["log"]).read_text()
+    names = [ln.split("[", 1)[1].rsplit("]", 1)[0] for ln in log.splitlines() if ln.startswith("TASK [")]
+    for task in ROLLING_TASKS:
+        assert task in s["playbook"]["changed_task_names"], (task, s["playbook"]["changed_task_names"])
+    order = [n for n in names if n in ROLLING_TASKS]
+    assert order == list(ROLLING_TASKS) * 2, order
+
+
+def test_haproxy_saw_each_instance_out_and_back_one_at_a_time(fleet):
+    s = step(fleet, "rolling")
+    changes = s["stats_changes"]
+    assert changes and not s["stats_errors"], s["stats_errors"]
+    statuses = {srv: [c["servers"][srv]["status"] for c in changes if srv in c["servers"]] for srv in SERVERS}
+    for srv in SERVERS:
+        assert "DRAIN" in statuses[srv], (srv, statuses[srv])  # taken out by the playbook
+        assert any(st.startswith(("DOWN", "MAINT")) or st == "DRAIN" for st in statuses[srv][1:])
+        assert statuses[srv][-1] == "UP", (srv, statuses[srv])  # and back in
+    (a_left, a_back), = out_intervals(changes, SERVERS[0])
+    (b_left, b_back), = out_intervals(changes, SERVERS[1])
+    assert a_back <= b_left, "both instances were out of HAProxy at the same time (below N-1 serving)"
+    for c in changes:
+        serving = [srv for srv, v in c["servers"].items() if v["status"] == "UP" and v["admin_state"] == 0]
+        assert serving, f"no instance serving at {c}"
+    assert any("lab:8001" in ln for ln in s["haproxy_log"]), s["haproxy_log"]
+
+
+def test_restart_by_hand_loses_no_request_either(fleet):
+    """Without the playbook's drain: the instance's own SIGTERM path (/health 503, listener
+    closed, in-flight requests finished) with HAProxy's checks and retries (retry-on
+    conn-failure empty-response, redispatch) still cut no stream and fail no request."""
+    s = step(fleet, "unmanaged")
+    assert s["restart_rc"] == 0, s["restart_stderr"]
+    assert s["units_before"]["InvocationID"] != s["units_after"]["InvocationID"]
+    assert s["requests_during_restart"] >= 2, s
+    assert s["bad"] == [], s["bad"]
+    statuses = [c["servers"][SERVERS[0]]["status"] for c in s["stats_changes"]]
+    assert any(st.startswith("DOWN") for st in statuses) and statuses[-1] == "UP", statuses
