@@ -6,8 +6,9 @@
 - :class:`TimeoutExtender`: while a long stage runs, sends EXTEND_TIMEOUT_USEC periodically so
   a slow load is not killed by TimeoutStartSec while a hung one still is.
 - :class:`Liveness` + :class:`Watchdog`: WATCHDOG=1 at half of WATCHDOG_USEC, only while the
-  engine loop keeps advancing its liveness counter (a stuck engine stops the pings and systemd
-  restarts the service), and only when WATCHDOG_PID is unset or ours.
+  engine loop keeps advancing its liveness counter and every health check passes (steps
+  complete, the worker pool lives, the HTTP event loop runs): a stuck or failing engine stops
+  the pings and systemd restarts the service. Only when WATCHDOG_PID is unset or ours.
 
 STATUS text is sent as ASCII (sdnotify encodes with latin-1): other characters become ``?``.
 """
@@ -98,11 +99,35 @@ def watchdog_interval_s() -> float | None:
 
 
 class Liveness:
-    """A counter the engine loop advances each time it makes progress (or idles healthily)."""
+    """A counter the engine loop advances each time it makes progress (or idles healthily),
+    plus health checks: callables returning None while their part works, else the reason
+    it does not (the batch loop's :meth:`~moe_service.engine.batch.BatchLoop.health`, the
+    HTTP event loop's heartbeat). The watchdog pings only while the counter advances and
+    every check passes: liveness means work completes, not that a thread is still looping."""
 
     def __init__(self) -> None:
         self._count = 0
         self._frozen = False
+        self._checks: dict[str, object] = {}
+
+    def add_check(self, name: str, check) -> None:
+        """Register ``check() -> str | None`` under ``name`` (replaces one of the same name)."""
+        self._checks[name] = check
+
+    def remove_check(self, name: str) -> None:
+        self._checks.pop(name, None)
+
+    def problem(self) -> str | None:
+        """The first failing check's reason as ``name: reason``, else None. A check that raises
+        counts as failing (its exception is the reason)."""
+        for name, check in list(self._checks.items()):
+            try:
+                reason = check()
+            except Exception as e:  # noqa: BLE001 - a broken check must not keep the pings going
+                reason = f"health check raised {type(e).__name__}: {e}"
+            if reason:
+                return f"{name}: {reason}"
+        return None
 
     def beat(self) -> None:
         if not self._frozen:
@@ -159,13 +184,17 @@ class Watchdog:
             if next_t < time.monotonic():  # we were descheduled past a slot: do not burst
                 next_t = time.monotonic() + self.period_s
             now_count = self.liveness.count
-            if now_count != last:
+            problem = self.liveness.problem()
+            if now_count != last and problem is None:
                 last = now_count
                 self.notifier.watchdog()
                 self.pings += 1
                 stalled_logged = False
             elif not stalled_logged:
-                log.error("watchdog_engine_stalled", liveness=now_count, interval_s=self.interval_s)
+                if problem is not None:
+                    log.error("watchdog_unhealthy", reason=problem, interval_s=self.interval_s)
+                else:
+                    log.error("watchdog_engine_stalled", liveness=now_count, interval_s=self.interval_s)
                 stalled_logged = True
 
     def stop(self) -> None:
