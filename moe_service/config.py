@@ -128,6 +128,14 @@ class PipelineConfig(_Table):
         "extend_interval_s so that the next message always arrives in time.",
     )
 
+    stall_limit_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per stage (e.g. {fastload = 60}): most seconds without progress (bytes loaded, a "
+        "new phase) before EXTEND_TIMEOUT_USEC stops and systemd's start timeout ends a hung start. "
+        "Unset stages use their own limit: fastload 60, warmup 900 (a first kernel compile reports "
+        "nothing for minutes), others 600.",
+    )
+
     @model_validator(mode="after")
     def _extension_outlasts_interval(self) -> PipelineConfig:
         if self.extend_timeout_s <= self.extend_interval_s:

@@ -3,8 +3,9 @@
 - :class:`Notifier`: READY=1, STATUS=, EXTEND_TIMEOUT_USEC=, WATCHDOG=1, STOPPING=1, ERRNO=.
   Without NOTIFY_SOCKET every call is a silent no-op; path sockets and abstract (``@``)
   sockets both work (sdnotify replaces the ``@`` with a NUL byte).
-- :class:`TimeoutExtender`: while a long stage runs, sends EXTEND_TIMEOUT_USEC periodically so
-  a slow load is not killed by TimeoutStartSec while a hung one still is.
+- :class:`TimeoutExtender`: while a long stage runs and reports progress, sends
+  EXTEND_TIMEOUT_USEC periodically so a slow load is not killed by TimeoutStartSec; a stage
+  without progress for its stall limit gets no more extensions, so a hung one still is.
 - :class:`Liveness` + :class:`Watchdog`: WATCHDOG=1 at half of WATCHDOG_USEC, only while the
   engine loop keeps advancing its liveness counter and every health check passes (steps
   complete, the worker pool lives, the HTTP event loop runs): a stuck or failing engine stops
@@ -206,20 +207,29 @@ class Watchdog:
 class TimeoutExtender:
     """Context manager: while its body runs longer than ``after_s``, send
     EXTEND_TIMEOUT_USEC=<extend_s> every ``interval_s`` (``extend_s`` > ``interval_s``, so each
-    extension outlasts the gap to the next one).
+    extension outlasts the gap to the next one), but only while the work progresses:
+    ``progress()`` returns a marker (bytes loaded, a phase name...) that changes when it does;
+    once it has not changed for ``stall_limit_s`` (None: no limit), the extensions stop and
+    systemd's start timeout runs out (a stage hung on a dead disk or a stuck driver call is
+    killed instead of staying "activating" forever). ``stalled`` tells it happened.
 
     Only while starting: once READY=1 has gone out (the serve stage runs until shutdown inside
     its stage) it stops, because systemd applies EXTEND_TIMEOUT_USEC to the watchdog timer as
     well and would never see a stalled engine.
     """
 
-    def __init__(self, notifier: Notifier, after_s: float, interval_s: float, extend_s: float):
+    def __init__(self, notifier: Notifier, after_s: float, interval_s: float, extend_s: float, *,
+                 progress=None, stall_limit_s: float | None = None, name: str = "stage"):
         if extend_s <= interval_s:
             raise ValueError(f"extend_s ({extend_s}) must exceed interval_s ({interval_s})")
         self.notifier, self.after_s, self.interval_s, self.extend_s = notifier, after_s, interval_s, extend_s
+        self.progress = progress
+        self.stall_limit_s = stall_limit_s
+        self.name = name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
+        self.stalled = False
 
     def __enter__(self) -> TimeoutExtender:
         if self.notifier.enabled:
@@ -227,10 +237,28 @@ class TimeoutExtender:
             self._thread.start()
         return self
 
+    def _marker(self):
+        try:
+            return self.progress() if self.progress is not None else None
+        except Exception as e:  # noqa: BLE001 - a broken marker counts as no progress
+            return ("error", str(e))
+
     def _run(self) -> None:
+        last, t_last = self._marker(), time.monotonic()
         if self._stop.wait(self.after_s):
             return
         while not self.notifier.is_ready:
+            now, marker = time.monotonic(), self._marker()
+            if marker != last:
+                last, t_last = marker, now
+            if self.stall_limit_s is not None and now - t_last > self.stall_limit_s:
+                self.stalled = True
+                log.error("stage_stalled", stage=self.name, seconds_without_progress=round(now - t_last, 1),
+                          stall_limit_s=self.stall_limit_s,
+                          effect="no more EXTEND_TIMEOUT_USEC: systemd's start timeout will stop the service")
+                self.notifier.status(f"{self.name}: no progress for {now - t_last:.0f} s (stall limit "
+                                     f"{self.stall_limit_s:g} s); not extending the start timeout")
+                return
             self.notifier.extend_timeout(self.extend_s)
             self.sent += 1
             if self._stop.wait(self.interval_s):

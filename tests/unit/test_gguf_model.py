@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import struct
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,7 +14,6 @@ from moe_service.errors import ModelFileError
 from moe_service.gguf_model import GGUFModel, verdict
 from tests.gguf_factory import patch_tensor_info, write_moe_gguf
 from tests.smollm2 import needs_smollm2
-
 
 
 def _kinds(problems, kind):
