@@ -109,8 +109,8 @@ of a file nesting them 1000 deep would exhaust Python's stack)."""
 MAX_TENSOR_NAME_BYTES = 255
 """Longest tensor name accepted (ggml's GGML_MAX_NAME is 64 with the NUL; some builds raise it)."""
 MAX_KEY_BYTES = 1 << 16
-MAX_STRING_BYTES = 1 << 26
-"""Longest metadata string value (64 MiB; a chat template is tens of KiB): a corrupted length
+MAX_STRING_BYTES = 1 << 24
+"""Longest metadata string value (16 MiB; a chat template is tens of KiB): a corrupted length
 read from the data section would otherwise make one string of the rest of the file."""
 MAX_ARRAY_ITEMS = 1 << 20
 """Most items of one metadata array. The largest real ones are vocabularies (~260k tokens);

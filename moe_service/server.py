@@ -237,6 +237,8 @@ def _validation_error(e: ValidationError | RequestValidationError) -> RequestErr
 
 
 def error_response(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if headers is None and getattr(err, "retry_after_s", None) is not None:  # 429 from any check
+        headers = {"Retry-After": str(err.retry_after_s)}
     return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
 
 

