@@ -186,11 +186,12 @@ def _prefix_function(s: str) -> list[int]:
     return fail
 
 
-def _suffix_prefix(text: str, stop: str, fail: list[int]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop`` (``text``
-    holds no complete ``stop``): the KMP automaton run over ``text``, O(len(text) + len(stop))
-    (checking every prefix length with endswith was O(len(stop)^2) per token)."""
-    k = 0
+def _advance(k: int, text: str, stop: str, fail: list[int]) -> int:
+    """The KMP automaton of ``stop`` from state ``k`` (the longest prefix of ``stop`` the text
+    so far ends with) over the new ``text``: the state after it. Amortized O(len(text)) per
+    call, whatever the stop's length (trying every prefix length with endswith cost
+    O(len(text) x len(stop)) per chunk). A complete match, which the caller finds first with
+    str.find, falls back to the longest proper border."""
     for ch in text:
         while k and ch != stop[k]:
             k = fail[k - 1]
@@ -213,6 +214,7 @@ class StopSequenceMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in dict.fromkeys(stops) if s]
         self._fail = [_prefix_function(s) for s in self.stops]
+        self._state = [0] * len(self.stops)  # per stop: longest prefix of it the text so far ends with
         self._held = ""
         self.stopped = False
         self.matched: str | None = None
@@ -234,8 +236,9 @@ class StopSequenceMatcher:
             self.stopped, self.matched, self._held = True, best_stop, ""
             return buf[:best_at]
         hold = 0
-        for stop, fail in zip(self.stops, self._fail, strict=True):
-            hold = max(hold, _suffix_prefix(buf[max(0, len(buf) - len(stop) + 1):], stop, fail))
+        for k, (stop, fail) in enumerate(zip(self.stops, self._fail, strict=True)):
+            self._state[k] = _advance(self._state[k], text, stop, fail)
+            hold = max(hold, self._state[k])
         self._held = buf[len(buf) - hold:] if hold else ""
         return buf[: len(buf) - hold]
 

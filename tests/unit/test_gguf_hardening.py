@@ -117,21 +117,25 @@ def test_split_shards_of_different_quantizations_are_refused(tmp_path):
         GGUFModel.open(q8[0])
 
 
+def _insert_kv(path: Path, key: str, vtype: int, value: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    (n_kv,) = struct.unpack_from("<Q", raw, 16)
+    raw[24:24] = _s(key.encode()) + struct.pack("<I", vtype) + value
+    struct.pack_into("<Q", raw, 16, n_kv + 1)
+    path.write_bytes(bytes(raw))
+
+
 def test_split_shards_whose_shared_metadata_differ_are_refused(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = write_moe_gguf(tmp_path / "a" / "m.gguf", split_max_tensors=8)
-    b = write_moe_gguf(tmp_path / "b" / "m.gguf", split_max_tensors=8)
-    # b's second shard carries general.architecture (as writers that repeat metadata do), of another value
-    raw = bytearray(b[1].read_bytes())
-    n_kv_at = 16
-    (n_kv,) = struct.unpack_from("<Q", raw, n_kv_at)
-    extra = _s(b"general.architecture") + struct.pack("<I", 8) + _s(b"qwen2")
-    raw[24:24] = extra
-    struct.pack_into("<Q", raw, n_kv_at, n_kv + 1)
-    a[1].write_bytes(bytes(raw))
-    rep = verdict(a[0])
-    assert any("foreign_shard" == p.kind and "qwen2" in p.message for p in rep.problems), rep.problems
+    """Writers that repeat metadata in every shard: a key both carry must agree (here the
+    quantization, general.file_type 7 = Q8_0 against 15 = Q4_K_M)."""
+    shards = write_moe_gguf(tmp_path / "m.gguf", split_max_tensors=8)
+    _insert_kv(shards[0], "general.file_type", 4, struct.pack("<I", 7))
+    _insert_kv(shards[1], "general.file_type", 4, struct.pack("<I", 15))
+    _insert_kv(shards[2], "general.file_type", 4, struct.pack("<I", 7))
+    rep = verdict(shards[0])
+    msgs = [p.message for p in rep.problems if p.kind == "foreign_shard"]
+    assert len(msgs) == 1 and "m-00002-of-00003.gguf does not match" in msgs[0]
+    assert "general.file_type is 15 there and 7 in the first shard" in msgs[0] and "fingerprint" in msgs[0]
 
 
 def test_the_catalog_records_each_shards_identity(tmp_path):
