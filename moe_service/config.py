@@ -128,6 +128,14 @@ class PipelineConfig(_Table):
         "extend_interval_s so that the next message always arrives in time.",
     )
 
+    stall_limit_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per stage (e.g. {fastload = 60}): most seconds without progress (bytes loaded, a "
+        "new phase) before EXTEND_TIMEOUT_USEC stops and systemd's start timeout ends a hung start. "
+        "Unset stages use their own limit: fastload 60, warmup 900 (a first kernel compile reports "
+        "nothing for minutes), others 600.",
+    )
+
     @model_validator(mode="after")
     def _extension_outlasts_interval(self) -> PipelineConfig:
         if self.extend_timeout_s <= self.extend_interval_s:
@@ -310,7 +318,8 @@ class ServeConfig(_Table):
     shutdown_grace_s: float = Field(
         30.0,
         ge=0,
-        description="On SIGTERM: how long in-flight requests may run before they are cancelled.",
+        description="On SIGTERM: how long in-flight requests may run before they are cancelled. "
+        "Must leave stop_margin_s within stop_timeout_s.",
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,
@@ -335,6 +344,71 @@ class ServeConfig(_Table):
         description="Origins allowed by CORS (e.g. `https://app.example`, `*`); empty: CORS off, so "
         "browser pages of other origins cannot call the API.",
     )
+    stop_timeout_s: float = Field(
+        90.0,
+        gt=0,
+        description="The unit's TimeoutStopSec= (units/moe-service.service ships 90 s): after it "
+        "systemd SIGKILLs the service. Set it to the unit's value when a drop-in changes it; "
+        "shutdown_grace_s + stop_margin_s must not exceed it, so a promised drain is never killed.",
+    )
+    stop_margin_s: float = Field(
+        15.0,
+        ge=0,
+        description="Time kept after the drain for stopping the engine thread (up to 10 s for a step "
+        "in progress) and closing the stages (unpinning, unmapping) before TimeoutStopSec.",
+    )
+    max_body_bytes: int = Field(
+        8 * MiB,
+        ge=0,
+        description="Largest request body in bytes; larger ones get 413 before they are read "
+        "(0: no limit).",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        description="Most open HTTP connections plus running requests (uvicorn's limit_concurrency); "
+        "beyond it new requests get 503 at once.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A connection must complete a request's headers within this many seconds of "
+        "opening (or of its previous response); slower clients are disconnected.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest wait for the next piece of a request body; a client that stalls "
+        "longer gets 408.",
+    )
+    keepalive_timeout_s: int = Field(
+        5,
+        ge=1,
+        description="Idle keep-alive connections are closed after this many seconds "
+        "(uvicorn's timeout_keep_alive).",
+    )
+    max_failed_steps: int = Field(
+        5,
+        ge=1,
+        description="After this many engine steps in a row fail, /health answers 503 with the "
+        "reason and the watchdog stops pinging, so systemd restarts the service.",
+    )
+    engine_stall_s: float = Field(
+        120.0,
+        gt=0,
+        description="Requests waiting or running but no engine step completed for this many "
+        "seconds: /health 503 and no more watchdog pings (a step of a big prefill takes seconds).",
+    )
+
+    @model_validator(mode="after")
+    def _drain_fits_stop_timeout(self) -> ServeConfig:
+        if self.shutdown_grace_s + self.stop_margin_s > self.stop_timeout_s:
+            raise ValueError(
+                f"shutdown_grace_s ({self.shutdown_grace_s:g}) + stop_margin_s ({self.stop_margin_s:g}) "
+                f"exceeds stop_timeout_s ({self.stop_timeout_s:g}, the unit's TimeoutStopSec): systemd "
+                "would SIGKILL the drain; lower the grace or raise TimeoutStopSec and stop_timeout_s together"
+            )
+        return self
 
 
 class LogConfig(_Table):

@@ -30,6 +30,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -102,6 +103,21 @@ _KV_NUMPY = {
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_NESTING = 4
+"""Deepest array-of-arrays in metadata (llama.cpp's gguf reader accepts none; the recursion
+of a file nesting them 1000 deep would exhaust Python's stack)."""
+MAX_TENSOR_NAME_BYTES = 255
+"""Longest tensor name accepted (ggml's GGML_MAX_NAME is 64 with the NUL; some builds raise it)."""
+MAX_KEY_BYTES = 1 << 16
+MAX_STRING_BYTES = 1 << 24
+"""Longest metadata string value (16 MiB; a chat template is tens of KiB): a corrupted length
+read from the data section would otherwise make one string of the rest of the file."""
+MAX_ARRAY_ITEMS = 1 << 20
+"""Most items of one metadata array. The largest real ones are vocabularies (~260k tokens);
+a corrupted count would otherwise read gigabytes of tensor data as metadata, and a Python
+list takes ~8-32 bytes per item (a flipped count in a 100 GB file: an out-of-memory kill)."""
+MAX_PARAM = 1 << 40
+"""Largest integer hyperparameter accepted (layers, widths, heads, context, experts)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,6 +136,9 @@ class Shard:
     data_offset: int
     alignment: int
     n_tensors: int
+    identity: tuple[int, int, int, int] | None = None
+    """(st_dev, st_ino, st_size, st_mtime_ns) when the header was read: :func:`check_unchanged`
+    compares it with the file's current stat (a model file replaced or rewritten since)."""
 
 
 @dataclass(frozen=True)
@@ -284,12 +303,36 @@ class _Cursor:
     def u64(self) -> int:
         return _U64.unpack_from(self.buf, self.take(8))[0]
 
-    def string(self) -> str:
+    def string(self, limit: int = MAX_STRING_BYTES, what: str = "string") -> str:
         n = self.u64()
+        if n > limit:
+            raise _BadHeader(f"a {what} of {n} bytes at byte {self.pos - 8} (at most {limit} are accepted)")
         s = self.take(n)
         return self.buf[s : s + n].decode("utf-8", "surrogateescape")
 
-    def value(self, vtype: int):
+    def _strings(self, count: int) -> list[str]:
+        """An array of ``count`` strings (the vocabulary: 100k+ of them), in one local loop."""
+        buf, size, pos = self.buf, self.size, self.pos
+        if count * 8 > size - pos:
+            raise _Truncated(pos, count * 8)
+        unpack = _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                raise _Truncated(pos, 8)
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if n > MAX_STRING_BYTES:
+                raise _BadHeader(f"a string of {n} bytes at byte {pos - 8} (at most {MAX_STRING_BYTES} are accepted)")
+            if pos + n > size:
+                raise _Truncated(pos, n)
+            append(buf[pos:pos + n].decode("utf-8", "surrogateescape"))
+            pos += n
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int, depth: int = 0):
         if vtype == _KV_STRING:
             return self.string()
         fmt = _KV_SCALAR.get(vtype)
@@ -298,6 +341,9 @@ class _Cursor:
         if vtype != _KV_ARRAY:
             raise _BadHeader(f"unknown metadata value type {vtype} at byte {self.pos - 4}")
         etype, count = self.u32(), self.u64()
+        if count > MAX_ARRAY_ITEMS:
+            raise _BadHeader(f"a metadata array of {count} items at byte {self.pos - 12} (at most "
+                             f"{MAX_ARRAY_ITEMS} are accepted: a vocabulary has a few 100k)")
         dtype = _KV_NUMPY.get(etype)
         if dtype is not None:
             itemsize = np.dtype(dtype).itemsize
@@ -307,11 +353,16 @@ class _Cursor:
             out = arr.astype(bool).tolist() if etype == _KV_BOOL else arr.tolist()
             del arr  # release the buffer export so the mmap can close
             return out
+        if etype == _KV_STRING:
+            return self._strings(count)
         if etype in (_KV_STRING, _KV_ARRAY):
+            if etype == _KV_ARRAY and depth >= MAX_ARRAY_NESTING:
+                raise _BadHeader(f"metadata arrays nested deeper than {MAX_ARRAY_NESTING} levels at byte "
+                                 f"{self.pos - 12}")
             min_item = 8 if etype == _KV_STRING else 12
             if count * min_item > self.size - self.pos:
                 raise _Truncated(self.pos, count * min_item)
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise _BadHeader(f"unknown array element type {etype} at byte {self.pos - 12}")
 
 
@@ -333,6 +384,7 @@ class _ShardHeader:
     data_offset: int
     alignment: int
     problems: list[Problem] = field(default_factory=list)
+    identity: tuple[int, int, int, int] | None = None
 
 
 def _read_header(path: Path) -> _ShardHeader:
@@ -343,12 +395,34 @@ def _read_header(path: Path) -> _ShardHeader:
     returned in ``problems``.
     """
     try:
-        size = path.stat().st_size
+        return _read_header_of(path)
+    except IsADirectoryError:
+        raise ModelFileError(f"{path}: is a directory, not a GGUF file") from None
+    except PermissionError:
+        raise ModelFileError(f"{path}: cannot read the model file: permission denied (the service user needs "
+                             "read access to the file and search access to its folders)") from None
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the model file: {e.strerror or e}") from None
+
+
+def _read_header_of(path: Path) -> _ShardHeader:
+    try:
+        st = path.stat()
     except FileNotFoundError:
         raise ModelFileError(f"{path}: model file not found") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelFileError(f"{path}: not a regular file (a device, FIFO or socket cannot hold a GGUF model)")
+    size = st.st_size
     if size < HEADER_BYTES:
         raise ModelFileError(f"{path}: not a GGUF file (only {size} bytes, a header needs {HEADER_BYTES})")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        fst = os.fstat(f.fileno())
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise ModelFileError(f"{path}: the file was replaced while it was being opened; try again")
+        identity = (fst.st_dev, fst.st_ino, fst.st_size, fst.st_mtime_ns)
+        size = min(size, fst.st_size, len(buf))
         if buf[:4] != GGUF_MAGIC:
             raise ModelFileError(
                 f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})"
@@ -368,14 +442,14 @@ def _read_header(path: Path) -> _ShardHeader:
         try:
             n_tensors, n_kv = cur.u64(), cur.u64()
             for _ in range(n_kv):
-                key = cur.string()
+                key = cur.string(MAX_KEY_BYTES, "metadata key")
                 value = cur.value(cur.u32())
                 if key in kv:
                     problems.append(Problem("header", f"{path}: metadata key {key!r} appears twice", path))
                     continue
                 kv[key] = value
             for _ in range(n_tensors):
-                name = cur.string()
+                name = cur.string(MAX_TENSOR_NAME_BYTES, "tensor name")
                 n_dims = cur.u32()
                 if n_dims > _MAX_DIMS:
                     raise _BadHeader(f"tensor {name!r} has {n_dims} dimensions (ggml allows {_MAX_DIMS})")
@@ -404,7 +478,7 @@ def _read_header(path: Path) -> _ShardHeader:
                 Problem("alignment", f"{path}: general.alignment is {alignment}, not a power of two", path)
             )
         data_offset = -(-cur.pos // alignment) * alignment
-    return _ShardHeader(path, size, version, kv, entries, data_offset, alignment, problems)
+    return _ShardHeader(path, size, version, kv, entries, data_offset, alignment, problems, identity)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,11 +494,17 @@ def _type_name(type_id: int) -> str | None:
 
 def shard_paths(path: Path) -> tuple[list[Path], int | None]:
     """All file names of the split set ``path`` belongs to, in shard order, and the shard
-    index (0-based) that ``path`` names; ``([path], None)`` when the name is not a split name."""
+    index (0-based) that ``path`` names; ``([path], None)`` when the name is not a split name.
+
+    Raises ModelFileError for a split name that cannot be (``x-00001-of-00000.gguf``,
+    ``x-00003-of-00002.gguf``)."""
     m = SHARD_NAME_RE.match(path.name)
     if not m:
         return [path], None
     count, no = int(m["count"]), int(m["no"])
+    if not 1 <= no <= count:
+        raise ModelFileError(f"{path}: the split name says shard {no} of {count}, which cannot be: split "
+                             f"names count from NAME-00001-of-0000N.gguf to NAME-0000N-of-0000N.gguf")
     paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     return paths, no - 1
 
@@ -530,7 +610,8 @@ class GGUFModel:
         where: dict[str, Path] = {}
         for index in sorted(headers):
             h = headers[index]
-            shards.append(Shard(h.path, index, h.size_bytes, h.data_offset, h.alignment, len(h.entries)))
+            shards.append(Shard(h.path, index, h.size_bytes, h.data_offset, h.alignment, len(h.entries),
+                                h.identity))
             problems += _catalog_shard(h, index, supported, tensors, where)
         metadata = dict((headers.get(0) or headers[min(headers)]).kv)
         model = cls(path, shards, tensors, metadata, problems)
@@ -594,9 +675,26 @@ class GGUFModel:
         arch = md.get("general.architecture")
         arch = arch if isinstance(arch, str) else ""
 
-        def num(key: str, default=0):
+        self._param_problems: list[Problem] = []
+
+        def num(key: str, default=0, *, integer: bool = True):
             v = _scalar(md.get(f"{arch}.{key}"))
-            return default if v is None else v
+            if v is None:
+                return default
+            bad = None
+            if not math.isfinite(v):
+                bad = "not a finite number"
+            elif integer and not float(v).is_integer():
+                bad = "not an integer"
+            elif integer and not 0 <= v <= MAX_PARAM:
+                bad = f"outside 0..{MAX_PARAM}"
+            elif not integer and abs(v) > 1e30:
+                bad = "out of range"
+            if bad is not None:
+                self._param_problems.append(
+                    Problem("metadata", f"{self.path}: metadata key {arch}.{key} is {v!r}: {bad}", self.path))
+                return default
+            return v
 
         n_embd, n_head = int(num("embedding_length")), int(num("attention.head_count"))
         head_dim = int(num("attention.key_length", (n_embd // n_head) if n_head else 0))
@@ -635,9 +733,9 @@ class GGUFModel:
             n_ff_exp=n_ff_exp,
             n_expert_shared=int(num("expert_shared_count")),
             n_layer_dense_lead=int(num("leading_dense_block_count")),
-            rope_freq_base=float(num("rope.freq_base", 10000.0)),
+            rope_freq_base=float(num("rope.freq_base", 10000.0, integer=False)),
             rope_dim=int(num("rope.dimension_count", head_dim)),
-            rms_eps=float(num("attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_eps=float(num("attention.layer_norm_rms_epsilon", 1e-5, integer=False)),
         )
 
     def _check_params(self) -> list[Problem]:
@@ -650,7 +748,7 @@ class GGUFModel:
                     self.path,
                 )
             ]
-        out = []
+        out = list(getattr(self, "_param_problems", ()))
         for key in ("block_count", "embedding_length", "attention.head_count"):
             if _scalar(md.get(f"{arch}.{key}")) is None:
                 out.append(
@@ -772,7 +870,107 @@ def _check_split_set(
             out.append(
                 Problem("foreign_shard", f"{h.path} is a {a!r} model but the first shard is {arch!r}", h.path)
             )
+    return out + _check_split_fingerprints(headers)
+
+
+_FAMILY = {
+    **{int(t): "float" for t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)},
+    **{int(t): "legacy" for t in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+                                  GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0)},
+    **{int(t): "k-quant" for t in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+                                   GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)},
+    int(GGMLQuantizationType.MXFP4): "mxfp4",
+}
+"""Quantization family of a ggml type. llama.cpp's mixes (Q4_K_M: Q4_K with Q6_K on some
+layers) vary the type of one tensor role from layer to layer, but within one family."""
+
+# general.file_type (llama_ftype) of the pure quantizations -> the one type of their weights
+_PURE_FTYPES = {2: GGMLQuantizationType.Q4_0, 3: GGMLQuantizationType.Q4_1, 7: GGMLQuantizationType.Q8_0,
+                8: GGMLQuantizationType.Q5_0, 9: GGMLQuantizationType.Q5_1}
+_LAYER_RE = re.compile(r"^blk\.\d+\.")
+
+
+def split_fingerprint(h: _ShardHeader) -> str:
+    """Fingerprint of the metadata a shard shares with the rest of its set: every key but
+    ``split.no`` (sha256 of their sorted repr, 16 hex digits)."""
+    import hashlib
+
+    shared = sorted((k, repr(v)) for k, v in h.kv.items() if k != "split.no")
+    return hashlib.sha256(repr(shared).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def _check_split_fingerprints(headers: dict[int, _ShardHeader]) -> list[Problem]:
+    """Shards of one split set must come from one conversion (not two quantizations of the same
+    model that happen to split alike):
+
+    - metadata keys two shards both carry must agree (the fingerprint of what they share;
+      gguf-split writes the model metadata in the first shard only, other writers repeat it);
+    - a layer tensor role (``blk.N.ffn_up_exps.weight`` for every N) must use one quantization
+      family (float, legacy Q4_0..Q8_0, K-quants, MXFP4) in every shard;
+    - with a pure ``general.file_type`` in the first shard (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) every
+      quantized layer tensor of every shard must be of that type.
+    """
+    out: list[Problem] = []
+    if len(headers) < 2:
+        return out
+    first_i = min(headers)
+    first = headers[first_i]
+    for i, h in sorted(headers.items()):
+        if i == first_i:
+            continue
+        common = (set(first.kv) & set(h.kv)) - {"split.no"}
+        differ = sorted(k for k in common if first.kv[k] != h.kv[k])
+        if differ:
+            k = differ[0]
+            out.append(Problem(
+                "foreign_shard",
+                f"{h.path} does not match {first.path}: metadata fingerprint {split_fingerprint(h)} vs "
+                f"{split_fingerprint(first)} ({k} is {_short(h.kv[k])} there and {_short(first.kv[k])} in the first "
+                "shard): shards of different conversions or quantizations",
+                h.path,
+            ))
+    families: dict[str, dict[int, set[str]]] = {}
+    for i, h in headers.items():
+        for e in h.entries:
+            if _LAYER_RE.match(e.name) and e.type_id in _FAMILY:
+                role = _LAYER_RE.sub("blk.N.", e.name)
+                families.setdefault(role, {}).setdefault(i, set()).add(_FAMILY[e.type_id])
+    mismatched: dict[int, list[tuple[str, int]]] = {}  # shard -> [(role, the shard it differs from)]
+    for role, by_shard in families.items():
+        shards = sorted(by_shard)
+        for i in shards[1:]:
+            if not by_shard[i] & by_shard[shards[0]]:
+                mismatched.setdefault(i, []).append((role, shards[0]))
+    for i, roles in sorted(mismatched.items()):
+        role, ref = roles[0]
+        fam = "/".join(sorted(families[role][i]))
+        ref_fam = "/".join(sorted(families[role][ref]))
+        out.append(Problem(
+            "foreign_shard",
+            f"{headers[i].path} is quantized differently from {headers[ref].path}: {len(roles)} layer tensor "
+            f"role(s) use another quantization family (e.g. {role}: {fam} there, {ref_fam} in the other): "
+            "shards of different quantizations",
+            headers[i].path,
+        ))
+    pure = _PURE_FTYPES.get(first.kv.get("general.file_type")) if isinstance(first.kv.get("general.file_type"), int) else None
+    if pure is not None:
+        for _, h in sorted(headers.items()):
+            odd = next((e for e in h.entries if _LAYER_RE.match(e.name) and _FAMILY.get(e.type_id) not in (None, "float")
+                        and e.type_id != int(pure)), None)
+            if odd is not None:
+                out.append(Problem(
+                    "foreign_shard",
+                    f"{h.path}: tensor {odd.name} is {_type_name(odd.type_id)} but the set's general.file_type "
+                    f"says {pure.name} throughout: shards of different quantizations",
+                    h.path,
+                    odd.name,
+                ))
     return out
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _catalog_shard(
@@ -915,6 +1113,35 @@ def _few(names: list[str], n: int = 3) -> str:
 # The report `moe-service check` prints
 
 
+def changed_shards(model: GGUFModel) -> list[str]:
+    """Shards whose file changed since the catalog read its header: one sentence each naming
+    the file and what differs (replaced: another inode; rewritten: size or mtime), or that it
+    is gone. Empty when every shard is as cataloged (shards without a recorded identity are
+    skipped)."""
+    out = []
+    for sh in model.shards:
+        if sh.identity is None:
+            continue
+        dev, ino, size, mtime_ns = sh.identity
+        try:
+            st = os.stat(sh.path)
+        except OSError as e:
+            out.append(f"{sh.path} can no longer be read ({e.strerror or e})")
+            continue
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            out.append(f"{sh.path} was replaced by another file (inode {ino} -> {st.st_ino})")
+        elif st.st_size != size or st.st_mtime_ns != mtime_ns:
+            out.append(f"{sh.path} was rewritten (size {size} -> {st.st_size} bytes, mtime changed by "
+                       f"{(st.st_mtime_ns - mtime_ns) / 1e9:+.3f} s)")
+    return out
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (undecodable bytes of the file, kept by surrogateescape)
+    as backslash escapes, so printing it never raises UnicodeEncodeError."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -933,9 +1160,10 @@ class CatalogReport:
         return not self.problems
 
     def lines(self) -> list[str]:
-        """Summary lines, then ``problem: ...`` lines, then the verdict line."""
-        out = list(self.summary)
-        out += [f"problem: {p.message}" for p in self.problems]
+        """Summary lines, then ``problem: ...`` lines, then the verdict line. Names from the file
+        that are not valid UTF-8 are shown with backslash escapes (printable on any terminal)."""
+        out = [_printable(line) for line in self.summary]
+        out += [f"problem: {_printable(p.message)}" for p in self.problems]
         out.append("model files: OK" if self.ok else f"model files: {len(self.problems)} problem(s)")
         return out
 

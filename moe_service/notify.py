@@ -3,11 +3,13 @@
 - :class:`Notifier`: READY=1, STATUS=, EXTEND_TIMEOUT_USEC=, WATCHDOG=1, STOPPING=1, ERRNO=.
   Without NOTIFY_SOCKET every call is a silent no-op; path sockets and abstract (``@``)
   sockets both work (sdnotify replaces the ``@`` with a NUL byte).
-- :class:`TimeoutExtender`: while a long stage runs, sends EXTEND_TIMEOUT_USEC periodically so
-  a slow load is not killed by TimeoutStartSec while a hung one still is.
+- :class:`TimeoutExtender`: while a long stage runs and reports progress, sends
+  EXTEND_TIMEOUT_USEC periodically so a slow load is not killed by TimeoutStartSec; a stage
+  without progress for its stall limit gets no more extensions, so a hung one still is.
 - :class:`Liveness` + :class:`Watchdog`: WATCHDOG=1 at half of WATCHDOG_USEC, only while the
-  engine loop keeps advancing its liveness counter (a stuck engine stops the pings and systemd
-  restarts the service), and only when WATCHDOG_PID is unset or ours.
+  engine loop keeps advancing its liveness counter and every health check passes (steps
+  complete, the worker pool lives, the HTTP event loop runs): a stuck or failing engine stops
+  the pings and systemd restarts the service. Only when WATCHDOG_PID is unset or ours.
 
 STATUS text is sent as ASCII (sdnotify encodes with latin-1): other characters become ``?``.
 """
@@ -98,11 +100,35 @@ def watchdog_interval_s() -> float | None:
 
 
 class Liveness:
-    """A counter the engine loop advances each time it makes progress (or idles healthily)."""
+    """A counter the engine loop advances each time it makes progress (or idles healthily),
+    plus health checks: callables returning None while their part works, else the reason
+    it does not (the batch loop's :meth:`~moe_service.engine.batch.BatchLoop.health`, the
+    HTTP event loop's heartbeat). The watchdog pings only while the counter advances and
+    every check passes: liveness means work completes, not that a thread is still looping."""
 
     def __init__(self) -> None:
         self._count = 0
         self._frozen = False
+        self._checks: dict[str, object] = {}
+
+    def add_check(self, name: str, check) -> None:
+        """Register ``check() -> str | None`` under ``name`` (replaces one of the same name)."""
+        self._checks[name] = check
+
+    def remove_check(self, name: str) -> None:
+        self._checks.pop(name, None)
+
+    def problem(self) -> str | None:
+        """The first failing check's reason as ``name: reason``, else None. A check that raises
+        counts as failing (its exception is the reason)."""
+        for name, check in list(self._checks.items()):
+            try:
+                reason = check()
+            except Exception as e:  # noqa: BLE001 - a broken check must not keep the pings going
+                reason = f"health check raised {type(e).__name__}: {e}"
+            if reason:
+                return f"{name}: {reason}"
+        return None
 
     def beat(self) -> None:
         if not self._frozen:
@@ -159,13 +185,17 @@ class Watchdog:
             if next_t < time.monotonic():  # we were descheduled past a slot: do not burst
                 next_t = time.monotonic() + self.period_s
             now_count = self.liveness.count
-            if now_count != last:
+            problem = self.liveness.problem()
+            if now_count != last and problem is None:
                 last = now_count
                 self.notifier.watchdog()
                 self.pings += 1
                 stalled_logged = False
             elif not stalled_logged:
-                log.error("watchdog_engine_stalled", liveness=now_count, interval_s=self.interval_s)
+                if problem is not None:
+                    log.error("watchdog_unhealthy", reason=problem, interval_s=self.interval_s)
+                else:
+                    log.error("watchdog_engine_stalled", liveness=now_count, interval_s=self.interval_s)
                 stalled_logged = True
 
     def stop(self) -> None:
@@ -177,20 +207,29 @@ class Watchdog:
 class TimeoutExtender:
     """Context manager: while its body runs longer than ``after_s``, send
     EXTEND_TIMEOUT_USEC=<extend_s> every ``interval_s`` (``extend_s`` > ``interval_s``, so each
-    extension outlasts the gap to the next one).
+    extension outlasts the gap to the next one), but only while the work progresses:
+    ``progress()`` returns a marker (bytes loaded, a phase name...) that changes when it does;
+    once it has not changed for ``stall_limit_s`` (None: no limit), the extensions stop and
+    systemd's start timeout runs out (a stage hung on a dead disk or a stuck driver call is
+    killed instead of staying "activating" forever). ``stalled`` tells it happened.
 
     Only while starting: once READY=1 has gone out (the serve stage runs until shutdown inside
     its stage) it stops, because systemd applies EXTEND_TIMEOUT_USEC to the watchdog timer as
     well and would never see a stalled engine.
     """
 
-    def __init__(self, notifier: Notifier, after_s: float, interval_s: float, extend_s: float):
+    def __init__(self, notifier: Notifier, after_s: float, interval_s: float, extend_s: float, *,
+                 progress=None, stall_limit_s: float | None = None, name: str = "stage"):
         if extend_s <= interval_s:
             raise ValueError(f"extend_s ({extend_s}) must exceed interval_s ({interval_s})")
         self.notifier, self.after_s, self.interval_s, self.extend_s = notifier, after_s, interval_s, extend_s
+        self.progress = progress
+        self.stall_limit_s = stall_limit_s
+        self.name = name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
+        self.stalled = False
 
     def __enter__(self) -> TimeoutExtender:
         if self.notifier.enabled:
@@ -198,10 +237,28 @@ class TimeoutExtender:
             self._thread.start()
         return self
 
+    def _marker(self):
+        try:
+            return self.progress() if self.progress is not None else None
+        except Exception as e:  # noqa: BLE001 - a broken marker counts as no progress
+            return ("error", str(e))
+
     def _run(self) -> None:
+        last, t_last = self._marker(), time.monotonic()
         if self._stop.wait(self.after_s):
             return
         while not self.notifier.is_ready:
+            now, marker = time.monotonic(), self._marker()
+            if marker != last:
+                last, t_last = marker, now
+            if self.stall_limit_s is not None and now - t_last > self.stall_limit_s:
+                self.stalled = True
+                log.error("stage_stalled", stage=self.name, seconds_without_progress=round(now - t_last, 1),
+                          stall_limit_s=self.stall_limit_s,
+                          effect="no more EXTEND_TIMEOUT_USEC: systemd's start timeout will stop the service")
+                self.notifier.status(f"{self.name}: no progress for {now - t_last:.0f} s (stall limit "
+                                     f"{self.stall_limit_s:g} s); not extending the start timeout")
+                return
             self.notifier.extend_timeout(self.extend_s)
             self.sent += 1
             if self._stop.wait(self.interval_s):

@@ -5,7 +5,9 @@ POST /v1/completions        prompt (text or token ids) -> text; ``stream`` as se
 POST /v1/chat/completions   messages -> chat template -> assistant message; ``stream`` likewise
 GET  /v1/models             the one served model (config ``model.name``, else the file name)
 GET  /health                200 ``{"status": "ok"}`` while serving; 503 ``{"status": "loading",
-                            "stage": ...}`` before, 503 ``{"status": "stopping"}`` after SIGTERM
+                            "stage": ...}`` before, 503 ``{"status": "stopping"}`` after SIGTERM,
+                            503 ``{"status": "unhealthy", "reason": ...}`` when work no longer
+                            completes (Service.health_problem)
 GET  /metrics               Prometheus text (moe_service.metrics)
 ==========================  ======================================================================
 
@@ -50,6 +52,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_service.api import logprobs as lp_fmt
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
+from moe_service.request_limits import (
+    BodyLimit,
+    admission_precheck,
+    chat_chars,
+    check_stop_strings,
+    parse_json_body,
+    prompt_chars,
+)
 
 log = get_logger(__name__)
 
@@ -263,6 +273,8 @@ def _validation_error(e: ValidationError | RequestValidationError) -> RequestErr
 
 
 def error_response(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if headers is None and getattr(err, "retry_after_s", None) is not None:  # 429 from any check
+        headers = {"Retry-After": str(err.retry_after_s)}
     return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
 
 
@@ -296,6 +308,15 @@ class Service:
         self.metrics_auth = metrics_auth
         self.allowed_hosts = tuple(allowed_hosts)
         self.cors_origins = tuple(cors_origins)
+        self.max_body_bytes: int | None = None  # serve.max_body_bytes (request_limits.BodyLimit)
+        self.body_timeout_s: float | None = None  # serve.body_timeout_s (request_limits.BodyLimit)
+
+    def health_problem(self) -> str | None:
+        """Why the service cannot do work although it is up (the engine thread died, N steps in
+        a row failed, the worker pool is dead, no step completes while requests wait), else
+        None. From ``batch.health()`` (moe_service.engine.batch.BatchLoop.health)."""
+        check = getattr(self.batch, "health", None)
+        return check() if check is not None else None
 
     def check_serving(self) -> None:
         if self.stopping:
@@ -441,6 +462,7 @@ def create_app(service: Service) -> FastAPI:
     """The FastAPI application over ``service`` (no lifespan: the serve stage runs the rest)."""
     app = FastAPI(title="moe-service", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(BodyLimit, service=service)  # inside the metrics middleware: 413s are counted
     from moe_service.api.auth import GuardMiddleware
 
     app.add_middleware(GuardMiddleware, keys=service.keys, metrics_auth=service.metrics_auth,
@@ -469,6 +491,9 @@ def create_app(service: Service) -> FastAPI:
             return JSONResponse({"status": "stopping"}, status_code=503)
         if not service.ready:
             return JSONResponse({"status": "loading", "stage": service.stage()}, status_code=503)
+        problem = service.health_problem()
+        if problem is not None:  # liveness means work completes: up but unable is not ok
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         batch = service.batch
         return {"status": "ok", "model": service.model_name,
                 "active": batch.active if batch else 0, "queued": batch.waiting if batch else 0}
@@ -508,11 +533,8 @@ def create_app(service: Service) -> FastAPI:
 
 
 async def _read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+    """The body as JSON within moe_service.request_limits' bounds (RequestError 400 otherwise)."""
+    return parse_json_body(await request.body())
 
 
 async def _generate(service: Service, request: Request, *, chat: bool):
@@ -531,6 +553,10 @@ async def _generate(service: Service, request: Request, *, chat: bool):
             raise _validation_error(e) from None
         _unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
         service.check_model(body.model)
+        check_stop_strings(body.stop)
+        # queue place and prompt size before the (costly, shared-thread-pool) tokenization
+        admission_precheck(service, chat_chars(body.messages) if chat else prompt_chars(body.prompt),
+                           param="messages" if chat else "prompt")
         engine = service.engine
         plan = None
         n_logprobs = None

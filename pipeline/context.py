@@ -45,11 +45,20 @@ class PipelineContext:
     status_text: str = "starting"
     stage_durations_s: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    progress_marker: Any = None  # what the running stage last reported (report_progress)
+    progress_reports: int = 0
 
     def status(self, text: str) -> None:
         """Report progress: STATUS= to systemd and the text /health shows while loading."""
         self.status_text = text
         self.notifier.status(text)
+
+    def report_progress(self, marker: Any = None) -> None:
+        """The running stage made progress (``marker``: bytes loaded, regions placed, a phase).
+        While it keeps changing, the runner extends systemd's start timeout; past the stage's
+        stall limit without a change it stops (pipeline.runner, notify.TimeoutExtender)."""
+        self.progress_marker = marker
+        self.progress_reports += 1
 
     def request_shutdown(self, signal_name: str = "SIGTERM") -> None:
         """Ask every stage to stop at its next check (called from signal handlers: sets flags only)."""

@@ -711,6 +711,25 @@ def _progress_bar(total: int, wanted: bool | None):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fastload", file=sys.stderr)
 
 
+def _progress(ctx, done: int, total: int, gbps: float) -> None:
+    ctx.status(status_line(done, total, gbps))
+    report = getattr(ctx, "report_progress", None)
+    if report is not None:  # bytes loaded: what keeps systemd's start timeout extended
+        report(done)
+
+
+def _check_model_unchanged(catalog, when: str) -> None:
+    """StageError naming every shard replaced or rewritten since the catalog read it (checked
+    at the start and the end of the stage: bytes read from a file swapped mid-load would mix
+    two models). Exit 5: a restart catalogs and loads the new file."""
+    from moe_service.gguf_model import changed_shards
+
+    changed = changed_shards(catalog) if hasattr(catalog, "shards") else []
+    if changed:
+        raise StageError(f"fastload: the model changed {when}: {'; '.join(changed)}. The loaded weights "
+                         "could mix two files; restart the service to load the new one")
+
+
 @register_stage
 class FastloadStage(Stage):
     """Reads the model into the arena the plan laid out (``ctx.catalog``, ``ctx.layout``;
@@ -724,6 +743,9 @@ class FastloadStage(Stage):
         "needs catalog + layout; fills arena and weights (populate + pread, N threads, THP or hugetlb pages, "
         "bound per region)"
     )
+
+    stall_limit_s = 60.0  # no byte loaded for a minute: a dead disk or a hung NFS server
+    progress_from_status = False  # its status line's GB/s changes while no byte arrives
 
     def __init__(self) -> None:
         self.stats: LoadStats | None = None
@@ -740,6 +762,7 @@ class FastloadStage(Stage):
             log.info(
                 "fastload_plain_layout", stage="fastload", reason="no plan in the context: one local region"
             )
+        _check_model_unchanged(ctx.catalog, "before the load")
         arena, weights, self.stats = fastload(
             ctx.catalog,
             layout,
@@ -749,10 +772,15 @@ class FastloadStage(Stage):
             chunk_bytes=cfg.chunk_bytes,
             max_read_bytes=cfg.max_read_bytes,
             progress_interval_s=cfg.progress_interval_s,
-            on_progress=lambda done, total, gbps: ctx.status(status_line(done, total, gbps)),
+            on_progress=lambda done, total, gbps: _progress(ctx, done, total, gbps),
             should_stop=ctx.check_shutdown,
             prefetch=cfg.prefetch,
         )
+        try:
+            _check_model_unchanged(ctx.catalog, "during the load")
+        except StageError:
+            memory.free_arena(arena)
+            raise
         ctx.arena, ctx.weights = arena, weights
 
     def close(self, ctx) -> None:

@@ -14,6 +14,20 @@ from pipeline.spec import STAGES, Stage, check_stages
 log = get_logger(__name__)
 
 
+def stall_limit_s(stage: Stage, cfg) -> float:
+    """The stage's stall limit: ``pipeline.stall_limit_s[name]`` when set, else its class's."""
+    overrides = getattr(cfg, "stall_limit_s", None) or {}
+    return float(overrides.get(stage.name, stage.stall_limit_s))
+
+
+def _progress_marker(ctx: PipelineContext, stage: Stage):
+    """What changes when ``stage`` progresses: its progress reports (and, for stages that
+    allow it, its STATUS text)."""
+    if stage.progress_from_status:
+        return lambda: (ctx.progress_reports, ctx.progress_marker, ctx.status_text)
+    return lambda: (ctx.progress_reports, ctx.progress_marker)
+
+
 class PipelineRunner:
     """Executes ``ctx.config.pipeline.stages`` in order.
 
@@ -51,7 +65,9 @@ class PipelineRunner:
             t0 = time.monotonic()
             self.started.append(stage)
             try:
-                with TimeoutExtender(ctx.notifier, cfg.extend_after_s, cfg.extend_interval_s, cfg.extend_timeout_s):
+                with TimeoutExtender(ctx.notifier, cfg.extend_after_s, cfg.extend_interval_s, cfg.extend_timeout_s,
+                                     progress=_progress_marker(ctx, stage), stall_limit_s=stall_limit_s(stage, cfg),
+                                     name=stage.name):
                     stage.run(ctx)
             except Interrupted:
                 log.warning("stage_interrupted", stage=stage.name, seconds=round(time.monotonic() - t0, 3))

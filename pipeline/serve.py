@@ -30,6 +30,9 @@ from pipeline.spec import Stage, register_stage
 log = get_logger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 10.0
+HTTP_LOOP_STALL_S = 10.0
+"""The event loop serving HTTP must run at least this often; longer, the watchdog stops
+pinging (its /health could not answer anyway)."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -88,7 +91,61 @@ async def fetch_health(host: str, port: int, timeout_s: float = HEALTH_CHECK_TIM
     return await asyncio.wait_for(go(), timeout_s)
 
 
-def _uvicorn_server(app, grace_s: float):
+def header_timeout_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol with a deadline for request headers: a connection must complete
+    a request's headers within ``header_timeout_s`` of opening, and of each response on a
+    kept-alive connection, else it is closed. uvicorn's own timeout_keep_alive starts only
+    after a response and is reset by every byte, so a client trickling header bytes (or
+    sending none) would hold a connection, and a place under limit_concurrency, forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer = None
+        _timer_cycle = None
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._timer_cycle = self.cycle
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.cycle is self._timer_cycle and not self.transport.is_closing():
+                log.info("http_header_timeout", client=self.client, timeout_s=header_timeout_s)
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._header_timer is not None and self.cycle is not self._timer_cycle:
+                self._disarm_header_timer()  # a request's headers arrived
+
+        def on_response_complete(self) -> None:
+            before = self.cycle
+            super().on_response_complete()
+            if self.cycle is before and not self.transport.is_closing():
+                self._arm_header_timer()  # waiting for the next request's headers
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol
+
+
+def _uvicorn_server(app, grace_s: float, *, max_connections: int | None = None, keepalive_timeout_s: int = 5,
+                    header_timeout_s: float | None = None):
+    """uvicorn over ``app``: ``max_connections`` is its limit_concurrency (503 beyond),
+    ``keepalive_timeout_s`` its timeout_keep_alive; ``header_timeout_s`` adds the header
+    deadline of :func:`header_timeout_protocol`."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -98,8 +155,10 @@ def _uvicorn_server(app, grace_s: float):
         def capture_signals(self):
             yield
 
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http="h11", ws="none",
-                            timeout_graceful_shutdown=grace_s, server_header=False)
+    http = header_timeout_protocol(header_timeout_s) if header_timeout_s else "h11"
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http=http, ws="none",
+                            timeout_graceful_shutdown=grace_s, server_header=False,
+                            limit_concurrency=max_connections, timeout_keep_alive=keepalive_timeout_s)
     return Server(config)
 
 
@@ -153,11 +212,14 @@ class ServeStage(Stage):
         metrics = Metrics()
         metrics.attach_context(ctx)
         self.batch = BatchLoop(ctx.engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
-                               retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics).start()
+                               retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics,
+                               max_failed_steps=cfg.max_failed_steps, stall_s=cfg.engine_stall_s).start()
         self.service = Service(engine=ctx.engine, batch=self.batch, metrics=metrics,
                                model_name=ctx.engine.model_name, stage=lambda: ctx.current_stage,
                                keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,
                                allowed_hosts=tuple(cfg.allowed_hosts), cors_origins=tuple(cfg.cors_origins))
+        self.service.max_body_bytes = cfg.max_body_bytes or None
+        self.service.body_timeout_s = cfg.body_timeout_s
         ctx.server = self.service
         app = create_app(self.service)
         previous = _on_sighup(keys)
@@ -170,7 +232,8 @@ class ServeStage(Stage):
 
     async def _serve(self, ctx: PipelineContext, app, addr: tuple[str, int]) -> None:
         cfg = ctx.config.serve
-        server = _uvicorn_server(app, cfg.shutdown_grace_s)
+        server = _uvicorn_server(app, cfg.shutdown_grace_s, max_connections=cfg.max_connections,
+                                 keepalive_timeout_s=cfg.keepalive_timeout_s, header_timeout_s=cfg.header_timeout_s)
         task = asyncio.create_task(server.serve(sockets=[self.sock]))
         while not server.started:
             if task.done():
@@ -189,10 +252,18 @@ class ServeStage(Stage):
         ctx.notifier.ready(f"serving {self.service.model_name} on {self.url}")
         log.info("service_ready", url=self.url, model=self.service.model_name, parallel=cfg.parallel,
                  n_ctx=ctx.engine.n_ctx, stage_durations_s={k: round(v, 3) for k, v in ctx.stage_durations_s.items()})
+        loop_beat = [time.monotonic()]  # the HTTP event loop's own liveness
+
+        def http_loop_check() -> str | None:
+            late_s = time.monotonic() - loop_beat[0]
+            return f"the HTTP event loop has not run for {late_s:.0f} s" if late_s > HTTP_LOOP_STALL_S else None
+
+        ctx.liveness.add_check("http", http_loop_check)
         watchdog = start_watchdog(ctx)
         try:
             while not ctx.shutdown.is_set() and not task.done():
                 await asyncio.sleep(0.1)
+                loop_beat[0] = time.monotonic()
             if task.done():
                 task.result()
                 raise StageError(f"the HTTP server on {self.url} stopped on its own")
@@ -205,6 +276,7 @@ class ServeStage(Stage):
             log.info("serve_stopped", seconds=round(time.monotonic() - t0, 3))
         finally:
             watchdog.stop()
+            ctx.liveness.remove_check("http")
 
     @staticmethod
     async def _stop_server(server, task) -> None:

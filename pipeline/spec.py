@@ -35,6 +35,13 @@ class Stage(abc.ABC):
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
     summary: ClassVar[str] = ""
+    stall_limit_s: ClassVar[float] = 600.0
+    """Most seconds the stage may go without reporting progress (``ctx.report_progress``, or a
+    new ``ctx.status`` text when ``progress_from_status``) before the runner stops extending
+    systemd's start timeout (``pipeline.stall_limit_s`` overrides it per stage)."""
+    progress_from_status: ClassVar[bool] = True
+    """Whether a changed STATUS text counts as progress (False for stages whose status line
+    changes without progress, e.g. a throughput figure)."""
 
     def skip_reason(self, ctx: PipelineContext) -> str | None:
         return None

@@ -113,6 +113,7 @@ class WarmupStage(Stage):
 
     name = "warmup"
     requires = ("fastload",)
+    stall_limit_s = 900.0  # a first numba compile reports nothing for minutes
     summary = ("needs ctx.catalog and ctx.weights; builds ctx.engine (model, tokenizer, sampler), touches "
                "every expert once and runs warmup.prompt so the first request is as fast as the hundredth")
 
@@ -136,6 +137,11 @@ class WarmupStage(Stage):
         engine = ctx.engine
         gen = engine.generate(engine.encode_prompt(cfg.prompt), max_tokens=min(cfg.max_tokens, engine.n_ctx - 1))
         t_end = time.monotonic()
+        # this (main) thread dispatched as worker 0: give it its CPU mask back before the serve
+        # stage starts the event loop, the engine thread (worker 0 from now on) and the watchdog
+        pool = getattr(getattr(engine.model, "ops", None), "pool", None)
+        if pool is not None and hasattr(pool, "release_caller"):
+            pool.release_caller()
         log.info(
             "warmup_done", stage="warmup", model=engine.model_name, build_s=round(t_build - t0, 3),
             touch_experts_s=round(t_touch - t_build, 3), expert_layers=touched["layers"],

@@ -27,7 +27,12 @@ def main() -> None:
         for key, info in fields.items():
             for line in textwrap.wrap(info["description"], 92):
                 out.append(f"# {line}\n")
-            out.append(tomli_w.dumps({key: info["default"]}))
+            value = info["default"]
+            if isinstance(value, dict):  # an inline table: tomli_w would open a [key] table here
+                items = ", ".join(tomli_w.dumps({k: v}).strip() for k, v in value.items())
+                out.append(f"{key} = {{{' ' + items + ' ' if items else ''}}}\n")
+            else:
+                out.append(tomli_w.dumps({key: value}))
     print("".join(out), end="")
 
 

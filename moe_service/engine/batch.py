@@ -62,7 +62,8 @@ class BatchLoop:
     """
 
     def __init__(self, engine: Engine, *, parallel: int = 4, queue_size: int = 16, retry_after_s: int = 1,
-                 liveness=None, metrics=None, idle_wait_s: float = 0.1):
+                 liveness=None, metrics=None, idle_wait_s: float = 0.1, max_failed_steps: int = 5,
+                 stall_s: float = 120.0):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1 (got {parallel})")
         self.engine = engine
@@ -83,6 +84,13 @@ class BatchLoop:
         self.steps = 0
         self.failed_steps = 0
         self._mask_pool = None  # grammar mask worker, started by the first constrained step
+        self.max_failed_steps = max(1, int(max_failed_steps))
+        self.stall_s = float(stall_s)
+        self.consecutive_failed_steps = 0
+        self.last_error: str | None = None  # the latest failed step's error
+        self._t_progress = time.monotonic()  # last completed step, or last time there was no work
+        if liveness is not None and hasattr(liveness, "add_check"):
+            liveness.add_check("engine", self.health)
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -109,6 +117,43 @@ class BatchLoop:
             self._waiting.append(req)
             self._publish_load()
             self._cv.notify()
+
+    def check_capacity(self) -> None:
+        """Raise what :meth:`submit` would raise now (QueueFull, 503 stopping) without queueing:
+        the server asks before it tokenizes a prompt. Advisory: submit checks again."""
+        with self._cv:
+            if self._stopping:
+                raise shutting_down_error()
+            capacity = self.parallel + self.queue_size
+            if len(self._waiting) + self._n_active >= capacity:
+                raise QueueFull(capacity, self.retry_after_s)
+
+    def health(self) -> str | None:
+        """None while the loop can do work, else the reason it cannot (a sentence):
+
+        - the engine thread has exited;
+        - ``max_failed_steps`` steps in a row failed (the latest error named);
+        - the model's worker pool is dead (``model.ops.pool.broken``);
+        - requests are waiting or running but no step completed for ``stall_s`` seconds.
+
+        /health answers 503 with it, and the watchdog stops pinging (notify.Liveness checks).
+        """
+        if self._thread is not None and not self._thread.is_alive():
+            return "the engine thread has exited"
+        if self.consecutive_failed_steps >= self.max_failed_steps:
+            return (f"{self.consecutive_failed_steps} engine steps in a row failed "
+                    f"(serve.max_failed_steps = {self.max_failed_steps}); last: {self.last_error}")
+        pool = getattr(getattr(self.model, "ops", None), "pool", None)
+        broken = getattr(pool, "broken", None)
+        if isinstance(broken, str):
+            return f"the kernel worker pool is dead: {broken}"
+        with self._cv:
+            busy = bool(self._waiting) or self._n_active > 0
+        idle_s = time.monotonic() - self._t_progress
+        if busy and self._thread is not None and idle_s > self.stall_s:
+            return (f"no engine step completed for {idle_s:.0f} s while requests wait "
+                    f"(serve.engine_stall_s = {self.stall_s:g})")
+        return None
 
     def cancel(self, req: GenerationRequest) -> None:
         """The requester is gone: drop ``req`` from the queue, or free its slot at the next step."""
@@ -169,6 +214,7 @@ class BatchLoop:
                 if self._stopping:
                     break
                 if not self._active and not self._waiting:
+                    self._t_progress = time.monotonic()  # nothing to do is not a stall
                     self._cv.wait(self.idle_wait_s)
                     self._beat()
                     continue
@@ -179,13 +225,21 @@ class BatchLoop:
                         admit.append(req)
                 self._n_active += len(admit)  # reserved now, so submit() counts them
             try:
-                for req in admit:
-                    self._admit(req)
+                for i, req in enumerate(admit):
+                    try:
+                        self._admit(req)
+                    except Exception as e:  # noqa: BLE001 - the request fails, its place is freed
+                        self._admit_failed(req, e)
+                    finally:
+                        admit[i] = None  # accounted for: admitted, or failed and released
                 self._reap_cancelled()
                 if self._active:
                     self._step()
             except Exception as e:  # a bug outside model.step: fail what runs, keep serving
                 log.error("engine_iteration_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
+                for req in admit:  # reserved but never admitted: answer them, free their places
+                    if req is not None:
+                        self._admit_failed(req, e)
                 for seq in list(self._active):
                     self._fail(seq, RequestError(f"internal engine error: {type(e).__name__}: {e}",
                                                  status=500, type="server_error", code="engine_error"))
@@ -205,6 +259,26 @@ class BatchLoop:
             return
         with self._cv:
             self._publish_load()
+
+    def _admit_failed(self, req: GenerationRequest, exc: BaseException) -> None:
+        """``req``'s admission raised: give back its reserved place (and its sequence and slot
+        if it got that far) and answer it with a 500, so no place leaks and nobody waits."""
+        log.error("engine_admit_failed", request_id=req.request_id, error=f"{type(exc).__name__}: {exc}",
+                  exc_info=exc)
+        seq = next((s for s in self._active if s.request is req), None)
+        err = RequestError(f"the engine could not start this request: {type(exc).__name__}: {exc}",
+                           status=500, type="server_error", code="engine_error")
+        if seq is not None:
+            self._fail(seq, err)  # releases the slot and the place
+            return
+        with self._cv:
+            self._n_active -= 1
+            self._publish_load()
+        if req.emit is not None and not req.cancelled:
+            try:
+                req.emit(Event(error=err, prompt_tokens=len(req.prompt_ids)))
+            except Exception as e:  # noqa: BLE001 - the requester is gone
+                log.warning("engine_emit_failed", request_id=req.request_id, error=str(e))
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -260,6 +334,8 @@ class BatchLoop:
         except Exception as e:
             self._wait_masks(masks)
             self.failed_steps += 1
+            self.consecutive_failed_steps += 1
+            self.last_error = f"{type(e).__name__}: {e}"
             log.error("engine_step_failed", sequences=len(batch), tokens=sum(len(t) for _, t in batch),
                       requests=[s.request.request_id for s, _ in entries], error=f"{type(e).__name__}: {e}",
                       exc_info=e)
@@ -271,6 +347,8 @@ class BatchLoop:
         self._wait_masks(masks)
         now = time.monotonic()
         self.steps += 1
+        self.consecutive_failed_steps = 0
+        self._t_progress = now
         if self.metrics is not None:
             self.metrics.observe_step(len(batch), sum(len(t) for _, t in batch), now - t0)
         rows = logits.numpy() if hasattr(logits, "numpy") else logits

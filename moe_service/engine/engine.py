@@ -262,6 +262,32 @@ class Engine:
         self.max_tokens_default = int(max_tokens_default)
         self.n_ctx = int(model.n_ctx)
         self.created_s = int(time.time())
+        tokens = getattr(tokenizer, "tokens", None)
+        # No prompt longer than this can fit: every token covers at most its longest text's
+        # characters (byte-level and SPM token texts have at least one character per byte).
+        self.max_prompt_chars: int | None = (self.n_ctx * max(1, max(map(len, tokens)))
+                                             if isinstance(tokens, list) and tokens else None)
+        self.chat_template_problem = self._check_chat_template()
+
+    def _check_chat_template(self) -> str | None:
+        """Compile the chat template now (once) and log what /v1/chat/completions will answer:
+        None when it compiled, else the reason chat requests fail."""
+        if not hasattr(type(self.tokenizer), "chat"):
+            return None
+        from moe_service.engine.tokenizer import ChatTemplateError
+        from moe_service.errors import ModelFileError
+
+        try:
+            self.tokenizer.chat  # noqa: B018 - compiles and caches it
+        except ModelFileError as e:
+            log.warning("chat_template_missing", model=self.model_name, error=str(e),
+                        effect="/v1/chat/completions answers 400 no_chat_template")
+            return str(e)
+        except ChatTemplateError as e:
+            log.error("chat_template_invalid", model=self.model_name, error=str(e),
+                      effect="/v1/chat/completions answers 500 chat_template_error")
+            return str(e)
+        return None
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -301,6 +327,7 @@ class Engine:
         Raises RequestError (param ``messages``) when the template rejects the conversation.
         """
         from moe_service.engine.tokenizer import ChatTemplateError
+        from moe_service.errors import ModelFileError
 
         if not messages:
             raise RequestError("messages must hold at least one message", param="messages")
@@ -308,7 +335,15 @@ class Engine:
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                                       **dict(template_vars or {}))
         except ChatTemplateError as e:
-            raise RequestError(str(e), param="messages") from None
+            if e.kind == "raised":  # the template refused this conversation: the client's to fix
+                raise RequestError(str(e), param="messages") from None
+            # the model's template is broken (syntax, render failure, runaway loop): our fault
+            raise RequestError(f"the model's chat template failed: {e}", status=500, type="server_error",
+                               code="chat_template_error") from None
+        except ModelFileError as e:  # no tokenizer.chat_template in the model
+            raise RequestError(f"this model has no chat template ({e}); /v1/chat/completions cannot format "
+                               "messages for it: use /v1/completions with a formatted prompt",
+                               param="messages", code="no_chat_template") from None
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         bos = self.tokenizer.bos_id
         if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:

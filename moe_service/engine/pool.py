@@ -28,8 +28,9 @@ job buffers are never touched after the caller returns.
 
 Pinning: every worker thread pins itself once, at start, to exactly one CPU with
 ``os.sched_setaffinity(0, {cpu})`` (pid 0 = the calling thread). The caller thread, which
-takes part as worker 0, is pinned once on its first dispatch (``pin_caller``). Nothing is
-re-pinned per op.
+takes part as worker 0, is pinned once on its first dispatch (``pin_caller``); when another
+thread takes over as worker 0, the previous one gets its CPU mask back (``release_caller``
+does it explicitly). Nothing is re-pinned per op.
 """
 
 from __future__ import annotations
@@ -569,6 +570,15 @@ class WorkerPool:
     def n_workers(self) -> int:
         return len(self.slots)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the pool can no longer run work (a worker thread died: slot, CPU, error), else
+        None. The batch loop's health check reads it (/health, the watchdog)."""
+        if self._broken is None:
+            return None
+        slot, cpu, exc = self._errors[0]
+        return f"worker {slot} on CPU {cpu} failed: {exc!r}"
+
     def _check_usable(self) -> None:
         if self._closed:
             raise WorkerError("the worker pool is shut down")
@@ -597,8 +607,7 @@ class WorkerPool:
             if self.caller_participates and self.pin_caller:
                 tid = threading.get_native_id()
                 if tid not in self._pinned_callers:
-                    self._pinned_callers[tid] = os.sched_getaffinity(0)
-                    os.sched_setaffinity(0, {self.slots[0][0]})
+                    self._pin_caller(tid)
             s, err = _dispatch(self.ctrl, items, bounds, op, xa, x_field, oa, out_field, 0, self._caller_node,
                                self.caller_participates)
             if err == -2:  # some workers sleep: wake them, then take part
@@ -607,6 +616,38 @@ class WorkerPool:
                 err = _take_part_and_wait(self.ctrl, s, 0, self._caller_node, self.caller_participates)
             if err != 0:
                 self._raise_error(int(err), items)
+
+    def _pin_caller(self, tid: int) -> None:
+        """Pin the calling thread (``tid``) to worker 0's CPU, remembering its mask; a thread
+        that was worker 0 before (warmup ran on the main thread, the engine thread takes over)
+        gets its mask back, so it no longer competes with worker 0 for one CPU. Under _lock."""
+        cpu = self.slots[0][0]
+        mask = os.sched_getaffinity(0)
+        if mask == {cpu} and _PROCESS_CPUS != {cpu}:
+            mask = set(_PROCESS_CPUS)  # inherited from a pinned creator thread, not its own choice
+        for other in [t for t in self._pinned_callers if t != tid]:
+            self._restore(other)
+        self._pinned_callers[tid] = mask
+        os.sched_setaffinity(0, {cpu})
+
+    def _restore(self, tid: int) -> None:
+        cpus = self._pinned_callers.pop(tid)
+        try:
+            os.sched_setaffinity(tid, cpus)
+            log.debug("worker_pool_caller_released", thread=tid, cpus=len(cpus))
+        except OSError:  # that thread has ended
+            pass
+
+    def release_caller(self) -> None:
+        """Give the calling thread back the CPU mask it had before it first dispatched (it then
+        no longer runs as worker 0 on that worker's CPU). Call it when a thread stops
+        dispatching for good, e.g. the main thread after warmup: otherwise the event loop, the
+        watchdog and tokenization stay pinned to worker 0's CPU (and every thread they start
+        inherits that one-CPU mask). A later dispatch from it pins it again."""
+        with self._lock:
+            tid = threading.get_native_id()
+            if tid in self._pinned_callers:
+                self._restore(tid)
 
     def _raise_error(self, err: int, items: np.ndarray) -> None:
         kind = int(self.ctrl[F_ERR_KIND])
@@ -627,12 +668,8 @@ class WorkerPool:
             self._cond.notify_all()
         for t in self._threads:
             t.join()
-        for tid, cpus in self._pinned_callers.items():  # give the calling threads their CPUs back
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:  # that thread has ended
-                pass
-        self._pinned_callers.clear()
+        for tid in list(self._pinned_callers):  # give the calling threads their CPUs back
+            self._restore(tid)
         log.info("worker_pool_stopped", workers=len(self.slots))
 
     def __enter__(self) -> WorkerPool:

@@ -1,7 +1,7 @@
 """Next-token sampling and stop-sequence matching, one request at a time.
 
     logits [V] float32 --temperature--> --top-k--> --top-p--> softmax --draw (seeded)--> token id
-    (temperature <= 0: greedy argmax, the lowest id wins a tie, as llama.cpp's greedy sampler)
+    (temperature < 1e-6, 0 included: greedy argmax, the lowest id wins a tie, as llama.cpp's greedy sampler)
 
 Order: temperature first, then top-k, then top-p on the tempered distribution (the
 OpenAI/HF convention: a low temperature narrows the nucleus). Each request owns a numpy
@@ -51,8 +51,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature below GREEDY_BELOW_TEMPERATURE,
+        0 included, or top_k 1)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-6
+"""Temperatures below this sample greedily: the tempered distribution is argmax to within
+float64 already (a logit gap of 1e-4 becomes 100 nats), and dividing by a subnormal
+temperature (1e-320) overflows every logit to +-inf, which cannot be sampled."""
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -165,6 +172,36 @@ def _nucleus(ids: np.ndarray, probs: np.ndarray, top_p: float) -> tuple[np.ndarr
     return ids[:n], kept / kept.sum()
 
 
+def _prefix_function(s: str) -> list[int]:
+    """Knuth-Morris-Pratt failure function: fail[i] = length of the longest proper prefix of
+    ``s[:i + 1]`` that is also its suffix. O(len(s))."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+def _advance(k: int, text: str, stop: str, fail: list[int]) -> int:
+    """The KMP automaton of ``stop`` from state ``k`` (the longest prefix of ``stop`` the text
+    so far ends with) over the new ``text``: the state after it. Amortized O(len(text)) per
+    call, whatever the stop's length (trying every prefix length with endswith cost
+    O(len(text) x len(stop)) per chunk). A complete match, which the caller finds first with
+    str.find, falls back to the longest proper border."""
+    for ch in text:
+        while k and ch != stop[k]:
+            k = fail[k - 1]
+        if ch == stop[k]:
+            k += 1
+            if k == len(stop):  # only when text holds the stop itself; callers exclude that
+                k = fail[k - 1]
+    return k
+
+
 class StopSequenceMatcher:
     """Cuts a streamed completion at the earliest stop string (the stop text is not emitted).
 
@@ -176,6 +213,8 @@ class StopSequenceMatcher:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._fail = [_prefix_function(s) for s in self.stops]
+        self._state = [0] * len(self.stops)  # per stop: longest prefix of it the text so far ends with
         self._held = ""
         self.stopped = False
         self.matched: str | None = None
@@ -197,11 +236,9 @@ class StopSequenceMatcher:
             self.stopped, self.matched, self._held = True, best_stop, ""
             return buf[:best_at]
         hold = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(buf)), hold, -1):
-                if buf.endswith(stop[:n]):
-                    hold = n
-                    break
+        for k, (stop, fail) in enumerate(zip(self.stops, self._fail, strict=True)):
+            self._state[k] = _advance(self._state[k], text, stop, fail)
+            hold = max(hold, self._state[k])
         self._held = buf[len(buf) - hold:] if hold else ""
         return buf[: len(buf) - hold]
 

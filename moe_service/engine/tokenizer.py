@@ -36,6 +36,7 @@ import codecs
 import datetime
 import heapq
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -631,14 +632,21 @@ class Tokenizer:
             ModelFileError: the model has no chat template, or it does not compile.
         """
         if self._chat is None:
-            if not self.chat_template:
-                raise ModelFileError(f"{self.source}: the model has no tokenizer.chat_template.")
-            self._chat = ChatTemplate(
-                self.chat_template,
-                bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
-                eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "",
-                source=f"{self.source}: tokenizer.chat_template",
-            )
+            error = getattr(self, "_chat_error", None)
+            if error is not None:  # compiled once: a broken template is not recompiled per request
+                raise error
+            try:
+                if not self.chat_template:
+                    raise ModelFileError(f"{self.source}: the model has no tokenizer.chat_template.")
+                self._chat = ChatTemplate(
+                    self.chat_template,
+                    bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
+                    eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "",
+                    source=f"{self.source}: tokenizer.chat_template",
+                )
+            except (ModelFileError, ChatTemplateError) as exc:
+                self._chat_error = exc
+                raise
         return self._chat
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
@@ -680,8 +688,9 @@ class ChatTemplateError(ValueError):
     """A chat template failed to compile or to render a conversation.
 
     ``kind`` is ``"syntax"`` (the template itself is broken), ``"raised"`` (the template
-    called ``raise_exception``, e.g. roles that do not alternate: a bad request) or
-    ``"render"`` (any other error while rendering).
+    called ``raise_exception``, e.g. roles that do not alternate: a bad request),
+    ``"timeout"`` (the render ran past its time or size budget: a runaway loop) or
+    ``"render"`` (any other error while rendering). Only ``"raised"`` is the client's doing.
     """
 
     def __init__(self, message: str, kind: str):
@@ -691,6 +700,99 @@ class ChatTemplateError(ValueError):
 
 class _TemplateRaised(Exception):
     pass
+
+
+class _RenderOverBudget(Exception):
+    pass
+
+
+class _RenderBudget:
+    """One render's deadline and output/operand size limit, checked at every call, attribute
+    and item access, loop step over context lists, string or list multiplication and output
+    chunk of a template (jinja2 has no time limit of its own: nested loops over a few hundred
+    messages, or ranges inside ranges, run for hours)."""
+
+    def __init__(self, timeout_s: float, max_chars: int):
+        import time
+
+        self._clock = time.monotonic
+        self.deadline = self._clock() + timeout_s
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self.output = 0
+        self._n = 0
+
+    def tick(self) -> None:
+        self._n += 1
+        if not self._n & 63 and self._clock() > self.deadline:
+            raise _RenderOverBudget(f"the render ran longer than {self.timeout_s:g} s (a runaway loop?)")
+
+    def size(self, n: int) -> None:
+        if n > self.max_chars:
+            raise _RenderOverBudget(f"the render built a value of {n} items, more than {self.max_chars}")
+
+    def add_output(self, n: int) -> None:
+        self.output += n
+        self.size(self.output)
+        if self._clock() > self.deadline:
+            raise _RenderOverBudget(f"the render ran longer than {self.timeout_s:g} s (a runaway loop?)")
+
+
+def _bounded_sandbox(base):
+    """``base`` (a jinja2 sandbox class) that charges every call, attribute and item access to
+    the current thread's :class:`_RenderBudget` and refuses ``*``/``**`` results past its size
+    limit (the sandbox's own limits stop at range(): 'a' * 10**9 is allowed)."""
+
+    class BoundedSandbox(base):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def _tick(self) -> None:
+            _tick()
+
+        def call(self, __context, __obj, *args, **kwargs):
+            self._tick()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            self._tick()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            self._tick()
+            return super().getitem(obj, argument)
+
+        def call_binop(self, context, operator, left, right):
+            b = getattr(_RENDER, "budget", None)
+            if b is not None:
+                b.tick()
+                if operator == "*":
+                    for seq, k in ((left, right), (right, left)):
+                        if isinstance(seq, str | list | tuple) and isinstance(k, int):
+                            b.size(len(seq) * k)
+                elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 64:
+                    raise _RenderOverBudget(f"the render computed {left} ** {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedSandbox
+
+
+class _TickingList(list):
+    """A context list whose iteration is charged to the render budget (loops over messages
+    make no calls the sandbox could count)."""
+
+    def __iter__(self):
+        for item in list.__iter__(self):
+            _tick()
+            yield item
+
+
+_RENDER = threading.local()  # .budget: the _RenderBudget of this thread's render in progress
+
+
+def _tick() -> None:
+    b = getattr(_RENDER, "budget", None)
+    if b is not None:
+        b.tick()
 
 
 def _raise_exception(message: str) -> None:
@@ -719,7 +821,9 @@ class ChatTemplate:
     """
 
     def __init__(self, template: str, *, bos_token: str = "", eos_token: str = "",
-                 source: str = "chat template"):
+                 source: str = "chat template", timeout_s: float = 5.0, max_chars: int = 16 << 20):
+        self.timeout_s = timeout_s  # a render that runs longer stops (ChatTemplateError "timeout")
+        self.max_chars = max_chars  # most characters a render may produce or build
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -728,8 +832,9 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+        env = _bounded_sandbox(ImmutableSandboxedEnvironment)(trim_blocks=True, lstrip_blocks=True,
+                                                              extensions=[jinja2.ext.loopcontrols])
+        self._env = env
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -750,14 +855,25 @@ class ChatTemplate:
         import jinja2
 
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra,
-                   "messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt}
+                   "messages": _TickingList(dict(m) for m in messages), "add_generation_prompt": add_generation_prompt}
+        budget = _RenderBudget(self.timeout_s, self.max_chars)
+        _RENDER.budget = budget
         try:
-            return self._template.render(**context)
+            parts = []
+            for chunk in self._template.generate(**context):
+                budget.add_output(len(chunk))
+                parts.append(chunk)
+            return "".join(parts)
         except _TemplateRaised as exc:
             raise ChatTemplateError(f"{self.source} rejected the conversation: {exc}", "raised") from exc
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except _RenderOverBudget as exc:
+            raise ChatTemplateError(f"{self.source} stopped: {exc}", "timeout") from exc
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                RecursionError, OverflowError, ArithmeticError) as exc:
             raise ChatTemplateError(f"{self.source} failed to render: {type(exc).__name__}: {exc}",
                                     "render") from exc
+        finally:
+            _RENDER.budget = None
 
 
 # ----------------------------------------------------------------------------- GGUF metadata

