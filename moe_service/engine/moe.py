@@ -531,7 +531,8 @@ class ExpertWeights:
     copies: kind -> (offsets int64 [E, C] arena byte offsets of each expert's slab copy,
     nodes int32 [E, C] node id of each copy; -1 = no such copy; copy 0 is the primary);
     n_expert E, n_embd H, n_ff_exp I; biases: optional kind -> arena byte offset of a float32
-    bias tensor ('gate' / 'up' [E, I], 'gate_up' [E, 2I], 'down' [E, H]).
+    bias tensor ('gate' / 'up' [E, I], 'gate_up' [E, 2I], 'down' [E, H]); act: the layer's
+    activation (ACT_SILU / ACT_SWIGLU_OAI with alpha, limit), None = the MoE step's own.
     """
 
     n_expert: int
@@ -540,6 +541,9 @@ class ExpertWeights:
     types: dict[str, int]
     copies: dict[str, tuple[np.ndarray, np.ndarray]]
     biases: dict[str, int] = field(default_factory=dict)
+    act: int | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass
@@ -619,7 +623,8 @@ class MoE:
         n_tok, k_n = ids.shape
         h, i_w = spec.h, spec.i_w
         out = np.zeros((n_tok, h), np.float32)
-        alpha, limit = np.float32(self.alpha), np.float32(self.limit)
+        act, alpha, limit = self._act(spec)
+        alpha, limit = np.float32(alpha), np.float32(limit)
         for t in range(n_tok):
             xt = _q.Activations(x[t: t + 1])
             acc = None
@@ -632,7 +637,7 @@ class MoE:
                 if bu is not None:
                     u = u + bu
                 hbuf = np.empty(i_w, np.float32)
-                act_rows(self.act, g.reshape(-1), u.reshape(-1), alpha, limit, hbuf)
+                act_rows(act, g.reshape(-1), u.reshape(-1), alpha, limit, hbuf)
                 off, typ = spec.offset("down", e, 0), spec.types["down"]
                 y = _q.matmul(arena, off, typ, h, i_w, hbuf.reshape(1, i_w))[0]
                 bd = spec.bias_down(arena, e)
@@ -695,6 +700,12 @@ class MoE:
         self._scratch[key] = sc
         return sc
 
+    def _act(self, spec) -> tuple[int, float, float]:
+        """(act, alpha, limit): the layer's own when its experts declare one, else this step's."""
+        if spec.act is None:
+            return self.act, self.alpha, self.limit
+        return spec.act, spec.alpha, spec.limit
+
     def _fill_static(self, op, spec) -> None:
         op[M_H] = spec.h
         op[M_I] = spec.i_w
@@ -709,9 +720,10 @@ class MoE:
         op[M_U_ROWB] = _q.row_bytes(op[M_U_TYPE], spec.h)
         op[M_D_ROWB] = _q.row_bytes(spec.types["down"], spec.i_w)
         op[M_KERNELS] = _q.ensure_kernels(spec.types.values()).ctypes.data
-        op[M_ACT] = self.act
-        op[M_ALPHA] = int(f32_bits_py(self.alpha))
-        op[M_LIMIT] = int(f32_bits_py(self.limit))
+        act, alpha, limit = self._act(spec)
+        op[M_ACT] = act
+        op[M_ALPHA] = int(f32_bits_py(alpha))
+        op[M_LIMIT] = int(f32_bits_py(limit))
         b = spec.biases
         if spec.fused and "gate_up" in b:
             op[M_BIAS_G] = b["gate_up"]
@@ -753,6 +765,12 @@ class _Spec:
         self.copies = {k: (np.ascontiguousarray(o, dtype=np.int64), np.ascontiguousarray(n, dtype=np.int32))
                        for k, (o, n) in experts.copies.items()}
         self.biases = {k: int(v) for k, v in (getattr(experts, "biases", None) or {}).items()}
+        act = getattr(experts, "act", None)
+        self.act = None if act is None else int(act)
+        if self.act not in (None, ACT_SILU, ACT_SWIGLU_OAI):
+            raise ValueError(f"unknown expert activation {act!r} (ACT_SILU {ACT_SILU}, ACT_SWIGLU_OAI {ACT_SWIGLU_OAI})")
+        self.alpha = float(getattr(experts, "alpha", 1.702))
+        self.limit = float(getattr(experts, "limit", 7.0))
         self.fused = "gate_up" in self.copies
         kinds = ["gate_up", "down"] if self.fused else ["gate", "up", "down"]
         for k in kinds:
