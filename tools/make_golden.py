@@ -287,16 +287,91 @@ def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
     raise SystemExit(f"no demo-chain prompt keeps a greedy gap >= {DEMO_CHAIN_MIN_GAP}: {tried}")
 
 
+# gpt-oss: synthetic files (moe_service.synth_gpt_oss), one JSON manifest of their own
+# (gpt-oss.json) so other architectures' goldens never collide with them in manifest.json.
+GPT_OSS_MODELS = [
+    # name, preset, overrides: the default release layout (MXFP4 experts, Q8_0 dense, the
+    # sliding window on even layers by llama.cpp's default pattern of 2), and an explicit
+    # attention.sliding_window_pattern of 3 with Q8_0 experts and F16 attention.
+    ("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", {}),
+    ("tiny-gpt-oss-pattern3-q8_0", "tiny-gpt-oss", {"swa_pattern": 3, "expert_type": "Q8_0", "dense_type": "F16"}),
+]
+GPT_OSS_SEEDS = range(8)
+GPT_OSS_MIN_GAP = 1.0
+
+
+def gpt_oss_goldens(out: Path, work: Path) -> dict:
+    """gpt-oss.json + logits/<name>.npy + chat/gpt-oss-harmony.json.
+
+    Prompt: the first sample conversation rendered by the file's harmony template (llama-cpp-
+    python's jinja renderer; ~100 tokens, so it crosses the tiny preset's 16-token sliding
+    window many times), tokenized by llama.cpp with special tokens parsed. Weights: the
+    first seed of GPT_OSS_SEEDS whose 48-token greedy chain keeps llama.cpp's top-1/top-2
+    gap >= GPT_OSS_MIN_GAP at every step (the scales in synth_gpt_oss make logits std ~12);
+    every seed tried is recorded.
+    """
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from moe_service.synth_gpt_oss import write_gpt_oss
+
+    manifest: dict = {"format": 1, "versions": versions(),
+                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
+                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
+                                   "n_greedy": N_GREEDY, "min_gap_required": GPT_OSS_MIN_GAP},
+                      "models": {}}
+    for name, preset, overrides in GPT_OSS_MODELS:
+        tried = []
+        for seed in GPT_OSS_SEEDS:
+            path = write_gpt_oss(work / f"{name}-seed{seed}.gguf", preset, seed=seed, **overrides)
+            meta = read_gguf_metadata(path, prefixes=("tokenizer.",))
+            tokens = meta["tokenizer.ggml.tokens"]
+            jinja = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token=tokens[meta["tokenizer.ggml.eos_token_id"]],
+                                        bos_token=tokens[meta["tokenizer.ggml.bos_token_id"]], add_generation_prompt=True)
+            prompt_text = jinja(messages=CHAT_CONVERSATIONS[0]).prompt
+            llm = _open(path, vocab_only=True)
+            prompt_ids = llm.tokenize(prompt_text.encode(), add_bos=True, special=True)
+            del llm
+            r = run_model(path, prompt_ids)
+            gap = min(r["greedy_top1_top2_gap"])
+            tried.append({"seed": seed, "min_gap": gap})
+            print(f"gpt-oss {name} seed {seed}: min greedy gap {gap:.3f}", flush=True)
+            if gap >= GPT_OSS_MIN_GAP:
+                break
+        else:
+            raise SystemExit(f"{name}: no seed in {list(GPT_OSS_SEEDS)} keeps a greedy gap >= {GPT_OSS_MIN_GAP}: {tried}")
+        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+        manifest["models"][name] = {
+            "source": {"kind": "synth-gpt-oss", "preset": preset, "overrides": overrides, "seed": seed},
+            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": prompt_text,
+            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy", "seed_search": tried, **r}
+        print(f"model {name}: seed {seed} argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
+              f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
+    first = manifest["models"][GPT_OSS_MODELS[0][0]]
+    chat = chat_fixture(work / f"{GPT_OSS_MODELS[0][0]}-seed{first['source']['seed']}.gguf",
+                        {"kind": "synth-gpt-oss", "preset": GPT_OSS_MODELS[0][1], "seed": first["source"]["seed"]})
+    chat["date"] = time.strftime("%Y-%m-%d")  # strftime_now in the template: the system message's date
+    (out / "chat" / "gpt-oss-harmony.json").write_text(json.dumps(chat, ensure_ascii=False, indent=1))
+    manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
+    (out / "gpt-oss.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain"], help="regenerate only this part (demo-chain.json)")
+    ap.add_argument("--only", choices=["demo-chain", "gpt-oss"],
+                    help="regenerate only this part (demo-chain.json; gpt-oss.json and its logits and chat files)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.only == "gpt-oss":
+        for sub in ("logits", "chat"):
+            (out / sub).mkdir(parents=True, exist_ok=True)
+        gpt_oss_goldens(out, work)
+        return 0
     if args.only == "demo-chain":
         smollm2 = smollm2_gguf_path()
         demo = build_demo_model(work / "smollm2-135m-instruct-moe8.gguf", force=True, source=smollm2)
@@ -408,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "demo-chain.json").write_text(json.dumps(chain, ensure_ascii=False, indent=1))
     manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
     (out / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    gpt_oss_goldens(out, work)
     print(json.dumps(manifest["demo_equivalence"], indent=1))
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"fixtures: {total / 1e6:.2f} MB in {out}")
