@@ -20,7 +20,8 @@ dequantization group.
       group    pairs (token, slot) sorted by expert: tok [T*K], x_sorted = x[tok] [T*K, H]
       experts  compute stream, after the copy's event; G experts at a time:
                dequantize (torch_quant) gate/up/down [G, I, H] / [G, H, I] -> compute dtype
-               per expert e: y = (SiLU(x_e Wg^T) * (x_e Wu^T)) Wd^T         [n_e, H]
+               per expert e: y = act(x_e Wg^T + bg_e, x_e Wu^T + bu_e) Wd^T + bd_e  [n_e, H]
+               (act: SiLU(g) * u, or gpt-oss' clamped SwiGLU; biases when the layer has them)
       combine  out.index_add_(0, tok, y_sorted * w_sorted)                    [T, H] float32
       release  record "staging[b] free" on the compute stream
 
@@ -77,6 +78,20 @@ class _LayerPlan:
     kinds: tuple[_KindPlan, ...]
     src: dict  # kind -> int64 [E] arena offset of each expert's primary slab
     nbytes: int
+    act: int = 0  # moe.ACT_SILU / moe.ACT_SWIGLU_OAI
+    alpha: float = 1.702
+    limit: float = 7.0
+    biases: dict | None = None  # kind -> float32 [E, rows] on the device (uploaded once, small)
+
+
+def activation(act: int, g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """The experts' activation as torch ops: SiLU(g) * u (act 0), or gpt-oss' clamped SwiGLU
+    (act 1, ggml_swiglu_oai): g' = min(g, limit), u' = clamp(u, -limit, limit),
+    g' * sigmoid(alpha g') * (u' + 1)."""
+    if act == 0:
+        return torch.nn.functional.silu(g) * u
+    gc = torch.clamp(g, max=limit)
+    return gc * torch.sigmoid(alpha * gc) * (torch.clamp(u, -limit, limit) + 1.0)
 
 
 @dataclass
@@ -166,7 +181,17 @@ class ExpertOffload:
             base += es.n_expert * slab
         if not ({"gate", "up", "down"} <= {k.kind for k in kinds} or {"gate_up", "down"} <= {k.kind for k in kinds}):
             raise ValueError(f"layer {es.layer}: expert kinds {sorted(es.copies)} lack gate/up/down")
-        return _LayerPlan(es.layer, es.n_expert, tuple(kinds), src, base)
+        biases = {}
+        for kind, off in (getattr(es, "biases", None) or {}).items():
+            rows = _kind_shape(kind, es.n_embd, es.n_ff_exp)[0]
+            n = es.n_expert * rows
+            raw = self.arena[int(off): int(off) + 4 * n]
+            if raw.shape[0] != 4 * n:
+                raise ValueError(f"layer {es.layer}: the {kind} expert bias runs past the arena")
+            biases[kind] = torch.from_numpy(raw.view(np.float32).reshape(es.n_expert, rows).copy()).to(self.device)
+        act = getattr(es, "act", None)
+        return _LayerPlan(es.layer, es.n_expert, tuple(kinds), src, base, 0 if act is None else int(act),
+                          float(getattr(es, "alpha", 1.702)), float(getattr(es, "limit", 7.0)), biases or None)
 
     def reserve(self) -> int:
         """Allocate both staging buffers now; returns their bytes together."""
@@ -292,6 +317,7 @@ class ExpertOffload:
         x_sorted = h.index_select(0, tok).to(self.compute_dtype)  # [T*K, H]
         y_sorted = torch.empty(flat.shape[0], H, dtype=self.compute_dtype, device=dev)
         kinds = {k.kind: k for k in plan.kinds}
+        bias = plan.biases or {}
         per_expert = sum(k.rows * k.cols for k in plan.kinds) * torch.tensor([], dtype=self.compute_dtype).element_size()
         g_max = max(1, self.group_bytes // max(per_expert, 1))
         for g0 in range(0, len(selected), g_max):
@@ -302,11 +328,20 @@ class ExpertOffload:
                 xe = x_sorted[a:z]  # [n_e, H]
                 if "gate_up" in mats:
                     gu = xe @ mats["gate_up"][j].T  # [n_e, 2I]
+                    if "gate_up" in bias:
+                        gu = gu + bias["gate_up"][e].to(gu.dtype)
                     g, u = gu.chunk(2, dim=-1)
                 else:
                     g = xe @ mats["gate"][j].T  # [n_e, I]
                     u = xe @ mats["up"][j].T
-                y_sorted[a:z] = (torch.nn.functional.silu(g) * u) @ mats["down"][j].T  # [n_e, H]
+                    if "gate" in bias:
+                        g = g + bias["gate"][e].to(g.dtype)
+                    if "up" in bias:
+                        u = u + bias["up"][e].to(u.dtype)
+                y = activation(plan.act, g, u, plan.alpha, plan.limit) @ mats["down"][j].T  # [n_e, H]
+                if "down" in bias:
+                    y = y + bias["down"][e].to(y.dtype)
+                y_sorted[a:z] = y
         out = torch.zeros(T, H, dtype=torch.float32, device=dev)
         out.index_add_(0, tok, y_sorted.float() * w_sorted[:, None])
         return out
