@@ -24,7 +24,8 @@ class GptOssReference:
         import gguf
         from gguf.quants import dequantize
 
-        from moe_service.engine.rope import rope_tables, scaling_from_metadata
+        from moe_service.engine.arch.gpt_oss import GptOss
+        from moe_service.engine.arch.rope import rope_tables
         from moe_service.engine.tokenizer import read_gguf_metadata
 
         r = gguf.GGUFReader(str(path))
@@ -47,9 +48,7 @@ class GptOssReference:
         for t in r.tensors:
             shape = tuple(reversed([int(x) for x in t.shape]))
             self.w[t.name] = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(shape)
-        sc = scaling_from_metadata(md, "gpt-oss", int(md[a + "context_length"]))
-        cos, sin = rope_tables(4096, int(md.get(a + "rope.dimension_count", self.head_dim)),
-                               float(md[a + "rope.freq_base"]), sc)
+        cos, sin = rope_tables(GptOss(md, path).rope(), 4096)  # YaRN tables: tested against the formula
         self.cos, self.sin = cos.astype(np.float64), sin.astype(np.float64)
 
     def _norm(self, x, w):

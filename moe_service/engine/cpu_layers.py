@@ -202,16 +202,30 @@ def silu_mul(g, u, out):
 
 
 @njit(**_JIT)
-def route(logits, k, gating, norm, scale, bias, has_bias, ids, weights):
-    """Router (REFERENCE.md "MoE routing"): per token, probabilities (gating 0: softmax,
-    1: sigmoid) of logits float32 [T, E]; the k largest of probs (+ bias when has_bias) by
-    selection score, ties to the lower id; weights = probs at the picked ids, renormalised to
-    sum 1 when ``norm``, times ``scale``. Writes ids int32 [T, K] and weights float32 [T, K].
+def route(logits, k, gating, norm, scale, bias, has_bias, n_group, n_group_used, ids, weights):
+    """Router (REFERENCE.md "MoE routing"; arch.base.Routing), per token of logits float32
+    [T, E]:
+
+    - probabilities: gating 0 softmax, 1 sigmoid, 2 the logits themselves (gpt-oss: softmax
+      over the selected ones below);
+    - selection score = probability (+ bias[e] when has_bias: selects, does not weight);
+    - group-limited when n_group > 1: experts in n_group equal groups, a group's score is the
+      sum of its two best selection scores, only the n_group_used best groups compete;
+    - the k best scores, ties to the lower id; weights = probabilities at the picked ids
+      (gating 2: their softmax), renormalised to sum 1 when ``norm`` (the sum clamped below
+      at 2^-14 as llama.cpp), times ``scale``.
+
+    Writes ids int32 [T, K] and weights float32 [T, K]. Never reads outside its arrays:
+    k <= E and n_group_used <= n_group, E % n_group == 0 are the caller's checks
+    (arch modules' check_hparams); a token always gets k distinct ids.
     """
     n_e = logits.shape[1]
     probs = np.empty(n_e, np.float32)
     score = np.empty(n_e, np.float32)
     taken = np.zeros(n_e, np.bool_)
+    gsc = np.empty(max(n_group, 1), np.float32)
+    gkeep = np.zeros(max(n_group, 1), np.bool_)
+    per = n_e // n_group if n_group > 1 else n_e
     for t in range(logits.shape[0]):
         if gating == 0:
             mx = logits[t, 0]
@@ -225,13 +239,37 @@ def route(logits, k, gating, norm, scale, bias, has_bias, ids, weights):
             inv = np.float32(1.0 / total)
             for e in range(n_e):
                 probs[e] = probs[e] * inv
-        else:
+        elif gating == 1:
             for e in range(n_e):
                 probs[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits[t, e]))
+        else:
+            for e in range(n_e):
+                probs[e] = logits[t, e]
         for e in range(n_e):
             score[e] = probs[e] + (bias[e] if has_bias else np.float32(0.0))
             taken[e] = False
-        wsum = np.float32(0.0)
+        if n_group > 1:
+            for g in range(n_group):
+                b1 = np.float32(-np.inf)
+                b2 = np.float32(-np.inf)
+                for e in range(g * per, (g + 1) * per):
+                    if score[e] > b1:
+                        b2 = b1
+                        b1 = score[e]
+                    elif score[e] > b2:
+                        b2 = score[e]
+                gsc[g] = b1 + b2 if per > 1 else b1
+                gkeep[g] = False
+            for _ in range(n_group_used):
+                best = -1
+                for g in range(n_group):
+                    if not gkeep[g] and (best < 0 or gsc[g] > gsc[best]):
+                        best = g
+                gkeep[best] = True
+            for g in range(n_group):
+                if not gkeep[g]:
+                    for e in range(g * per, (g + 1) * per):
+                        score[e] = np.float32(-np.inf)
         for j in range(k):
             best = -1
             for e in range(n_e):
@@ -240,7 +278,22 @@ def route(logits, k, gating, norm, scale, bias, has_bias, ids, weights):
             taken[best] = True
             ids[t, j] = best
             weights[t, j] = probs[best]
-            wsum += probs[best]
+        if gating == 2:
+            mx = weights[t, 0]
+            for j in range(k):
+                mx = max(mx, weights[t, j])
+            total = 0.0
+            for j in range(k):
+                v = np.exp(weights[t, j] - mx)
+                weights[t, j] = v
+                total += np.float64(v)
+            inv = np.float32(1.0 / total)
+            for j in range(k):
+                weights[t, j] = weights[t, j] * inv
+        wsum = np.float32(0.0)
+        for j in range(k):
+            wsum += weights[t, j]
+        wsum = max(wsum, np.float32(6.103515625e-5))
         for j in range(k):
             w = weights[t, j] / wsum if norm else weights[t, j]
             weights[t, j] = w * scale

@@ -1,4 +1,4 @@
-"""The forward pass, read top to bottom: llama (dense and Mixtral-style MoE) and qwen3moe.
+"""The forward pass, generic over architectures: embed, one block per layer, norm, head.
 
 Shapes: T tokens in this step (all sequences together), S sequences, H hidden (n_embd),
 NH query heads, NKV kv heads, D head dim, E experts, K experts per token (top-k), I expert
@@ -7,64 +7,58 @@ width, F dense FFN width, V vocab, C context (cache) length.
 ::
 
     tokens [T] -> embed [T, H]
-      per layer: rmsnorm -> q,k,v [T, NH*D | NKV*D] -> (q/k norm) -> rope -> KV cache
-                 -> attention per sequence -> o [T, H] -> + residual
-                 -> rmsnorm -> router [T, E] -> top-k ids/weights [T, K]
-                 -> fused MoE (experts on the CPU nodes that hold them) [T, H] -> + residual
-      -> rmsnorm -> output head, last token of each sequence -> logits [S, V]
+      per layer: x = arch.block(backend, layer, x, step)     moe_service/engine/arch/<arch>.py
+                 (e.g. llama: rmsnorm -> q,k,v -> rope -> KV cache -> attention -> o -> + x
+                  -> rmsnorm -> router -> top-k -> fused MoE (or dense FFN) -> + x)
+      -> output norm -> output head, last token of each sequence -> logits [S, V]
+
+What differs between architectures (hyperparameters, tensors, KV layout, RoPE, routing
+rule, MoE activation, the block itself) is declared in moe_service.engine.arch, one module
+per architecture; see its docstring for how to add one. This module holds what they share:
+the weights as the engine sees them (:class:`QMat`, :class:`ExpertSet`,
+:class:`LayerWeights`, loaded generically from the architecture's tensor list), the KV
+cache, and the two backends implementing the primitives blocks are composed of.
 
 Where each part runs: the routed experts always go through moe_service.engine.moe on the
 placed memory (CPU worker pool, node-homed), except big prefills that a GPU offload takes.
-The dense part follows one of two paths with the same flow (:class:`CpuPath`,
+The dense part follows one of two backends with the same primitives (:class:`CpuPath`,
 :class:`TorchPath`): on the CPU (``dense = "quant"``), activations are numpy float32, dense
 matrices go through the quantized kernels in place and the glue (norms, RoPE, attention,
-router) through the numba kernels of cpu_layers, one call per piece per layer; on a GPU
-host (``dense = "torch"``), dense matrices are dequantized once to the torch device and the
-glue runs as torch ops there.
+router) through the numba kernels of cpu_layers and attention, one call per piece per
+layer; on a GPU host (``dense = "torch"``), dense matrices are dequantized once to the torch
+device and the glue runs as torch ops there. Neither backend knows which architecture runs.
 
 Numerics follow llama.cpp on CPU: activations of quantized matmuls are quantized to the
 weight's 8-bit partner format inside the kernels, the KV cache is float16, attention scores
 and softmax are float32.
-
-Adding an architecture: give it an entry in ARCHS (rope style, q/k norm, router rule) and, if
-its layer differs (deepseek2's MLA and shared experts, gpt-oss sinks and biases), a layer
-function next to :meth:`Model._attention` / :meth:`Model._ffn`.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from moe_service.engine import arch as archs
 from moe_service.engine import attention, cpu_layers, torch_quant
-from moe_service.errors import ModelFileError
+from moe_service.engine.arch.base import (
+    ACT_SILU,
+    GATING_SIGMOID,
+    GATING_SOFTMAX_WEIGHT,
+    LayerKV,
+    MoEAct,
+    Routing,
+)
+from moe_service.engine.arch.rope import rope_tables
+from moe_service.errors import ConfigError, ModelFileError
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
 
-
-# ---------------------------------------------------------------------------------------------
-# Architecture table
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """What differs between supported architectures, as data."""
-
-    rope: str  # "norm": adjacent pairs (x[2i], x[2i+1]); "neox": halves (x[i], x[i + D/2])
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (qwen3moe)
-    gating: str  # router probabilities: "softmax" or "sigmoid"
-    norm_topk: bool  # renormalise the top-k weights to sum to 1
-
-
-ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec(rope="norm", qk_norm=False, gating="softmax", norm_topk=True),
-    "qwen3moe": ArchSpec(rope="neox", qk_norm=True, gating="softmax", norm_topk=True),
-}
+SILU = MoEAct()  # silu(g) * u, the default GLU activation
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,11 +79,14 @@ class QMat:
 
 @dataclass(frozen=True)
 class ExpertSet:
-    """The routed experts of one layer, for moe_service.engine.moe.
+    """The routed experts of one layer, for moe_service.engine.moe and the GPU offload.
 
     ``gate``/``up``/``down``: (offsets int64 [E, C], nodes int32 [E, C]) slab copies in the
     arena (see WeightStore.expert_copies); ``gate_up`` instead of gate/up when the file fuses
-    them (gate rows first). ``types``: ggml type per kind. I = ``n_ff_exp``.
+    them (gate rows first). ``types``: ggml type per kind. I = ``n_ff_exp``. ``act``,
+    ``alpha``, ``limit``: the architecture's activation (moe.ACT_SILU or ACT_SWIGLU_OAI);
+    ``biases``: kind -> arena byte offset of a float32 per-expert bias ('gate'/'up' [E, I],
+    'gate_up' [E, 2I], 'down' [E, H]; gpt-oss).
     """
 
     layer: int
@@ -98,12 +95,18 @@ class ExpertSet:
     n_ff_exp: int
     types: dict[str, int]
     copies: dict[str, tuple[np.ndarray, np.ndarray]]
+    act: int = ACT_SILU
+    alpha: float = 1.702
+    limit: float = 7.0
+    biases: dict[str, int] = field(default_factory=dict)
 
 
 class LayerWeights:
-    """Everything one transformer block needs: dense QMats, small float32 vectors (numpy on
-    the CPU path, torch on the device path), dequantized dense matrices (device path only),
-    the router and the experts."""
+    """Everything one block needs, keyed by the tensor name without ``blk.N.`` and
+    ``.weight`` (a bias keeps ``.bias``: ``"attn_q.bias"``): ``mats`` dense QMats, ``vecs``
+    float32 vectors (numpy on the CPU path, torch on the device path; norms, biases, sinks),
+    ``dense`` dequantized matrices (device path only), ``router`` [E, H] float32,
+    ``router_bias`` [E] selection bias (exp_probs_b) or None, ``experts``."""
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -125,6 +128,28 @@ def _dequantize(weights, name: str) -> np.ndarray:
     return np.ascontiguousarray(dequantize(raw, t.ggml_type).reshape(t.shape).astype(np.float32, copy=False))
 
 
+@dataclass
+class Step:
+    """What a block needs about the step besides its layer: ``positions`` [T] (backend
+    array), ``spans`` (seq, a, e, n0) as engine/attention.py, ``rope`` the backend's
+    :class:`RopeTable`, ``route(lw, h) -> (ids, w)`` the model's router."""
+
+    positions: Any
+    spans: list
+    rope: Any
+    route: Any
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos/sin [C, R/2] on the backend (numpy or torch), R = ``dim``, pairing per ``neox``."""
+
+    cos: Any
+    sin: Any
+    dim: int
+    neox: bool
+
+
 # ---------------------------------------------------------------------------------------------
 # KV cache
 
@@ -132,14 +157,16 @@ def _dequantize(weights, name: str) -> np.ndarray:
 class KVCache:
     """Sequence slots of the float16 KV cache and each slot's length.
 
-    ``k``/``v``: one array per layer, [S, C, NKV, D] float16 values, stored by the dense path
-    (torch float16 tensors on the device, or uint16 bit arrays for the numba glue). Slots are
-    taken with :meth:`alloc` and returned with :meth:`free`; rows beyond a slot's length are
-    garbage, never read.
+    ``k``/``v``: one array per layer, [S, C, NKV, D] / [S, C, NKV, Dv] float16 values, stored
+    by the dense path (torch float16 tensors on the device, or uint16 bit arrays for the numba
+    glue); a latent layer (LayerKV.latent) has ``v[i] is k[i]``. ``layers``: the LayerKV per
+    layer. Slots are taken with :meth:`alloc` and returned with :meth:`free`; rows beyond a
+    slot's length are garbage, never read.
     """
 
-    def __init__(self, n_seq: int, n_ctx: int, k: list, v: list):
+    def __init__(self, n_seq: int, n_ctx: int, k: list, v: list, layers: list[LayerKV] | None = None):
         self.k, self.v = k, v
+        self.layers = layers
         self.length = [0] * n_seq
         self.n_ctx = n_ctx
         self._free = list(range(n_seq - 1, -1, -1))
@@ -165,19 +192,34 @@ class KVCache:
         return len(self._free)
 
     def bytes(self) -> int:
-        return sum(int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else t.nbytes for t in self.k + self.v)
+        seen, total = set(), 0
+        for t in self.k + self.v:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            total += int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else t.nbytes
+        return total
+
+
+def _cache_shapes(layer: LayerKV, n_seq: int, n_ctx: int) -> tuple[tuple, tuple | None]:
+    """(k shape, v shape or None for a latent layer) of one layer's cache."""
+    if layer.latent:
+        return (n_seq, n_ctx, 1, layer.key_dim), None
+    return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), (n_seq, n_ctx, layer.n_head_kv, layer.value_dim)
 
 
 # ---------------------------------------------------------------------------------------------
-# The two dense paths: same pieces, numpy + numba on the CPU, torch on a device
+# The two backends: same primitives, numpy + numba on the CPU, torch on a device
 
 
 class CpuPath:
     """Dense part on the CPU: float32 numpy activations, quantized matmuls in place on the
-    worker pool, glue from cpu_layers (numba, ggml rounding)."""
+    worker pool, glue from cpu_layers / attention (numba, ggml rounding)."""
 
     def __init__(self, model: Model):
         self.m = model
+
+    # -- loading ---------------------------------------------------------------------------
 
     def vec(self, name: str) -> np.ndarray:
         return _dequantize(self.m.weights, name).reshape(-1)
@@ -185,13 +227,20 @@ class CpuPath:
     def matrix(self, name: str) -> np.ndarray:
         return _dequantize(self.m.weights, name)
 
-    def rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return cos, sin
+    def rope_table(self, cos: np.ndarray, sin: np.ndarray, dim: int, neox: bool) -> RopeTable:
+        return RopeTable(cos, sin, dim, neox)
 
-    def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
-        kv = cpu_layers.KVCacheF16(n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v)
-        self.scratch = (kv.kf, kv.vf, kv.scores)
-        return kv.k, kv.v
+    def kv_cache(self, layers: list[LayerKV], n_seq: int, n_ctx: int) -> KVCache:
+        """Per-layer float16 caches as uint16 bit arrays, committed now (cpu_layers)."""
+        k, v = [], []
+        for layer in layers:
+            ks, vs = _cache_shapes(layer, n_seq, n_ctx)
+            kc = cpu_layers._resident_zeros_u16(ks)
+            k.append(kc)
+            v.append(kc if vs is None else cpu_layers._resident_zeros_u16(vs))
+        return KVCache(n_seq, n_ctx, k, v, layers)
+
+    # -- primitives --------------------------------------------------------------------------
 
     def positions(self, pos: list[int]) -> np.ndarray:
         return np.asarray(pos, dtype=np.int64)
@@ -200,68 +249,90 @@ class CpuPath:
         m = self.m
         return m.ops.get_rows(m.weights.arena, m.tok_embd, ids)  # [T, H]
 
-    def rmsnorm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        cpu_layers.rms_norm(x, w, np.float32(self.m.p.rms_eps), out)
+        cpu_layers.rms_norm(x, w, np.float32(eps), out)
         return out
 
+    def rmsnorm_heads(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """Per-head RMSNorm of x [T, heads, d] (in place; x contiguous float32)."""
+        cpu_layers.rms_norm_heads(x, w, np.float32(eps))
+        return x
+
+    def heads(self, x: np.ndarray, n: int, d: int) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], n, d)
+
+    def flat(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x).reshape(x.shape[0], -1)
+
     def linear(self, lw: LayerWeights, names: tuple[str, ...], x: np.ndarray) -> list[np.ndarray]:
-        """x [T, n_cols] times each named weight's transpose, one pool dispatch. The QMat
-        tuple per (layer, names) is kept so the pool finds its cached plan by identity."""
+        """x [T, n_cols] times each named weight's transpose, one pool dispatch, plus the
+        layer's ``<name>.bias`` where it has one. The QMat tuple per (layer, names) is kept so
+        the pool finds its cached plan by identity."""
         mats = lw.groups.get(names)
         if mats is None:
             mats = lw.groups[names] = tuple(lw.mats[n] for n in names)
-        return self.m.ops.matmul(self.m.weights.arena, mats, np.ascontiguousarray(x))
+        out = self.m.ops.matmul(self.m.weights.arena, mats, np.ascontiguousarray(x))
+        for i, n in enumerate(names):
+            b = lw.vecs.get(n + ".bias")
+            if b is not None:
+                out[i] = out[i] + b
+        return out
 
     def head(self, h: np.ndarray) -> np.ndarray:
         m = self.m
         (logits,) = m.ops.matmul(m.weights.arena, m.output_group, np.ascontiguousarray(h))
         return logits
 
-    def attention(self, lw: LayerWeights, h: np.ndarray, positions: np.ndarray, spans) -> np.ndarray:
-        m, p = self.m, self.m.p
-        T = h.shape[0]
-        q, k, v = self.linear(lw, ("attn_q", "attn_k", "attn_v"), h)
-        q = np.ascontiguousarray(q).reshape(T, p.n_head, p.head_dim)  # [T, NH, D]
-        k = np.ascontiguousarray(k).reshape(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
-        v = np.ascontiguousarray(v).reshape(T, p.n_head_kv, p.head_dim_v)
-        eps = np.float32(p.rms_eps)
-        if m.arch.qk_norm:
-            cpu_layers.rms_norm_heads(q, lw.vecs["attn_q_norm"], eps)
-            cpu_layers.rms_norm_heads(k, lw.vecs["attn_k_norm"], eps)
-        neox = m.arch.rope == "neox"
-        cos, sin = m._rope_cache
-        cpu_layers.rope(q, positions, cos, sin, m.rope_dim, neox)
-        cpu_layers.rope(k, positions, cos, sin, m.rope_dim, neox)
-        kc, vc = m.kv.k[lw.index], m.kv.v[lw.index]
-        out = np.empty((T, p.n_head, p.head_dim_v), np.float32)
-        scale = np.float32(1.0 / math.sqrt(p.head_dim))
-        attention.store(kc, vc, k, v, spans)
-        attention.attend(m.ops, q, kc, vc, spans, scale, out)
-        (o,) = self.linear(lw, ("attn_output",), out.reshape(T, -1))
-        return o
+    def rope(self, x: np.ndarray, positions: np.ndarray, table: RopeTable) -> np.ndarray:
+        """Rotate the first table.dim dims of each head of x [T, heads, D] (in place)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        cpu_layers.rope(x, positions, table.cos, table.sin, table.dim, table.neox)
+        return x
 
-    def dense_ffn(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
-        g, u = self.linear(lw, ("ffn_gate", "ffn_up"), h)
-        act = np.empty(g.shape, np.float32)
-        cpu_layers.silu_mul(g, u, act)
-        (y,) = self.linear(lw, ("ffn_down",), act)
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, spans, scale: float, *,
+                  window: int = 0, sinks: np.ndarray | None = None, value_dim: int = 0) -> np.ndarray:
+        """Store k, v in layer ``layer``'s cache, attend (engine/attention.py): [T, NH, Dv]."""
+        kc, vc = self.m.kv.k[layer], self.m.kv.v[layer]
+        dv = value_dim or v.shape[2]
+        out = np.empty((q.shape[0], q.shape[1], dv), np.float32)
+        attention.store(kc, vc, k, v, spans)
+        attention.attend(self.m.ops, np.ascontiguousarray(q, dtype=np.float32), kc, vc, spans, scale, out,
+                         window=window, sinks=sinks)
+        return out
+
+    def glu_ffn(self, lw: LayerWeights, h: np.ndarray, names=("ffn_gate", "ffn_up", "ffn_down"),
+                act: MoEAct = SILU) -> np.ndarray:
+        """down(act(gate h, up h)) [T, H] (dense FFN or shared experts)."""
+        g, u = self.linear(lw, names[:2], h)
+        out = np.empty(g.shape, np.float32)
+        if act.kind == ACT_SILU:
+            cpu_layers.silu_mul(g, u, out)
+        else:
+            from moe_service.engine.moe import act_rows
+
+            act_rows(act.kind, np.ascontiguousarray(g).reshape(-1), np.ascontiguousarray(u).reshape(-1),
+                     np.float32(act.alpha), np.float32(act.limit), out.reshape(-1))
+        (y,) = self.linear(lw, names[2:], out)
         return y
 
     def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
+        """h [T, H] times the router [E, H]^T (+ the router's logit bias): [T, E] float32."""
         out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
-        cpu_layers.router_logits(h, lw.router, out)
-        return out
+        cpu_layers.router_logits(np.ascontiguousarray(h, dtype=np.float32), lw.router, out)
+        b = lw.vecs.get("ffn_gate_inp.bias")
+        return out if b is None else out + b
 
-    def route(self, lw: LayerWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m = self.m
+    def route(self, lw: LayerWeights, h: np.ndarray, rule: Routing) -> tuple[np.ndarray, np.ndarray]:
+        """ids int32 [T, K], weights float32 [T, K] by ``rule`` (cpu_layers.route)."""
         logits = np.ascontiguousarray(self.router_logits(lw, h), dtype=np.float32)
-        T, K = h.shape[0], m.p.n_expert_used
+        T, K = h.shape[0], rule.k
         ids = np.empty((T, K), np.int32)
         w = np.empty((T, K), np.float32)
         bias = lw.router_bias if lw.router_bias is not None else np.zeros(0, np.float32)
-        cpu_layers.route(logits, K, 0 if m.arch.gating == "softmax" else 1, m.arch.norm_topk,
-                         np.float32(m.expert_weights_scale), bias, lw.router_bias is not None, ids, w)
+        cpu_layers.route(logits, K, rule.gating, rule.norm, np.float32(rule.scale), bias, lw.router_bias is not None,
+                         rule.n_group, rule.n_group_used, ids, w)
         return ids, w
 
     def moe(self, lw: LayerWeights, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -282,20 +353,28 @@ class TorchPath:
     def __init__(self, model: Model):
         self.m = model
 
+    # -- loading ---------------------------------------------------------------------------
+
     def vec(self, name: str) -> torch.Tensor:
         return torch.from_numpy(_dequantize(self.m.weights, name).reshape(-1)).to(self.m.device)
 
     def matrix(self, name: str) -> torch.Tensor:
         return self.m._to_device(name, torch.float32)
 
-    def rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(cos).to(self.m.device), torch.from_numpy(sin).to(self.m.device)
+    def rope_table(self, cos: np.ndarray, sin: np.ndarray, dim: int, neox: bool) -> RopeTable:
+        return RopeTable(torch.from_numpy(cos).to(self.m.device), torch.from_numpy(sin).to(self.m.device), dim, neox)
 
-    def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
+    def kv_cache(self, layers: list[LayerKV], n_seq: int, n_ctx: int) -> KVCache:
         dev = self.m.device
-        k = [torch.zeros((n_seq, n_ctx, n_kv, head_dim), dtype=torch.float16, device=dev) for _ in range(n_layer)]
-        v = [torch.zeros((n_seq, n_ctx, n_kv, head_dim_v), dtype=torch.float16, device=dev) for _ in range(n_layer)]
-        return k, v
+        k, v = [], []
+        for layer in layers:
+            ks, vs = _cache_shapes(layer, n_seq, n_ctx)
+            kc = torch.zeros(ks, dtype=torch.float16, device=dev)
+            k.append(kc)
+            v.append(kc if vs is None else torch.zeros(vs, dtype=torch.float16, device=dev))
+        return KVCache(n_seq, n_ctx, k, v, layers)
+
+    # -- primitives --------------------------------------------------------------------------
 
     def positions(self, pos: list[int]) -> torch.Tensor:
         return torch.as_tensor(pos, dtype=torch.long, device=self.m.device)
@@ -304,29 +383,42 @@ class TorchPath:
         m = self.m
         return torch.from_numpy(m.ops.get_rows(m.weights.arena, m.tok_embd, ids)).to(m.device)
 
-    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """As cpu_layers.rms_norm: float64 sum of float32 squares, correctly rounded sqrt
         (torch's float32 sqrt is not)."""
         ss = (x * x).double().sum(-1, keepdim=True)
         mean = (ss / x.shape[-1]).float()
-        var = mean + torch.tensor(self.m.p.rms_eps, dtype=torch.float32, device=x.device)
+        var = mean + torch.tensor(eps, dtype=torch.float32, device=x.device)
         scale = 1.0 / torch.sqrt(var.double()).float()
         return (x * scale) * w
 
-    def linear(self, lw: LayerWeights, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+    def rmsnorm_heads(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rmsnorm(x, w, eps)
+
+    def heads(self, x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+        return x.reshape(x.shape[0], n, d)
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1)
+
+    def linear(self, lw: LayerWeights, names, x: torch.Tensor) -> list[torch.Tensor]:
         xd = x.to(self.m.dense_dtype)
-        return [(xd @ lw.dense[n].T).float() for n in names]
+        out = [(xd @ lw.dense[n].T).float() for n in names]
+        for i, n in enumerate(names):
+            b = lw.vecs.get(n + ".bias")
+            if b is not None:
+                out[i] = out[i] + b
+        return out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return (h.to(self.m.dense_dtype) @ self.m.output_dense.T).float()
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate the first rope_dim dims of each head. x [T, heads, D]."""
-        m = self.m
-        cos, sin = (c[positions][:, None, :] for c in m._rope_cache)  # [T, 1, R/2]
-        r = m.rope_dim
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, table: RopeTable) -> torch.Tensor:
+        """Rotate the first table.dim dims of each head. x [T, heads, D]."""
+        cos, sin = (c[positions][:, None, :] for c in (table.cos, table.sin))  # [T, 1, R/2]
+        r = table.dim
         xr, rest = x[..., :r], x[..., r:]
-        if m.arch.rope == "neox":
+        if table.neox:
             a, b = xr[..., : r // 2], xr[..., r // 2 :]
             out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
         else:
@@ -334,57 +426,57 @@ class TorchPath:
             out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
-    def attention(self, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor, spans) -> torch.Tensor:
-        m, p = self.m, self.m.p
-        T = h.shape[0]
-        q, k, v = self.linear(lw, ("attn_q", "attn_k", "attn_v"), h)
-        q = q.view(T, p.n_head, p.head_dim)  # [T, NH, D]
-        k = k.view(T, p.n_head_kv, p.head_dim)  # [T, NKV, D]
-        v = v.view(T, p.n_head_kv, p.head_dim_v)
-        if m.arch.qk_norm:
-            q = self.rmsnorm(q, lw.vecs["attn_q_norm"])
-            k = self.rmsnorm(k, lw.vecs["attn_k_norm"])
-        q, k = self._rope(q, positions), self._rope(k, positions)
-        kc, vc = m.kv.k[lw.index], m.kv.v[lw.index]
-        out = torch.empty(T, p.n_head, p.head_dim_v, dtype=torch.float32, device=m.device)
-        group = p.n_head // p.n_head_kv
-        scale = 1.0 / math.sqrt(p.head_dim)
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, spans, scale: float, *,
+                  window: int = 0, sinks: torch.Tensor | None = None, value_dim: int = 0) -> torch.Tensor:
+        """engine/attention.py's contract with torch ops: causal (+ sliding window), GQA,
+        sinks, latent cache (``v`` None, V = the key's first ``value_dim`` dims)."""
+        m = self.m
+        kc, vc = m.kv.k[layer], m.kv.v[layer]
+        latent = vc is kc
+        T, nh = q.shape[0], q.shape[1]
+        dv = value_dim or v.shape[2]
+        out = torch.empty(T, nh, dv, dtype=torch.float32, device=m.device)
+        group = nh // kc.shape[2]
         for s, a, e, n0 in spans:
             n = e - a
             kc[s, n0 : n0 + n] = k[a:e].to(torch.float16)
-            vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
+            if not latent:
+                vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
             keys = kc[s, : n0 + n].float().repeat_interleave(group, dim=1)  # [L, NH, D]
-            vals = vc[s, : n0 + n].float().repeat_interleave(group, dim=1)
+            vals = (kc[s, : n0 + n, :, :dv] if latent else vc[s, : n0 + n]).float().repeat_interleave(group, dim=1)
             qs = q[a:e].to(torch.float16).float()  # ggml computes K·Q with Q converted to f16
             scores = torch.einsum("thd,lhd->htl", qs, keys) * scale  # [NH, n, L]
-            if n > 1:
-                qpos = torch.arange(n0, n0 + n, device=m.device)[:, None]
-                kpos = torch.arange(0, n0 + n, device=m.device)[None, :]
-                scores = scores.masked_fill(kpos > qpos, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
+            qpos = torch.arange(n0, n0 + n, device=m.device)[:, None]
+            kpos = torch.arange(0, n0 + n, device=m.device)[None, :]
+            mask = kpos > qpos
+            if window > 0:
+                mask = mask | (kpos <= qpos - window)
+            scores = scores.masked_fill(mask, float("-inf"))
+            if sinks is not None:
+                sink = sinks.float().view(nh, 1, 1).expand(nh, n, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            probs = probs.to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
             out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
-        (o,) = self.linear(lw, ("attn_output",), out.view(T, -1))
-        return o
+        return out
 
-    def dense_ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        g, u = self.linear(lw, ("ffn_gate", "ffn_up"), h)
-        (y,) = self.linear(lw, ("ffn_down",), torch.nn.functional.silu(g) * u)
+    def glu_ffn(self, lw: LayerWeights, h: torch.Tensor, names=("ffn_gate", "ffn_up", "ffn_down"),
+                act: MoEAct = SILU) -> torch.Tensor:
+        g, u = self.linear(lw, names[:2], h)
+        (y,) = self.linear(lw, names[2:], torch_act(act, g, u))
         return y
 
     def router_logits(self, lw: LayerWeights, h: torch.Tensor) -> np.ndarray:
-        return (h @ lw.router.T).cpu().numpy()
+        return self._logits(lw, h).cpu().numpy()
 
-    def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        m = self.m
+    def _logits(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         logits = h @ lw.router.T  # [T, E]
-        probs = torch.softmax(logits, dim=-1) if m.arch.gating == "softmax" else torch.sigmoid(logits)
-        select = probs + lw.router_bias if lw.router_bias is not None else probs
-        _, ids = torch.topk(select, m.p.n_expert_used, dim=-1, sorted=True)
-        w = probs.gather(-1, ids)
-        if m.arch.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
-        if m.expert_weights_scale != 1.0:
-            w = w * m.expert_weights_scale
+        b = lw.vecs.get("ffn_gate_inp.bias")
+        return logits if b is None else logits + b
+
+    def route(self, lw: LayerWeights, h: torch.Tensor, rule: Routing) -> tuple[np.ndarray, np.ndarray]:
+        ids, w = torch_route(self._logits(lw, h), rule, lw.router_bias)
         return (
             np.ascontiguousarray(ids.cpu().numpy(), dtype=np.int32),
             np.ascontiguousarray(w.float().cpu().numpy(), dtype=np.float32),
@@ -402,6 +494,46 @@ class TorchPath:
 
     def logits_out(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.float().cpu()
+
+
+def torch_act(act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The GLU activation with torch ops: silu(g) * u, or gpt-oss' clamped SwiGLU
+    (moe.act_value). ``act``: anything with ``kind``, ``alpha``, ``limit`` (MoEAct, ExpertSet)."""
+    kind = act.kind if isinstance(act, MoEAct) else act.act
+    if kind == ACT_SILU:
+        return torch.nn.functional.silu(g) * u
+    x = g.clamp(max=act.limit)
+    y = u.clamp(min=-act.limit, max=act.limit)
+    return x * torch.sigmoid(act.alpha * x) * (y + 1.0)
+
+
+def torch_route(logits: torch.Tensor, rule: Routing, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing (Routing's docstring) with torch ops: ids long [T, K], weights float32 [T, K]."""
+    if rule.gating == GATING_SIGMOID:
+        probs = torch.sigmoid(logits)
+    elif rule.gating == GATING_SOFTMAX_WEIGHT:
+        probs = logits
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    select = probs + bias if bias is not None else probs
+    if rule.n_group > 1:
+        T, E = select.shape
+        per = E // rule.n_group
+        grouped = select.view(T, rule.n_group, per)
+        gscore = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, G]
+        keep = gscore.topk(rule.n_group_used, dim=-1, sorted=True).indices
+        gmask = torch.ones(T, rule.n_group, dtype=torch.bool, device=logits.device)
+        gmask.scatter_(1, keep, False)
+        select = select.masked_fill(gmask.repeat_interleave(per, dim=1), float("-inf"))
+    _, ids = torch.topk(select, rule.k, dim=-1, sorted=True)
+    w = probs.gather(-1, ids)
+    if rule.gating == GATING_SOFTMAX_WEIGHT:
+        w = torch.softmax(w, dim=-1)
+    if rule.norm:
+        w = w / w.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+    if rule.scale != 1.0:
+        w = w * rule.scale
+    return ids, w
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,22 +554,27 @@ class Model:
     GPU memory at ~0.4% relative error per matmul). ``offload``: an
     moe_service.engine.offload.ExpertOffload; with ``dense = "torch"``, batches of at least
     its ``min_batch_tokens`` tokens compute their routed experts through it (on the GPU)
-    instead of ``ops.moe``. Choosing ``device``/``dense`` from the config:
-    moe_service.engine.device.resolve_device.
+    instead of ``ops.moe``. ``experts_per_token``: routed experts per token (0: the model's
+    own ``expert_used_count``; fewer trades quality for speed). Choosing ``device``/``dense``
+    from the config: moe_service.engine.device.resolve_device.
 
-    Raises ModelFileError naming the architecture or tensor when the file cannot be run;
-    ValueError for ``dense = "quant"`` on a non-CPU device.
+    Attributes: ``arch`` (the moe_service.engine.arch Architecture, hyperparameters in
+    ``arch.hp``), ``p`` (the catalog's ModelParams), ``routing`` (the Routing in use, None
+    for a dense model), ``layers``, ``kv``.
+
+    Raises ModelFileError naming the file, architecture, key or tensor when the file cannot
+    be run (moe_service.engine.arch.validate, before anything is allocated); ConfigError for
+    ``experts_per_token`` above the model's expert count; ValueError for ``dense = "quant"``
+    on a non-CPU device.
     """
 
     def __init__(
         self, catalog, weights, ops, *, device: str = "cpu", dense: str = "quant", n_seq: int = 4, n_ctx: int = 4096,
-        dense_dtype: torch.dtype = torch.float32, offload=None,
+        dense_dtype: torch.dtype = torch.float32, offload=None, experts_per_token: int = 0,
     ):
+        self.arch = archs.validate(catalog)
         p = catalog.params
-        if p.arch not in ARCHS:
-            raise ModelFileError(f"{catalog.shards[0].path}: architecture {p.arch!r} is not supported (supported: {', '.join(ARCHS)})")
         self.catalog, self.weights, self.ops, self.p = catalog, weights, ops, p
-        self.arch = ARCHS[p.arch]
         self.device = torch.device(device)
         if dense == "quant" and self.device.type != "cpu":
             raise ValueError(f"dense = 'quant' runs on the CPU (device {device!r} needs dense = 'torch')")
@@ -445,21 +582,28 @@ class Model:
         self.dense_dtype = dense_dtype
         self.offload = offload
         self.path = CpuPath(self) if dense == "quant" else TorchPath(self)
-        md = catalog.metadata
-        self.n_ctx = min(n_ctx or p.n_ctx_train, p.n_ctx_train) if p.n_ctx_train else n_ctx
-        self.rope_dim = p.rope_dim or p.head_dim
-        self.expert_weights_scale = float(md.get(f"{p.arch}.expert_weights_scale", 1.0) or 1.0)
-        self.layers = [self._load_layer(i) for i in range(p.n_layer)]
+        n_expert = getattr(self.arch.hp, "n_expert", 0)
+        if experts_per_token < 0 or (experts_per_token and experts_per_token > n_expert):
+            raise ConfigError(f"engine.experts_per_token = {experts_per_token}: the model has {n_expert} experts "
+                              "per layer (0 = the model's own top-k)")
+        self.routing = self.arch.routing(experts_per_token)
+        n_ctx_train = getattr(self.arch.hp, "n_ctx_train", 0)
+        self.n_ctx = min(n_ctx or n_ctx_train, n_ctx_train) if n_ctx_train else n_ctx
+        self.layers = self._load_layers()
         self.tok_embd = self._qmat("token_embd.weight")
         self.output = self._qmat("output.weight") if "output.weight" in catalog.tensors else self.tok_embd
         self.output_group = (self.output,)
         self.output_norm = self.path.vec("output_norm.weight")
         if dense == "torch":
             self.output_dense = self._to_device(self.output.name)
-        k, v = self.path.kv_storage(p.n_layer, n_seq, self.n_ctx, p.n_head_kv, p.head_dim, p.head_dim_v)
-        self.kv = KVCache(n_seq, self.n_ctx, k, v)
-        self._rope_cache = self.path.rope_tables(*self._rope_tables())
+        # -- the KV cache: built from the architecture's per-layer needs (LayerKV). ------------
+        self.kv = self.path.kv_cache(self.arch.kv_layers(), n_seq, self.n_ctx)
+        # -----------------------------------------------------------------------------------------
+        self._rope = self._rope_table()
         self._lock = threading.Lock()
+        if self.routing is not None:
+            log.info("model_routing", arch=self.arch.name, experts_per_token=self.routing.k,
+                     model_experts_per_token=getattr(self.arch.hp, "n_expert_used", 0), n_expert=n_expert)
 
     # -- loading --------------------------------------------------------------------------
 
@@ -482,57 +626,59 @@ class Model:
             return torch_quant.dequantize_numpy(self.weights.tensor(name), t.ggml_type, tuple(t.shape), self.device, dtype)
         return torch.from_numpy(_dequantize(self.weights, name)).to(self.device, dtype)
 
-    def _load_layer(self, i: int) -> LayerWeights:
+    def _load_layers(self) -> list[LayerWeights]:
+        """Every layer's weights, loaded by the role its architecture gives each tensor
+        (arch.base.TensorSpec.role); tensors the file lacks (optional ones) are skipped."""
+        per_layer: dict[int, list] = {}
+        for item in self.arch.tensors():
+            specs = [s for opt in item.options for s in opt] if isinstance(item, archs.OneOf) else [item]
+            for s in specs:
+                if s.role != "model" and s.name in self.catalog.tensors and s.name.startswith("blk."):
+                    per_layer.setdefault(int(s.name.split(".")[1]), []).append(s)
+        return [self._load_layer(i, per_layer.get(i, [])) for i in range(len(self.arch.kv_layers()))]
+
+    def _load_layer(self, i: int, specs: list) -> LayerWeights:
         lw = LayerWeights(i)
-        t = self.catalog.tensors
         pre = f"blk.{i}."
-        names = ["attn_q", "attn_k", "attn_v", "attn_output"]
-        dense_ffn = f"{pre}ffn_gate.weight" in t
-        if dense_ffn:
-            names += ["ffn_gate", "ffn_up", "ffn_down"]
-        for n in names:
-            lw.mats[n] = self._qmat(f"{pre}{n}.weight")
-            if self.dense_mode == "torch":
-                lw.dense[n] = self._to_device(f"{pre}{n}.weight")
-        for n in ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm"):
-            if f"{pre}{n}.weight" in t:
-                lw.vecs[n] = self.path.vec(f"{pre}{n}.weight")
-        if self.arch.qk_norm and not {"attn_q_norm", "attn_k_norm"} <= set(lw.vecs):
-            raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} lacks attn_q_norm/attn_k_norm")
-        if f"{pre}ffn_gate_inp.weight" in t:
-            lw.router = self.path.matrix(f"{pre}ffn_gate_inp.weight")  # [E, H] float32
-            if f"{pre}exp_probs_b.bias" in t:
-                lw.router_bias = self.path.vec(f"{pre}exp_probs_b.bias")
-            kinds = self.catalog.expert_layers.get(i)
-            if not kinds:
-                raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} has a router but no expert tensors")
+        biases: dict[str, int] = {}
+        for s in specs:
+            short = s.name[len(pre):]
+            key = short[: -len(".weight")] if short.endswith(".weight") else short
+            if s.role == "mat":
+                lw.mats[key] = self._qmat(s.name)
+                if self.dense_mode == "torch":
+                    lw.dense[key] = self._to_device(s.name)
+            elif s.role == "vec":
+                lw.vecs[key] = self.path.vec(s.name)
+            elif s.role == "router":
+                lw.router = self.path.matrix(s.name)  # [E, H] float32
+            elif s.role == "router_bias":
+                lw.router_bias = self.path.vec(s.name)
+            elif s.role == "expert_bias":  # ffn_{gate,up,down,gate_up}_exps.bias: read in place
+                biases[key.split("_exps")[0][len("ffn_"):]] = self.weights.tensor_offset(s.name)
+        kinds = self.catalog.expert_layers.get(i)
+        if kinds:
+            act = self.arch.moe_act()
+            down = kinds["down"].tensor
             lw.experts = ExpertSet(
-                layer=i,
-                n_expert=self.p.n_expert,
-                n_embd=self.p.n_embd,
-                n_ff_exp=self.p.n_ff_exp,
+                layer=i, n_expert=down.ne[2], n_embd=down.ne[1], n_ff_exp=down.ne[0],
                 types={k: et.tensor.ggml_type for k, et in kinds.items()},
                 copies={k: self.weights.expert_copies(i, k) for k in kinds},
+                act=act.kind, alpha=act.alpha, limit=act.limit, biases=biases,
             )
-        elif not dense_ffn:
-            raise ModelFileError(f"{self.catalog.shards[0].path}: layer {i} has neither a dense FFN nor experts")
         return lw
 
-    def _rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [C, rope_dim/2] float32, rounded as ggml's rope cache: theta_scale =
-        powf(base, -2/rope_dim); per position p, theta_0 = p and theta_{j+1} = theta_j *
-        theta_scale in float32 (not p * base^(-2j/d) exactly); divided by the rope_freqs
-        factor when the file has one (llama3); cos/sin correctly rounded to float32."""
-        half = self.rope_dim // 2
-        theta_scale = np.float32(np.float32(self.p.rope_freq_base) ** np.float32(-2.0 / self.rope_dim))
-        theta = np.empty((self.n_ctx, half), dtype=np.float32)
-        theta[:, 0] = np.arange(self.n_ctx, dtype=np.float32)
-        for j in range(1, half):
-            theta[:, j] = theta[:, j - 1] * theta_scale
-        if "rope_freqs.weight" in self.catalog.tensors:
-            theta = theta / _dequantize(self.weights, "rope_freqs.weight").reshape(1, -1)[:, :half]
-        ang = theta.astype(np.float64)
-        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    def _rope_table(self) -> RopeTable | None:
+        """The architecture's RoPE cos/sin [C, R/2] on the backend (arch/rope.py: ggml's
+        rounding, YaRN, the rope_freqs factors when the file has them)."""
+        spec = self.arch.rope()
+        if spec is None:
+            return None
+        factors = None
+        if spec.freqs_tensor and spec.freqs_tensor in self.catalog.tensors:
+            factors = _dequantize(self.weights, spec.freqs_tensor).reshape(-1)
+        cos, sin = rope_tables(spec, self.n_ctx, factors)
+        return self.path.rope_table(cos, sin, spec.dim, spec.neox)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -556,26 +702,20 @@ class Model:
                 tokens.extend(toks)
                 pos.extend(range(n0, n0 + len(toks)))
                 t0 += len(toks)
-            path = self.path
-            positions = path.positions(pos)
+            path, arch = self.path, self.arch
+            st = Step(path.positions(pos), spans, self._rope, self.route)
             if self.offload is not None and len(tokens) >= self.offload.min_batch_tokens:
                 self.offload.start_step()  # the first MoE layer's slabs start moving during attention
             x = path.embed(np.asarray(tokens, dtype=np.int64))  # [T, H]
             for lw in self.layers:
-                x += path.attention(lw, path.rmsnorm(x, lw.vecs["attn_norm"]), positions, spans)
-                x += self._ffn(lw, path.rmsnorm(x, lw.vecs["ffn_norm"]))
+                x = arch.block(path, lw, x, st)
             last = path.gather_rows(x, [e - 1 for _, _, e, _ in spans])
-            logits = path.head(path.rmsnorm(last, self.output_norm))  # [S, V]
+            logits = path.head(arch.final_norm(path, last, self.output_norm))  # [S, V]
             for s, a, e, n0 in spans:
                 self.kv.length[s] = n0 + (e - a)
             return path.logits_out(logits)
 
-    def _ffn(self, lw: LayerWeights, h):
-        if lw.experts is None:
-            return self.path.dense_ffn(lw, h)
-        ids, w = self.route(lw, h)
-        return self.path.moe(lw, h, ids, w)
-
     def route(self, lw: LayerWeights, h) -> tuple[np.ndarray, np.ndarray]:
-        """Router (REFERENCE.md "MoE routing"): ids int32 [T, K] and weights float32 [T, K]."""
-        return self.path.route(lw, h)
+        """Router (REFERENCE.md "MoE routing") by the model's Routing: ids int32 [T, K] and
+        weights float32 [T, K]."""
+        return self.path.route(lw, h, self.routing)

@@ -531,8 +531,8 @@ class ExpertWeights:
     copies: kind -> (offsets int64 [E, C] arena byte offsets of each expert's slab copy,
     nodes int32 [E, C] node id of each copy; -1 = no such copy; copy 0 is the primary);
     n_expert E, n_embd H, n_ff_exp I; biases: optional kind -> arena byte offset of a float32
-    bias tensor ('gate' / 'up' [E, I], 'gate_up' [E, 2I], 'down' [E, H]); act: the layer's
-    activation (ACT_SILU / ACT_SWIGLU_OAI with alpha, limit), None = the MoE step's own.
+    bias tensor ('gate' / 'up' [E, I], 'gate_up' [E, 2I], 'down' [E, H]); act / alpha / limit:
+    the layer's activation (ACT_SILU, ACT_SWIGLU_OAI), None = the MoE step's own.
     """
 
     n_expert: int
@@ -572,7 +572,9 @@ def _check_ids(ids: np.ndarray, n_expert: int) -> None:
 class MoE:
     """The MoE FFN step over a WorkerPool (or single-threaded with fused=False).
 
-    act: ACT_SILU (default) or ACT_SWIGLU_OAI with ``alpha`` / ``limit`` (gpt-oss: 1.702, 7).
+    act: ACT_SILU (default) or ACT_SWIGLU_OAI with ``alpha`` / ``limit`` (gpt-oss: 1.702, 7),
+    used for expert sets that do not carry their own (the engine's ExpertSet carries the
+    architecture's ``act``/``alpha``/``limit``, which win).
     Buffers are kept between calls (per shape) so a decode step allocates nothing large.
     """
 
@@ -701,10 +703,11 @@ class MoE:
         return sc
 
     def _act(self, spec) -> tuple[int, float, float]:
-        """(act, alpha, limit): the layer's own when its experts declare one, else this step's."""
-        if spec.act is None:
-            return self.act, self.alpha, self.limit
-        return spec.act, spec.alpha, spec.limit
+        """The layer's activation when its expert set carries one (the architecture's, via
+        the engine's ExpertSet), else this MoE's own."""
+        if spec.act is not None:
+            return spec.act, spec.alpha, spec.limit
+        return self.act, self.alpha, self.limit
 
     def _fill_static(self, op, spec) -> None:
         op[M_H] = spec.h
@@ -765,10 +768,8 @@ class _Spec:
         self.copies = {k: (np.ascontiguousarray(o, dtype=np.int64), np.ascontiguousarray(n, dtype=np.int32))
                        for k, (o, n) in experts.copies.items()}
         self.biases = {k: int(v) for k, v in (getattr(experts, "biases", None) or {}).items()}
-        act = getattr(experts, "act", None)
+        act = getattr(experts, "act", None)  # the architecture's activation (engine ExpertSet)
         self.act = None if act is None else int(act)
-        if self.act not in (None, ACT_SILU, ACT_SWIGLU_OAI):
-            raise ValueError(f"unknown expert activation {act!r} (ACT_SILU {ACT_SILU}, ACT_SWIGLU_OAI {ACT_SWIGLU_OAI})")
         self.alpha = float(getattr(experts, "alpha", 1.702))
         self.limit = float(getattr(experts, "limit", 7.0))
         self.fused = "gate_up" in self.copies

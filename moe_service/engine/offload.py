@@ -20,8 +20,9 @@ dequantization group.
       group    pairs (token, slot) sorted by expert: tok [T*K], x_sorted = x[tok] [T*K, H]
       experts  compute stream, after the copy's event; G experts at a time:
                dequantize (torch_quant) gate/up/down [G, I, H] / [G, H, I] -> compute dtype
-               per expert e: y = act(x_e Wg^T + bg_e, x_e Wu^T + bu_e) Wd^T + bd_e  [n_e, H]
-               (act: SiLU(g) * u, or gpt-oss' clamped SwiGLU; biases when the layer has them)
+               per expert e: y = act(x_e Wg^T + bg, x_e Wu^T + bu) Wd^T + bd  [n_e, H]
+               (act and biases: the architecture's, carried by the ExpertSet: SiLU*up, or
+               gpt-oss' clamped SwiGLU with per-expert biases)
       combine  out.index_add_(0, tok, y_sorted * w_sorted)                    [T, H] float32
       release  record "staging[b] free" on the compute stream
 
@@ -47,6 +48,19 @@ from moe_service.log import get_logger
 log = get_logger(__name__)
 
 KINDS = ("gate", "up", "down", "gate_up")
+ACT_SILU = 0  # moe.ACT_SILU
+ACT_SWIGLU_OAI = 1  # moe.ACT_SWIGLU_OAI
+
+
+def expert_act(act: tuple, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The architecture's expert activation with torch ops, as moe.act_value: silu(g) * u, or
+    gpt-oss' clamped SwiGLU min(g, limit) * sigmoid(alpha min(g, limit)) * (clamp(u, +-limit) + 1).
+    ``act``: (kind, alpha, limit)."""
+    kind, alpha, limit = act
+    if kind == ACT_SILU:
+        return torch.nn.functional.silu(g) * u
+    x = g.clamp(max=limit)
+    return x * torch.sigmoid(alpha * x) * (u.clamp(min=-limit, max=limit) + 1.0)
 
 
 def _kind_shape(kind: str, n_embd: int, n_ff_exp: int) -> tuple[int, int]:
@@ -78,20 +92,8 @@ class _LayerPlan:
     kinds: tuple[_KindPlan, ...]
     src: dict  # kind -> int64 [E] arena offset of each expert's primary slab
     nbytes: int
-    act: int = 0  # moe.ACT_SILU / moe.ACT_SWIGLU_OAI
-    alpha: float = 1.702
-    limit: float = 7.0
-    biases: dict | None = None  # kind -> float32 [E, rows] on the device (uploaded once, small)
-
-
-def activation(act: int, g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """The experts' activation as torch ops: SiLU(g) * u (act 0), or gpt-oss' clamped SwiGLU
-    (act 1, ggml_swiglu_oai): g' = min(g, limit), u' = clamp(u, -limit, limit),
-    g' * sigmoid(alpha g') * (u' + 1)."""
-    if act == 0:
-        return torch.nn.functional.silu(g) * u
-    gc = torch.clamp(g, max=limit)
-    return gc * torch.sigmoid(alpha * gc) * (torch.clamp(u, -limit, limit) + 1.0)
+    act: tuple = (ACT_SILU, 1.702, 7.0)  # the architecture's activation: (kind, alpha, limit)
+    biases: dict | None = None  # kind -> float32 tensor [E, rows] on the device (gpt-oss expert biases)
 
 
 @dataclass
@@ -181,17 +183,14 @@ class ExpertOffload:
             base += es.n_expert * slab
         if not ({"gate", "up", "down"} <= {k.kind for k in kinds} or {"gate_up", "down"} <= {k.kind for k in kinds}):
             raise ValueError(f"layer {es.layer}: expert kinds {sorted(es.copies)} lack gate/up/down")
+        act = (int(getattr(es, "act", ACT_SILU)), float(getattr(es, "alpha", 1.702)), float(getattr(es, "limit", 7.0)))
         biases = {}
         for kind, off in (getattr(es, "biases", None) or {}).items():
-            rows = _kind_shape(kind, es.n_embd, es.n_ff_exp)[0]
+            rows = {"down": es.n_embd, "gate_up": 2 * es.n_ff_exp}.get(kind, es.n_ff_exp)
             n = es.n_expert * rows
-            raw = self.arena[int(off): int(off) + 4 * n]
-            if raw.shape[0] != 4 * n:
-                raise ValueError(f"layer {es.layer}: the {kind} expert bias runs past the arena")
-            biases[kind] = torch.from_numpy(raw.view(np.float32).reshape(es.n_expert, rows).copy()).to(self.device)
-        act = getattr(es, "act", None)
-        return _LayerPlan(es.layer, es.n_expert, tuple(kinds), src, base, 0 if act is None else int(act),
-                          float(getattr(es, "alpha", 1.702)), float(getattr(es, "limit", 7.0)), biases or None)
+            raw = self.arena[int(off): int(off) + 4 * n].view(np.float32).reshape(es.n_expert, rows)
+            biases[kind] = torch.from_numpy(raw.copy()).to(self.device)
+        return _LayerPlan(es.layer, es.n_expert, tuple(kinds), src, base, act, biases or None)
 
     def reserve(self) -> int:
         """Allocate both staging buffers now; returns their bytes together."""
@@ -317,7 +316,6 @@ class ExpertOffload:
         x_sorted = h.index_select(0, tok).to(self.compute_dtype)  # [T*K, H]
         y_sorted = torch.empty(flat.shape[0], H, dtype=self.compute_dtype, device=dev)
         kinds = {k.kind: k for k in plan.kinds}
-        bias = plan.biases or {}
         per_expert = sum(k.rows * k.cols for k in plan.kinds) * torch.tensor([], dtype=self.compute_dtype).element_size()
         g_max = max(1, self.group_bytes // max(per_expert, 1))
         for g0 in range(0, len(selected), g_max):
@@ -326,21 +324,22 @@ class ExpertOffload:
             for j, e in enumerate(group):
                 a, z = int(starts[e]), int(starts[e + 1])
                 xe = x_sorted[a:z]  # [n_e, H]
+                b = plan.biases
                 if "gate_up" in mats:
                     gu = xe @ mats["gate_up"][j].T  # [n_e, 2I]
-                    if "gate_up" in bias:
-                        gu = gu + bias["gate_up"][e].to(gu.dtype)
+                    if b and "gate_up" in b:
+                        gu = gu + b["gate_up"][e].to(gu.dtype)
                     g, u = gu.chunk(2, dim=-1)
                 else:
                     g = xe @ mats["gate"][j].T  # [n_e, I]
                     u = xe @ mats["up"][j].T
-                    if "gate" in bias:
-                        g = g + bias["gate"][e].to(g.dtype)
-                    if "up" in bias:
-                        u = u + bias["up"][e].to(u.dtype)
-                y = activation(plan.act, g, u, plan.alpha, plan.limit) @ mats["down"][j].T  # [n_e, H]
-                if "down" in bias:
-                    y = y + bias["down"][e].to(y.dtype)
+                    if b and "gate" in b:
+                        g = g + b["gate"][e].to(g.dtype)
+                    if b and "up" in b:
+                        u = u + b["up"][e].to(u.dtype)
+                y = expert_act(plan.act, g, u) @ mats["down"][j].T  # [n_e, H]
+                if b and "down" in b:
+                    y = y + b["down"][e].to(y.dtype)
                 y_sorted[a:z] = y
         out = torch.zeros(T, H, dtype=torch.float32, device=dev)
         out.index_add_(0, tok, y_sorted.float() * w_sorted[:, None])

@@ -13,7 +13,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from moe_service.engine.model import ARCHS, ExpertSet, LayerWeights, Model, TorchPath
+from moe_service.engine.arch import Routing
+from moe_service.engine.model import ExpertSet, LayerWeights, Model, TorchPath
 from moe_service.engine.offload import ExpertOffload
 
 Q = GGMLQuantizationType
@@ -210,10 +211,11 @@ class _NoCpuOps:
 
 
 def _bare_model(layer: SynthLayer, offload) -> tuple[Model, LayerWeights]:
-    """A Model with just what _ffn and route need (no GGUF file): router, arch, params."""
+    """A Model with just what route and the torch path's moe need (no GGUF file): router,
+    routing rule (llama's: softmax, top-2 renormalised)."""
     m = Model.__new__(Model)
-    m.arch, m.p = ARCHS["llama"], SimpleNamespace(n_expert_used=2)
-    m.expert_weights_scale, m.device, m.offload = 1.0, torch.device("cpu"), offload
+    m.routing = Routing(k=2)
+    m.device, m.offload = torch.device("cpu"), offload
     m.weights = SimpleNamespace(arena=layer.arena)
     m.path = TorchPath(m)  # the offload is the torch (device) path's
     lw = LayerWeights(layer.layer)
@@ -222,13 +224,18 @@ def _bare_model(layer: SynthLayer, offload) -> tuple[Model, LayerWeights]:
     return m, lw
 
 
+def _ffn(m, lw, h):
+    """What an architecture's block does with an MoE layer: route, then the backend's moe."""
+    return m.path.moe(lw, h, *m.route(lw, h))
+
+
 def test_model_ffn_sends_big_batches_to_the_offload_and_small_ones_to_the_cpu():
     layer = SynthLayer(E=8)
     off = ExpertOffload(layer.arena, [layer.es], "cpu", min_batch_tokens=32)
     m, lw = _bare_model(layer, off)
     m.ops = _NoCpuOps()
     h = torch.from_numpy(np.random.default_rng(6).standard_normal((32, 64)).astype(np.float32))
-    y = m._ffn(lw, h)
+    y = _ffn(m, lw, h)
     ids, w = m.route(lw, h)
     assert off.stats.layers == 1
     assert rel_l2(y, layer.reference(h.numpy(), ids, w)) < 1e-5
@@ -241,7 +248,7 @@ def test_model_ffn_sends_big_batches_to_the_offload_and_small_ones_to_the_cpu():
             return np.zeros_like(xs)
 
     m.ops = _CpuOps()
-    m._ffn(lw, h[:31])
+    _ffn(m, lw, h[:31])
     assert calls == [(31, 64)] and off.stats.layers == 1
 
 
@@ -258,7 +265,7 @@ def test_model_ffn_offload_matches_the_cpu_fused_moe():
     h = torch.from_numpy(np.random.default_rng(8).standard_normal((16, 64)).astype(np.float32))
     ids, w = m.route(lw, h)
     cpu = m.ops.moe(layer.arena, np.ascontiguousarray(h.numpy()), ids, w, layer.es)
-    y = m._ffn(lw, h)
+    y = _ffn(m, lw, h)
     assert off.stats.layers == 1
     assert rel_l2(y, cpu) < 2e-2
 
