@@ -3,7 +3,10 @@
 ::
 
     model       the catalog's verdict on the GGUF files (moe_service.gguf_model.verdict):
-                architecture, layers, experts/top-k, tensors, bytes, type histogram, problems
+                architecture, layers, experts/top-k, tensors, bytes, type histogram, problems;
+                then the architecture's own check (moe_service.engine.arch.check_model):
+                supported, every hyperparameter consistent, every tensor present with the
+                shape the header gives and a type the engine reads
                 -> a bad file stops here                                           exit 3
     plan        topology + the plan the service would load (pipeline.prepare.plan_layout,
                 not strict): policy, bytes and experts per node, what does not fit
@@ -82,6 +85,14 @@ def run_check(config: Settings) -> CheckResult:
     report = verdict(model)
     if not report.ok:
         return CheckResult(report)
+    from moe_service.engine.arch import check_model
+
+    arch_problems = check_model(model)
+    if arch_problems:
+        report.problems.extend(arch_problems)
+        return CheckResult(report)
+    report.summary.append(f"architecture check: {model.params.arch} supported, hyperparameters and "
+                          f"{len(model.tensors)} tensors agree")
     topology = Topology.read(root=config.numa.sysfs_root)
     try:
         gpu_node = dense_gpu_node(config, topology)

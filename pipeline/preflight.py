@@ -21,6 +21,8 @@ numbers (needed vs available). Checks::
     cpu_flags           :data:`CPU_FLAGS` in /proc/cpuinfo (x86-64)                     fail
     catalog             every shard present with its size, every tensor inside its      fail
                         shard, plus the catalog's own problems when it lists any
+    architecture        the architecture is supported and every hyperparameter and     fail
+                        tensor agrees with it (moe_service.engine.arch.check_model)
     plan                warnings the planner recorded                                  warn
 
 The memory checks are the plan's own capacity rule (pipeline.plan.node_capacity).
@@ -169,6 +171,16 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings,
               "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
               if problems else f"{len(catalog.shards)} shard(s), {len(catalog.tensors)} tensors in place",
               {"problems": len(problems)}))
+
+    # -- architecture --
+    if hasattr(catalog, "metadata") and hasattr(catalog, "params"):
+        from moe_service.engine.arch import check_model
+
+        arch_problems = [p.message for p in check_model(catalog)]
+        add(Check("architecture", "fail" if arch_problems else "ok",
+                  "; ".join(arch_problems[:5]) + (f" (and {len(arch_problems) - 5} more)" if len(arch_problems) > 5
+                                                  else "") if arch_problems
+                  else f"{catalog.params.arch}: hyperparameters and tensors agree", {"problems": len(arch_problems)}))
 
     for w in layout.warnings:
         if "numa_balancing" in w:

@@ -54,7 +54,8 @@ def plan_layout(catalog, topology: Topology, config: Settings, gpu_node: int | N
 def prepare(ctx: PipelineContext) -> None:
     """Fill ``ctx.catalog``, ``ctx.topology``, ``ctx.layout`` and ``ctx.preflight``.
 
-    Raises ModelFileError (bad GGUF), CapacityError/PreflightError (host cannot hold the plan,
+    Raises ModelFileError (bad GGUF, or a file its architecture refuses: unsupported,
+    header/tensor disagreement), CapacityError/PreflightError (host cannot hold the plan,
     or engine.device = cuda without a GPU), ConfigError (a plan the host's nodes cannot take).
     """
     from moe_service.gguf_model import GGUFModel
@@ -65,6 +66,9 @@ def prepare(ctx: PipelineContext) -> None:
     path = cfg.model_path()
     ctx.status(f"prepare: reading {path.name}")
     ctx.catalog = GGUFModel.open(path)
+    from moe_service.engine.arch import validate
+
+    validate(ctx.catalog)  # the architecture's check, before any allocation: ModelFileError, exit 3
     ctx.topology = Topology.read(root=cfg.numa.sysfs_root)
     ctx.layout = plan_layout(ctx.catalog, ctx.topology, cfg, dense_gpu_node(cfg, ctx.topology))
     for warning in ctx.layout.warnings:

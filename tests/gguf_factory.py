@@ -69,8 +69,9 @@ def write_moe_gguf(
     for b in range(n_layer):
         p = f"blk.{b}."
         w.add_tensor(p + "attn_norm.weight", rng.standard_normal(H).astype(np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + name + ".weight", _qbytes(rng, (H, H), qtype), raw_dtype=qtype)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):  # 4 heads, 2 KV heads
+            rows = H // 2 if name in ("attn_k", "attn_v") else H
+            w.add_tensor(p + name + ".weight", _qbytes(rng, (rows, H), qtype), raw_dtype=qtype)
         w.add_tensor(p + "ffn_norm.weight", rng.standard_normal(H).astype(np.float32))
         w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, H)).astype(np.float32))
         if fused_gate_up:

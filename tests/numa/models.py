@@ -33,7 +33,7 @@ def models_dir() -> Path:
 def model_path(name: str) -> Path:
     p = MODELS[name]
     tag = "-".join(f"{k}{v}" for k, v in p.items()).replace("n_", "")
-    return models_dir() / f"lab-{name}-{tag}.gguf"
+    return models_dir() / f"lab-{name}-{tag}-kv2.gguf"  # kv2: attn_k/v of 2 KV heads (the arch check's shapes)
 
 
 def ensure_models(names: tuple[str, ...] = tuple(MODELS)) -> dict[str, Path]:

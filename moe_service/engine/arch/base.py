@@ -136,7 +136,8 @@ class TensorSpec:
     ``required``: False for tensors llama.cpp treats as optional (``TENSOR_NOT_REQUIRED``);
     ``role``: how the engine loads it: ``"mat"`` (2-D weight read in place by the matmul
     kernels), ``"vec"`` (float32 vector: norms, biases, sinks), ``"router"`` (float32 matrix
-    [E, H]), ``"expert"`` (3-D routed-expert tensor, slab per expert), ``"expert_bias"``
+    [E, H]), ``"router_bias"`` (float32 [E] selection bias, ``exp_probs_b``), ``"expert"``
+    (3-D routed-expert tensor, slab per expert), ``"expert_bias"``
     (float32 [E, rows] read in place by the MoE kernels), ``"model"`` (token_embd, output,
     output_norm, rope_freqs: the Model reads them itself).
     """
