@@ -96,6 +96,7 @@ class GptOssPreset:
     rms_eps: float = 1e-5
     gate_up_gain: float = 3.0
     logit_gain: float = 12.0
+    router_gain: float = 2.0
 
     def validate(self) -> None:
         """Raises ConfigError naming the field that does not fit the formats or the architecture."""
@@ -211,7 +212,7 @@ def tensor_plan(p: GptOssPreset) -> list[_Tensor]:
             _Tensor(b + "attn_output.bias", (H,), "F32", 0.25),
             _Tensor(b + "attn_sinks.weight", (p.n_head,), "F32", 1.0),
             _Tensor(b + "post_attention_norm.weight", (H,), "F32", 0.0, kind="norm"),
-            _Tensor(b + "ffn_gate_inp.weight", (H, E), "F32", 2.0 / math.sqrt(H)),
+            _Tensor(b + "ffn_gate_inp.weight", (H, E), "F32", p.router_gain / math.sqrt(H)),
             _Tensor(b + "ffn_gate_inp.bias", (E,), "F32", 0.5),
             _Tensor(b + "ffn_gate_exps.weight", (H, I, E), p.expert_type, p.gate_up_gain / math.sqrt(H), n_expert=E),
             _Tensor(b + "ffn_gate_exps.bias", (I, E), "F32", 0.25),
