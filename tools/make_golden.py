@@ -290,14 +290,21 @@ def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
 # gpt-oss: synthetic files (moe_service.synth_gpt_oss), one JSON manifest of their own
 # (gpt-oss.json) so other architectures' goldens never collide with them in manifest.json.
 GPT_OSS_MODELS = [
-    # name, preset, overrides: the default release layout (MXFP4 experts, Q8_0 dense, the
-    # sliding window on even layers by llama.cpp's default pattern of 2), and an explicit
-    # attention.sliding_window_pattern of 3 with Q8_0 experts and F16 attention.
+    # name, preset, overrides. One layer (a sliding-window layer: the ~125-token prompt
+    # crosses its 16-token window): every gpt-oss feature is computed once and the engines
+    # agree to float32 rounding, so its comparison is tight. Two layers: a sliding and a full
+    # one. Four layers (sliding / full alternating, llama.cpp's default pattern of 2): the
+    # release layout; 8-bit activations and float16 attention roundings amplify last-bit
+    # differences layer after layer (llama.cpp's own batch-vs-sequential deviation is
+    # recorded: 0.36 here). And three layers with an explicit attention.sliding_window_pattern
+    # of 3 (sliding, sliding, full), Q8_0 experts and F16 attention.
+    ("tiny-gpt-oss-l1-mxfp4", "tiny-gpt-oss", {"n_layer": 1}),
+    ("tiny-gpt-oss-l2-mxfp4", "tiny-gpt-oss", {"n_layer": 2}),
     ("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", {}),
-    ("tiny-gpt-oss-pattern3-q8_0", "tiny-gpt-oss", {"swa_pattern": 3, "expert_type": "Q8_0", "dense_type": "F16"}),
+    ("tiny-gpt-oss-l3-pattern3-q8_0", "tiny-gpt-oss", {"n_layer": 3, "swa_pattern": 3, "expert_type": "Q8_0",
+                                                       "dense_type": "F16"}),
 ]
-GPT_OSS_SEEDS = range(8)
-GPT_OSS_MIN_GAP = 1.0
+GPT_OSS_SEEDS = range(6)
 
 
 def gpt_oss_goldens(out: Path, work: Path) -> dict:
@@ -305,10 +312,10 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
 
     Prompt: the first sample conversation rendered by the file's harmony template (llama-cpp-
     python's jinja renderer; ~100 tokens, so it crosses the tiny preset's 16-token sliding
-    window many times), tokenized by llama.cpp with special tokens parsed. Weights: the
-    first seed of GPT_OSS_SEEDS whose 48-token greedy chain keeps llama.cpp's top-1/top-2
-    gap >= GPT_OSS_MIN_GAP at every step (the scales in synth_gpt_oss make logits std ~12);
-    every seed tried is recorded.
+    window many times), tokenized by llama.cpp with special tokens parsed. Weights: of the
+    seeds in GPT_OSS_SEEDS, the one whose 48-token greedy chain has the largest smallest
+    top-1/top-2 gap in llama.cpp (the most decisive chain; the scales in synth_gpt_oss make
+    logits std ~12); every seed tried is recorded with its smallest gap.
     """
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -317,10 +324,10 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
     manifest: dict = {"format": 1, "versions": versions(),
                       "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
                                    "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
-                                   "n_greedy": N_GREEDY, "min_gap_required": GPT_OSS_MIN_GAP},
+                                   "n_greedy": N_GREEDY, "seeds_tried": list(GPT_OSS_SEEDS)},
                       "models": {}}
     for name, preset, overrides in GPT_OSS_MODELS:
-        tried = []
+        tried, best = [], None
         for seed in GPT_OSS_SEEDS:
             path = write_gpt_oss(work / f"{name}-seed{seed}.gguf", preset, seed=seed, **overrides)
             meta = read_gguf_metadata(path, prefixes=("tokenizer.",))
@@ -335,10 +342,9 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
             gap = min(r["greedy_top1_top2_gap"])
             tried.append({"seed": seed, "min_gap": gap})
             print(f"gpt-oss {name} seed {seed}: min greedy gap {gap:.3f}", flush=True)
-            if gap >= GPT_OSS_MIN_GAP:
-                break
-        else:
-            raise SystemExit(f"{name}: no seed in {list(GPT_OSS_SEEDS)} keeps a greedy gap >= {GPT_OSS_MIN_GAP}: {tried}")
+            if best is None or gap > best[0]:
+                best = (gap, seed, path, prompt_text, prompt_ids, r)
+        _, seed, path, prompt_text, prompt_ids, r = best
         np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
         manifest["models"][name] = {
             "source": {"kind": "synth-gpt-oss", "preset": preset, "overrides": overrides, "seed": seed},
@@ -347,8 +353,7 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
         print(f"model {name}: seed {seed} argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
               f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
     first = manifest["models"][GPT_OSS_MODELS[0][0]]
-    chat = chat_fixture(work / f"{GPT_OSS_MODELS[0][0]}-seed{first['source']['seed']}.gguf",
-                        {"kind": "synth-gpt-oss", "preset": GPT_OSS_MODELS[0][1], "seed": first["source"]["seed"]})
+    chat = chat_fixture(work / f"{GPT_OSS_MODELS[0][0]}-seed{first['source']['seed']}.gguf", first["source"])
     chat["date"] = time.strftime("%Y-%m-%d")  # strftime_now in the template: the system message's date
     (out / "chat" / "gpt-oss-harmony.json").write_text(json.dumps(chat, ensure_ascii=False, indent=1))
     manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
