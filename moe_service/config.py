@@ -280,6 +280,14 @@ class EngineConfig(_Table):
         description="With a GPU: batches of at least this many tokens stream expert slabs to the "
         "GPU over PCIe; smaller ones compute experts on the CPU.",
     )
+    experts_per_token: int = Field(
+        0,
+        ge=0,
+        description="Routed experts computed per token; 0: the model's own (expert_used_count). "
+        "Fewer (e.g. top-4 of a top-8 model) trades quality for decode speed; more than the "
+        "model's experts per layer is refused at check/preflight. Logged (model_routing) and "
+        "exported as moe_service_experts_per_token.",
+    )
 
 
 class ServeConfig(_Table):

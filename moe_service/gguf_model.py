@@ -697,7 +697,7 @@ class GGUFModel:
                     out.append(
                         Problem(
                             "expert_shape",
-                            f"expert tensor {et.tensor.name} holds {et.n_expert} experts but "
+                            f"{self.path}: expert tensor {et.tensor.name} holds {et.n_expert} experts but "
                             f"{self.params.arch}.expert_count is {n_expert}",
                             tensor=et.tensor.name,
                         )

@@ -66,6 +66,15 @@ class _ContextCollector:
             for node, nbytes in sorted(values.items()):
                 nodes.add_metric([str(node), source], float(nbytes))
         yield nodes
+        model = getattr(getattr(ctx, "engine", None), "model", None)
+        routing = getattr(model, "routing", None)
+        if routing is not None:
+            k = GaugeMetricFamily("moe_service_experts_per_token",
+                                  "Routed experts per token: in use (engine.experts_per_token, 0 = the model's "
+                                  "own) and the model's own expert_used_count", labels=["which"])
+            k.add_metric(["in_use"], float(routing.k))
+            k.add_metric(["model"], float(getattr(model.arch.hp, "n_expert_used", routing.k)))
+            yield k
 
 
 class Metrics:

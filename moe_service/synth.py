@@ -15,11 +15,15 @@ I expert width, V vocab, Dh head dim, Nh / Nkv heads):
     token_embd {H, V}   output_norm {H}   [output {H, V}]
     blk.i.attn_norm {H}  attn_q {H, Nh*Dh}  attn_k, attn_v {H, Nkv*Dh}  attn_output {Nh*Dh, H}
           [qwen3moe: attn_q_norm, attn_k_norm {Dh}]
+          [qwen2: attn_q.bias {Nh*Dh}, attn_k.bias, attn_v.bias {Nkv*Dh} F32, std 0.5]
     blk.i.ffn_norm {H}   ffn_gate_inp {H, E} F32
           ffn_gate_exps, ffn_up_exps {H, I, E}   ffn_down_exps {I, H, E}
+          [dense qwen2 / qwen3: ffn_gate, ffn_up {H, F}  ffn_down {F, H}, dense_type]
 
 ``llama`` is the Mixtral layout (adjacent-pair RoPE, I = llama.feed_forward_length);
-``qwen3moe`` adds per-head q/k RMSNorm, NEOX RoPE and ``expert_feed_forward_length``.
+``qwen3moe`` adds per-head q/k RMSNorm, NEOX RoPE and ``expert_feed_forward_length``;
+``qwen2`` (dense) has Q/K/V biases and NEOX RoPE; ``qwen3`` (dense) q/k norms and NEOX RoPE.
+The tensor lists agree with moe_service.engine.arch's (tests/engine/test_arch.py checks).
 
 Weights (per output element std s): blocks are random bytes with the scale fields set so
 the dequantized values have std ~ s, with s = 1/sqrt(fan_in) for projections, so each
@@ -79,6 +83,8 @@ BLOCK_FORMATS: dict[str, tuple[int, int]] = {
     "MXFP4": (32, 1 + 16),
 }
 EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+SYNTH_ARCHS = ("llama", "qwen3moe", "qwen2", "qwen3")
+DENSE_ARCHS = ("qwen2", "qwen3")  # no experts: n_expert = 0, FFN width n_ff
 DENSE_TYPES = ("F32", "F16", "Q8_0")
 
 # general.file_type (llama_ftype) by expert type
@@ -90,7 +96,7 @@ class SynthPreset:
     """Shape and format of a synthetic model (see the module docstring for tensor shapes)."""
 
     name: str
-    arch: str  # "llama" (Mixtral-style) or "qwen3moe"
+    arch: str  # "llama" (Mixtral-style), "qwen3moe", or the dense "qwen2" / "qwen3"
     n_layer: int
     n_embd: int
     n_head: int
@@ -108,11 +114,26 @@ class SynthPreset:
     n_ctx_train: int = 4096
     rope_freq_base: float = 10000.0
     rms_eps: float = 1e-5
+    n_ff: int = 0  # dense FFN width (n_expert = 0: qwen2, qwen3)
+    output_std: float = 4.0  # output (and token_embd) std times sqrt(H): the logits' spread
+    successor_output: bool = False  # output rows = token_embd rows permuted (see successor_rows)
+    embd_std: float = 0.0  # token_embd std times sqrt(H) (0: output_std); the successor presets' margin
+    output_norm: float = 1.0  # output_norm weight (every element): scales the logits
 
     def validate(self) -> None:
         """Raises ConfigError naming the field when the shapes do not fit the block formats."""
-        if self.arch not in ("llama", "qwen3moe"):
-            raise ConfigError(f"synthetic preset {self.name}: arch {self.arch!r} is not 'llama' or 'qwen3moe'.")
+        if self.arch not in SYNTH_ARCHS:
+            raise ConfigError(f"synthetic preset {self.name}: arch {self.arch!r} is not one of {', '.join(SYNTH_ARCHS)}.")
+        if self.arch in DENSE_ARCHS:
+            if self.n_expert or self.n_expert_used or self.n_ff <= 0 or self.n_ff % BLOCK_FORMATS[self.dense_type][0]:
+                raise ConfigError(f"synthetic preset {self.name}: a dense {self.arch} needs n_expert = 0 and n_ff a "
+                                  f"positive multiple of the {self.dense_type} block size.")
+            if self.arch == "qwen2" and self.n_head * self.head_dim != self.n_embd:
+                raise ConfigError(f"synthetic preset {self.name}: qwen2 needs n_head * head_dim == n_embd.")
+            if self.n_head % self.n_head_kv or self.n_layer < 1:
+                raise ConfigError(f"synthetic preset {self.name}: n_head must be a multiple of n_head_kv and "
+                                  "n_layer >= 1.")
+            return
         if self.expert_type not in EXPERT_TYPES:
             raise ConfigError(f"synthetic preset {self.name}: expert_type {self.expert_type!r} is not one of "
                               f"{', '.join(EXPERT_TYPES)}.")
@@ -137,6 +158,15 @@ class SynthPreset:
             raise ConfigError(f"synthetic preset {self.name}: n_layer must be >= 1 (got {self.n_layer}).")
 
 
+_DECISIVE = {"successor_output": True, "embd_std": 10.0, "output_norm": 0.4}
+"""Scales for decisive greedy choices (the dense presets): token embeddings of norm 10 (std
+10/sqrt(H)) dominate the final hidden state against the 4 sublayers' additions (norm ~16
+each, spread over many directions), output rows are the embedding rows permuted
+(successor_rows), and the output norm weight 0.4 brings the logits' std back to ~4. The
+winner of each greedy step then leads the runner-up by ~12-20 logits (median); llama.cpp's
+smallest lead over the golden 48-token chains is 7.03 (tiny-qwen2, seed 1; seed 0 had a
+0.56 step) and 12.78 (tiny-qwen3, seed 0) (tests/fixtures/golden/qwen-dense.json)."""
+
 PRESETS: dict[str, SynthPreset] = {
     p.name: p
     for p in (
@@ -148,6 +178,14 @@ PRESETS: dict[str, SynthPreset] = {
                     n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=8192, vocab="qwen2",
                     tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6),
         # Qwen3-30B-A3B's real layer shapes (48 layers in the real model; untied output as there).
+        # Dense Qwen2 layout (Qwen2.5, QwQ-32B) at toy size: Q/K/V biases, NEOX RoPE.
+        SynthPreset("tiny-qwen2", "qwen2", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                    n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff=768, n_vocab=8192, vocab="qwen2",
+                    tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6, **_DECISIVE),
+        # Dense Qwen3 layout at toy size: q/k norms, head_dim 128 != n_embd / n_head.
+        SynthPreset("tiny-qwen3", "qwen3", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128,
+                    n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff=768, n_vocab=8192, vocab="qwen2",
+                    tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6, **_DECISIVE),
         SynthPreset("qwen3-30b-a3b", "qwen3moe", n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                     n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, vocab="qwen2",
                     tie_output=False, n_ctx_train=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
@@ -416,6 +454,7 @@ class TensorPlan:
     nbytes: int
     n_expert: int = 0  # > 0: written expert slab by expert slab
     fill: float | None = None  # constant value (norm weights, zero routers) instead of random
+    rows_of: str | None = None  # another tensor's rows, permuted (successor_rows), instead of random
 
     @property
     def row_elems(self) -> int:
@@ -441,10 +480,12 @@ def tensor_plan(p: SynthPreset) -> list[TensorPlan]:
             fill: float | None = None) -> None:
         plans.append(TensorPlan(name, ne, qtype, std, _nbytes(qtype, ne), n_expert, fill))
 
-    add("token_embd.weight", (H, V), p.embd_type, 4.0 / np.sqrt(H))
-    add("output_norm.weight", (H,), "F32", 0.0, fill=1.0)
+    add("token_embd.weight", (H, V), p.embd_type, (p.embd_std or p.output_std) / np.sqrt(H))
+    add("output_norm.weight", (H,), "F32", 0.0, fill=p.output_norm)
     if not p.tie_output:
-        add("output.weight", (H, V), p.embd_type, 4.0 / np.sqrt(H))
+        add("output.weight", (H, V), p.embd_type, p.output_std / np.sqrt(H))
+        if p.successor_output:  # the same bytes as token_embd's rows, so token_embd's std
+            plans[-1] = dataclasses.replace(plans[-1], rows_of="token_embd.weight", std=plans[0].std)
     for i in range(p.n_layer):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", (H,), "F32", 0.0, fill=1.0)
@@ -452,10 +493,20 @@ def tensor_plan(p: SynthPreset) -> list[TensorPlan]:
         add(b + "attn_k.weight", (H, kv_dim), p.dense_type, 1.0 / np.sqrt(H))
         add(b + "attn_v.weight", (H, kv_dim), p.dense_type, 1.0 / np.sqrt(H))
         add(b + "attn_output.weight", (q_dim, H), p.dense_type, 1.0 / np.sqrt(q_dim))
-        if p.arch == "qwen3moe":
+        if p.arch == "qwen2":  # Q/K/V biases (no output bias)
+            add(b + "attn_q.bias", (q_dim,), "F32", 0.5)
+            add(b + "attn_k.bias", (kv_dim,), "F32", 0.5)
+            add(b + "attn_v.bias", (kv_dim,), "F32", 0.5)
+        if p.arch in ("qwen3moe", "qwen3"):
             add(b + "attn_q_norm.weight", (p.head_dim,), "F32", 0.0, fill=1.0)
             add(b + "attn_k_norm.weight", (p.head_dim,), "F32", 0.0, fill=1.0)
         add(b + "ffn_norm.weight", (H,), "F32", 0.0, fill=1.0)
+        if p.arch in DENSE_ARCHS:
+            F = p.n_ff  # noqa: N806 - the shape legend
+            add(b + "ffn_gate.weight", (H, F), p.dense_type, 1.0 / np.sqrt(H))
+            add(b + "ffn_up.weight", (H, F), p.dense_type, 1.0 / np.sqrt(H))
+            add(b + "ffn_down.weight", (F, H), p.dense_type, 1.0 / np.sqrt(F))
+            continue
         add(b + "ffn_gate_inp.weight", (H, E), "F32", 2.0 / np.sqrt(H))
         add(b + "ffn_gate_exps.weight", (H, I, E), p.expert_type, 1.0 / np.sqrt(H), n_expert=E)
         add(b + "ffn_up_exps.weight", (H, I, E), p.expert_type, 1.0 / np.sqrt(H), n_expert=E)
@@ -474,7 +525,8 @@ def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),
-        f"{a}.feed_forward_length": (p.n_ff_exp if a == "llama" else p.n_ff_exp * p.n_expert_used, "UINT32"),
+        f"{a}.feed_forward_length": (p.n_ff if a in DENSE_ARCHS else p.n_ff_exp if a == "llama"
+                                     else p.n_ff_exp * p.n_expert_used, "UINT32"),
         f"{a}.attention.head_count": (p.n_head, "UINT32"),
         f"{a}.attention.head_count_kv": (p.n_head_kv, "UINT32"),
         f"{a}.rope.freq_base": (p.rope_freq_base, "FLOAT32"),
@@ -484,15 +536,33 @@ def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
         f"{a}.rope.dimension_count": (p.head_dim, "UINT32"),
         f"{a}.vocab_size": (p.n_vocab, "UINT32"),
     }
-    if a == "qwen3moe":
+    if a in ("qwen3moe", "qwen3"):
         kv[f"{a}.attention.key_length"] = (p.head_dim, "UINT32")
         kv[f"{a}.attention.value_length"] = (p.head_dim, "UINT32")
+    if a == "qwen3moe":
         kv[f"{a}.expert_feed_forward_length"] = (p.n_ff_exp, "UINT32")
+    if a in DENSE_ARCHS:
+        del kv[f"{a}.expert_count"], kv[f"{a}.expert_used_count"]
     return kv
+
+
+def successor_rows(seed: int, n_vocab: int) -> np.ndarray:
+    """The successor permutation of a ``successor_output`` preset: int64 [V], output row v is
+    token_embd row ``perm[v]``. So the logit of token v is e(perm[v]) . h: when the final
+    hidden state h is dominated by the current token's embedding e(c), the winner is the v
+    with perm[v] = c by a wide margin (|e|^2 against random dot products), and the greedy
+    chain walks the permutation's cycles through distinct tokens, a decisive choice at each
+    step that attention and the FFN still shift (the margins are recorded in the goldens)."""
+    keys = random_bytes(seed, "output.weight:successor", 8 * n_vocab).view("<u8")
+    return np.argsort(keys, kind="stable").astype(np.int64)
 
 
 def _tensor_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
     """The tensor's bytes, one expert slab at a time for expert tensors (bounded memory)."""
+    if t.rows_of is not None:
+        src = tensor_bytes(t.qtype, seed, t.rows_of, t.n_rows, t.row_elems, t.std).reshape(t.n_rows, -1)
+        yield np.ascontiguousarray(src[successor_rows(seed, t.n_rows)]).reshape(-1)
+        return
     if t.fill is not None:
         assert t.qtype == "F32"
         yield np.full(t.n_rows * t.row_elems, t.fill, dtype="<f4").view(np.uint8)

@@ -83,10 +83,12 @@ def run_check(config: Settings) -> CheckResult:
     except ModelFileError:
         return CheckResult(verdict(path))
     report = verdict(model)
+    from moe_service.engine.arch import ARCHITECTURES, check_model
+
+    if model.params.arch not in ARCHITECTURES:  # named (with the supported list) whatever else is wrong
+        report.problems.extend(check_model(model))
     if not report.ok:
         return CheckResult(report)
-    from moe_service.engine.arch import check_model
-
     arch_problems = check_model(model)
     if arch_problems:
         report.problems.extend(arch_problems)

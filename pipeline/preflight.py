@@ -22,7 +22,8 @@ numbers (needed vs available). Checks::
     catalog             every shard present with its size, every tensor inside its      fail
                         shard, plus the catalog's own problems when it lists any
     architecture        the architecture is supported and every hyperparameter and     fail
-                        tensor agrees with it (moe_service.engine.arch.check_model)
+                        tensor agrees with it (moe_service.engine.arch.check_model);
+                        engine.experts_per_token within the model's experts
     plan                warnings the planner recorded                                  warn
 
 The memory checks are the plan's own capacity rule (pipeline.plan.node_capacity).
@@ -177,6 +178,10 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings,
         from moe_service.engine.arch import check_model
 
         arch_problems = [p.message for p in check_model(catalog)]
+        n_expert, k = getattr(catalog.params, "n_expert", 0), config.engine.experts_per_token
+        if k and k > n_expert:
+            arch_problems.append(f"engine.experts_per_token = {k} but the model has {n_expert} experts per layer "
+                                 "(0 = the model's own top-k)")
         add(Check("architecture", "fail" if arch_problems else "ok",
                   "; ".join(arch_problems[:5]) + (f" (and {len(arch_problems) - 5} more)" if len(arch_problems) > 5
                                                   else "") if arch_problems

@@ -67,7 +67,8 @@ def build_engine(ctx: PipelineContext, ops=None):
 
         torch.set_num_threads(1)
     model = Model(ctx.catalog, ctx.weights, ops if ops is not None else make_ops(ctx), device=device, dense=dense,
-                  n_seq=cfg.serve.parallel, n_ctx=cfg.model.context_tokens)
+                  n_seq=cfg.serve.parallel, n_ctx=cfg.model.context_tokens,
+                  experts_per_token=cfg.engine.experts_per_token)
     if model.device.type == "cuda":  # big prefill batches stream their experts to the GPU
         from moe_service.engine.offload import ExpertOffload
 

@@ -250,6 +250,66 @@ def run_model(path: Path, prompt_ids: list[int]) -> dict:
     }
 
 
+# Dense Qwen (qwen2, qwen3): synthetic files (moe_service.synth presets with the decisive
+# successor-output scales), their own manifest qwen-dense.json.
+DENSE_MODELS = [("tiny-qwen2-q8_0", "tiny-qwen2"), ("tiny-qwen3-q8_0", "tiny-qwen3")]
+DENSE_SEEDS = range(6)
+DENSE_MIN_GAP = 2.0
+
+
+def sequential_logits(path: Path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits after evaluating ``ids`` one token at a time (the decode path)."""
+    llm = _open(path)
+    for t in ids:
+        llm.eval([t])
+    out = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
+    del llm
+    return out
+
+
+def dense_goldens(out: Path, work: Path) -> dict:
+    """qwen-dense.json + logits/<name>.npy + logits/<name>-after-chain.npy.
+
+    Prompt: SYNTH_PROMPT tokenized by llama.cpp. Weights: the first seed of DENSE_SEEDS whose
+    48-token greedy chain keeps llama.cpp's top-1/top-2 gap >= DENSE_MIN_GAP at every step
+    (every seed tried is recorded). ``after_chain_logits_file``: llama.cpp's logits after the
+    prompt and the whole chain evaluated token by token (compares the decode path after 48
+    steps of KV cache, not only the chain's argmaxes).
+    """
+    manifest: dict = {"format": 1, "versions": versions(),
+                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
+                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
+                                   "n_greedy": N_GREEDY, "min_gap_required": DENSE_MIN_GAP},
+                      "models": {}}
+    for name, preset in DENSE_MODELS:
+        tried = []
+        for seed in DENSE_SEEDS:
+            path = write_synthetic(work / f"{name}-seed{seed}.gguf", preset, seed=seed)
+            llm = _open(path, vocab_only=True)
+            prompt_ids = llm.tokenize(SYNTH_PROMPT.encode(), add_bos=True, special=False)
+            del llm
+            r = run_model(path, prompt_ids)
+            gap = min(r["greedy_top1_top2_gap"])
+            tried.append({"seed": seed, "min_gap": gap})
+            print(f"dense {name} seed {seed}: min greedy gap {gap:.3f}", flush=True)
+            if gap >= DENSE_MIN_GAP:
+                break
+        else:
+            raise SystemExit(f"{name}: no seed in {list(DENSE_SEEDS)} keeps a greedy gap >= {DENSE_MIN_GAP}: {tried}")
+        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+        np.save(out / "logits" / f"{name}-after-chain.npy", sequential_logits(path, prompt_ids + r["greedy_ids"]))
+        manifest["models"][name] = {
+            "source": {"kind": "synth", "preset": preset, "expert_type": "Q8_0", "n_layer": None, "seed": seed},
+            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": SYNTH_PROMPT,
+            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy",
+            "after_chain_logits_file": f"logits/{name}-after-chain.npy", "seed_search": tried, **r}
+        print(f"model {name}: seed {seed} argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
+              f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
+    manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
+    (out / "qwen-dense.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    return manifest
+
+
 # Prompts tried for the demo-chain fixture, in order (chat-rendered with the model's template).
 DEMO_CHAIN_PROMPTS = [
     ("raw", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"),
@@ -366,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain", "gpt-oss"],
-                    help="regenerate only this part (demo-chain.json; gpt-oss.json and its logits and chat files)")
+    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "gpt-oss"],
+                    help="regenerate only this part (demo-chain.json, qwen-dense.json; gpt-oss.json and its "
+                         "logits and chat files)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
@@ -376,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         for sub in ("logits", "chat"):
             (out / sub).mkdir(parents=True, exist_ok=True)
         gpt_oss_goldens(out, work)
+        return 0
+    if args.only == "qwen-dense":
+        (out / "logits").mkdir(parents=True, exist_ok=True)
+        dense_goldens(out, work)
         return 0
     if args.only == "demo-chain":
         smollm2 = smollm2_gguf_path()

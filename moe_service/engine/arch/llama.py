@@ -196,7 +196,9 @@ class Llama(Architecture):
         ik = (self.expert_width_key or "feed_forward_length",)
         ek = ("embedding_length",) + ik + ("expert_count",)
         return [
-            s(b + "ffn_gate_inp.weight", (H, E), VECTOR_TYPES, ("embedding_length", "expert_count"), role="router"),
+            # the router is dequantized to float32 once at load: any type the catalog reads (llama.cpp
+            # multiplies it as any other matrix)
+            s(b + "ffn_gate_inp.weight", (H, E), MATRIX_TYPES, ("embedding_length", "expert_count"), role="router"),
             OneOf(((s(b + "ffn_gate_exps.weight", (H, I, E), MATRIX_TYPES, ek, role="expert"),
                     s(b + "ffn_up_exps.weight", (H, I, E), MATRIX_TYPES, ek, role="expert")),
                    (s(b + "ffn_gate_up_exps.weight", (H, 2 * I, E), MATRIX_TYPES, ek, role="expert"),)),
