@@ -97,6 +97,8 @@ class GptOssPreset:
     gate_up_gain: float = 3.0
     logit_gain: float = 12.0
     router_gain: float = 2.0
+    decisive: float = 0.0  # > 0: token embedding norm; output rows = embedding rows permuted (synth.successor_rows)
+    output_norm: float = 0.0  # > 0: output_norm.weight filled with this value (decisive files: logits std back to ~12)
 
     def validate(self) -> None:
         """Raises ConfigError naming the field that does not fit the formats or the architecture."""
@@ -187,7 +189,7 @@ class _Tensor:
     qtype: str
     std: float
     n_expert: int = 0  # > 0: written expert slab by expert slab
-    kind: str = "random"  # "random" | "norm" (uniform [0.75, 1.25))
+    kind: str = "random"  # "random" | "norm" (uniform [0.75, 1.25)) | "fill" (std is the value) | "successor"
 
     @property
     def nbytes(self) -> int:
@@ -199,8 +201,10 @@ def tensor_plan(p: GptOssPreset) -> list[_Tensor]:
     """Every tensor of the model in file order (module docstring)."""
     H, V, E, I = p.n_embd, p.n_vocab, p.n_expert, p.n_ff_exp  # noqa: E741 - the shape legend
     q_dim, kv_dim = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
-    out = [_Tensor("token_embd.weight", (H, V), p.embd_type, 1.0),
-           _Tensor("output_norm.weight", (H,), "F32", 0.0, kind="norm"),
+    embd_std = p.decisive / math.sqrt(H) if p.decisive else 1.0
+    out = [_Tensor("token_embd.weight", (H, V), p.embd_type, embd_std),
+           _Tensor("output_norm.weight", (H,), "F32", p.output_norm, kind="fill" if p.output_norm else "norm"),
+           _Tensor("output.weight", (H, V), p.embd_type, embd_std, kind="successor") if p.decisive else
            _Tensor("output.weight", (H, V), p.embd_type, p.logit_gain / math.sqrt(H))]
     for i in range(p.n_layer):
         b = f"blk.{i}."
@@ -262,6 +266,14 @@ def model_metadata(p: GptOssPreset, seed: int) -> dict[str, tuple[Any, str]]:
 
 
 def _chunks(t: _Tensor, seed: int) -> Iterator[np.ndarray]:
+    if t.kind == "fill":
+        yield np.full(int(np.prod(t.ne)), t.std, dtype="<f4").view(np.uint8)
+        return
+    if t.kind == "successor":  # token_embd's bytes, rows permuted: output row v = embedding row perm[v]
+        n_rows = int(np.prod(t.ne[1:]))
+        src = synth.tensor_bytes(t.qtype, seed, "token_embd.weight", n_rows, t.ne[0], t.std).reshape(n_rows, -1)
+        yield np.ascontiguousarray(src[synth.successor_rows(seed, n_rows)]).reshape(-1)
+        return
     if t.kind == "norm":  # uniform [0.75, 1.25): 1 + 0.25 * u, u in [-1, 1) (exact in float64)
         n = int(np.prod(t.ne))
         u = synth._uniform_pm1(synth.random_bytes(seed, t.name, 3 * n), n)

@@ -349,6 +349,10 @@ def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
 
 # gpt-oss: synthetic files (moe_service.synth_gpt_oss), one JSON manifest of their own
 # (gpt-oss.json) so other architectures' goldens never collide with them in manifest.json.
+# Deeper files: the successor output head of the dense presets (synth.successor_rows): token
+# embeddings of norm 30, output rows = embedding rows permuted, output norm weight 0.4, so each
+# greedy step's winner leads by more than the engines' rounding differences.
+GPT_OSS_DECISIVE = {"decisive": 30.0, "output_norm": 0.4}
 GPT_OSS_MODELS = [
     # name, preset, overrides. One layer (a sliding-window layer: the ~125-token prompt
     # crosses its 16-token window): every gpt-oss feature is computed once and the engines
@@ -357,12 +361,13 @@ GPT_OSS_MODELS = [
     # release layout; 8-bit activations and float16 attention roundings amplify last-bit
     # differences layer after layer (llama.cpp's own batch-vs-sequential deviation is
     # recorded: 0.36 here). And three layers with an explicit attention.sliding_window_pattern
-    # of 3 (sliding, sliding, full), Q8_0 experts and F16 attention.
+    # of 3 (sliding, sliding, full), Q8_0 experts and F16 attention. The deeper files use
+    # GPT_OSS_DECISIVE scales.
     ("tiny-gpt-oss-l1-mxfp4", "tiny-gpt-oss", {"n_layer": 1}),
-    ("tiny-gpt-oss-l2-mxfp4", "tiny-gpt-oss", {"n_layer": 2}),
-    ("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", {}),
+    ("tiny-gpt-oss-l2-mxfp4", "tiny-gpt-oss", {"n_layer": 2, **GPT_OSS_DECISIVE}),
+    ("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", dict(GPT_OSS_DECISIVE)),
     ("tiny-gpt-oss-l3-pattern3-q8_0", "tiny-gpt-oss", {"n_layer": 3, "swa_pattern": 3, "expert_type": "Q8_0",
-                                                       "dense_type": "F16"}),
+                                                       "dense_type": "F16", **GPT_OSS_DECISIVE}),
 ]
 GPT_OSS_SEEDS = range(6)
 

@@ -121,21 +121,23 @@ def _golden_names():
     return list(load_arch_manifest("gpt-oss")["models"])
 
 
+GAP_MIN = 0.25  # a greedy step whose llama.cpp top-1/top-2 gap is below this may go either way
+
+
 @pytest.mark.parametrize("name", _golden_names())
 def test_logits_and_greedy_chain_match_llama_cpp(name, ops, tmp_path_factory):
     """Prompt logits and the 48 greedy steps against llama.cpp (gpt-oss.json).
 
     One layer (``-l1-``): every gpt-oss feature once, a 125-token prompt across the 16-token
     window: max |diff| <= 1e-3 (observed 1e-5: the same roundings as ggml) and the whole
-    greedy chain identical. Deeper files: llama.cpp itself moves by up to 1.2 between batch
-    and sequential evaluation (``self_deviation``) because float16 attention roundings and
-    8-bit activations amplify last-bit differences ~1000x per layer; ours stays within
-    max |diff| <= 0.1 std and mean <= 0.02 std (observed 0.035 / 0.008 std at 2 layers,
-    0.09 / 0.019 at 4). The chain is compared teacher-forced (llama.cpp's tokens fed back, so
-    one near-tie does not derail the rest): our argmax is llama.cpp's token at every step
-    whose llama.cpp top-1/top-2 gap is >= 0.25, except, in files of 3 and more layers, at
-    most 2 steps where a near-tie of the last layer's router (the 4th and 5th expert within
-    the residual difference) sends one token to another expert (observed: 1 step each).
+    greedy chain identical. Deeper files (2, 3, 4 layers; decisive output head): llama.cpp
+    itself moves by up to 0.48 between batch and sequential evaluation (``self_deviation``)
+    because float16 attention roundings and 8-bit activations amplify last-bit differences
+    ~1000x per layer (README.md here); ours stays within max |diff| <= 0.1 std and mean <=
+    0.02 std (observed <= 0.07 / 0.013 std). The greedy chain: identical up to the first step
+    whose llama.cpp gap is below GAP_MIN (l2, l3: all 48; the 4-layer file parts at step 42,
+    a 0.16 near-tie), and teacher-forced (llama.cpp's tokens fed back) our argmax is
+    llama.cpp's token at every step whose gap is >= GAP_MIN.
     """
     g = arch_golden_model("gpt-oss", name)
     path = model_file(g, tmp_path_factory.mktemp("golden-oss"))
@@ -144,24 +146,22 @@ def test_logits_and_greedy_chain_match_llama_cpp(name, ops, tmp_path_factory):
     logits = m.step([(s, g.prompt_ids)])[0].numpy()
     std = float(g.logits.std())
     d = np.abs(logits.astype(np.float64) - g.logits)
-    n_layer = g.source.get("overrides", {}).get("n_layer", 4)
-    if n_layer == 1:
+    one_layer = g.source.get("overrides", {}).get("n_layer") == 1
+    if one_layer:
         assert d.max() <= 1e-3, f"{name}: max |diff| {d.max():.6f}"
     else:
         assert d.max() <= 0.1 * std and d.mean() <= 0.02 * std, f"{name}: max {d.max():.3f} mean {d.mean():.3f}"
     missed = []
     for i, tok in enumerate(g.greedy_ids):
-        if int(np.argmax(logits)) != tok and g.greedy_gaps[i] >= 0.25:
+        if int(np.argmax(logits)) != tok and g.greedy_gaps[i] >= GAP_MIN:
             missed.append((i, g.greedy_gaps[i]))
         logits = m.step([(s, [tok])])[0].numpy()
-    if n_layer <= 2:
-        assert not missed, f"{name}: steps where llama.cpp's token was not our argmax: {missed}"
-    else:
-        assert len(missed) <= 2, f"{name}: steps where llama.cpp's token was not our argmax: {missed}"
-    if n_layer == 1:
-        m.kv.free(s)
-        _, chain, _ = _greedy(m, g.prompt_ids, len(g.greedy_ids))
-        assert chain == g.greedy_ids
+    assert not missed, f"{name}: decisive steps where llama.cpp's token was not our argmax: {missed}"
+    m.kv.free(s)
+    _, chain, _ = _greedy(m, g.prompt_ids, len(g.greedy_ids))
+    n = len(g.greedy_ids) if one_layer else next((i for i, x in enumerate(g.greedy_gaps) if x < GAP_MIN),
+                                                 len(g.greedy_gaps))
+    assert chain[:n] == g.greedy_ids[:n], (n, chain, g.greedy_ids)
 
 
 # ---------------------------------------------------------------------------------------------
