@@ -332,3 +332,33 @@ def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss",
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_service.synth_gpt_oss --preset NAME --out PATH [--layers N] [--vocab V]
+    [--expert-type T] [--seed S]``: write a synthetic gpt-oss file (e.g. the gpt-oss-120b-shaped
+    benchmark input: ``--preset gpt-oss-120b --layers 2 --vocab 32768``, 3.65 GB)."""
+    import argparse
+    import sys
+
+    from moe_service.synth import sha256_file
+
+    ap = argparse.ArgumentParser(prog="python -m moe_service.synth_gpt_oss", description=main.__doc__)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        path = write_gpt_oss(a.out, a.preset, seed=a.seed, n_layer=a.layers, n_vocab=a.vocab, expert_type=a.expert_type)
+    except ConfigError as e:
+        print(f"synth_gpt_oss: {e}", file=sys.stderr)
+        return 2
+    print(f"{path} sha256={sha256_file(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
