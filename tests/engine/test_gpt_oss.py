@@ -4,13 +4,13 @@ engine against an independent float64 forward pass, ``moe-service check`` (ready
 on a corrupted header), and hyperparameter mutations (a clean refusal or a correct run).
 
 Tolerances (logits std ~12 on these files):
-- vs llama.cpp (gpt-oss.json goldens): the engine quantizes activations as ggml does, so the
-  differences are summation order and float16 rounding; bound max |diff| <= 0.05 * std
-  (observed in the manifest's comparison note in docs; see test for the number) and the
-  48-token greedy chain identical (every step of the recorded chains has a top-1/top-2
-  gap >= 1.0, far above the logit differences).
-- CPU path vs torch path: the torch path dequantizes dense weights to float32 and does not
-  quantize their activations (8-bit Q8_0 on the CPU path): max |diff| <= 0.05 * std.
+- vs llama.cpp (gpt-oss.json goldens; tests/fixtures/golden/README.md): the 1-layer file
+  within 1e-3 (observed 1e-5) with the whole greedy chain identical; deeper files within
+  0.1 std (max) / 0.02 std (mean), their chains identical up to the first step whose
+  llama.cpp top-1/top-2 gap is below GAP_MIN and teacher-forced agreement at every step
+  above it (test_logits_and_greedy_chain_match_llama_cpp says why).
+- CPU path vs torch path: the torch path does not quantize the dense part's activations:
+  mean <= 0.05 std, max <= 0.3 std, same argmax.
 - vs the float64 reference (no activation quantization anywhere): the 8-bit activations
   of ~1% relative error per MoE layer compound over 4 layers: mean |diff| <= 0.05 * std,
   max <= 0.2 * std, same argmax.
