@@ -161,6 +161,11 @@ SCENARIOS = {
     # Qwen3-30B-A3B shapes: 32 q heads x 128, 4 kv heads x 128, 128 experts of 768, top-8.
     "qwen3-30b-a3b": dict(hidden=2048, q_rows=4096, kv_rows=512, o_cols=4096, n_expert=128, width=768, top_k=8,
                           attn_type="Q8_0", expert_type="Q8_0", head_type="Q8_0", vocab=151936, layers=48),
+    # gpt-oss-120b shapes: 64 q heads x 64, 8 kv heads x 64, 128 MXFP4 experts of 2880, top-4,
+    # the clamped SwiGLU and per-expert gate/up/down biases (float32).
+    "gpt-oss-120b": dict(hidden=2880, q_rows=4096, kv_rows=512, o_cols=4096, n_expert=128, width=2880, top_k=4,
+                         attn_type="Q8_0", expert_type="MXFP4", head_type="Q8_0", vocab=201088, layers=36,
+                         gpt_oss=True),
 }
 
 
@@ -172,7 +177,7 @@ def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = No
     scales the per-layer time to the model's layer count. Returns ms per layer, head ms,
     aggregate tok/s (n_tok tokens per step) and GB/s of the weight bytes a step reads (at
     T=1: the token's routed experts; at T>1 the union is not modelled: the T=1 bytes)."""
-    from moe_service.engine.moe import ExpertWeights, MoE
+    from moe_service.engine.moe import ACT_SWIGLU_OAI, ExpertWeights, MoE
 
     c = dict(SCENARIOS[name])
     if expert_type:
@@ -202,7 +207,16 @@ def decode_step_scenario(name: str, pool: WorkerPool, *, layers: int | None = No
         u = np.array([add(te, w_, h) for _ in range(e_n)], np.int64).reshape(e_n, 1)
         d = np.array([add(te, h, w_) for _ in range(e_n)], np.int64).reshape(e_n, 1)
         z = np.zeros((e_n, 1), np.int32)
-        ex = ExpertWeights(e_n, h, w_, {"gate": te, "up": te, "down": te}, {"gate": (g, z), "up": (u, z), "down": (d, z)})
+        biases, act = {}, {}
+        if c.get("gpt_oss"):
+            for kind, n in (("gate", w_), ("up", w_), ("down", h)):
+                b = (rng.standard_normal(e_n * n).astype(np.float32) * 0.1).view(np.uint8)
+                biases[kind] = off
+                parts.append(b)
+                off += b.size
+            act = {"act": ACT_SWIGLU_OAI, "alpha": 1.702, "limit": 7.0}
+        ex = ExpertWeights(e_n, h, w_, {"gate": te, "up": te, "down": te}, {"gate": (g, z), "up": (u, z), "down": (d, z)},
+                           biases, **act)
         layer_specs.append((qkv, o_t, ex))
     head = [(add(th, c["vocab"], h), th, c["vocab"], h)]
     arena = np.concatenate(parts)

@@ -399,18 +399,102 @@ def deepseek2_fixtures(out: Path, work: Path, manifest: dict) -> None:
               f"chain {r['greedy_ids'][:8]}", flush=True)
 
 
+# gpt-oss: synthetic files (moe_service.synth_gpt_oss), one JSON manifest of their own
+# (gpt-oss.json) so other architectures' goldens never collide with them in manifest.json.
+# Deeper files: the successor output head of the dense presets (synth.successor_rows): token
+# embeddings of norm 30, output rows = embedding rows permuted, output norm weight 0.4, so each
+# greedy step's winner leads by more than the engines' rounding differences.
+GPT_OSS_DECISIVE = {"decisive": 30.0, "output_norm": 0.4}
+GPT_OSS_MODELS = [
+    # name, preset, overrides. One layer (a sliding-window layer: the ~125-token prompt
+    # crosses its 16-token window): every gpt-oss feature is computed once and the engines
+    # agree to float32 rounding, so its comparison is tight. Two layers: a sliding and a full
+    # one. Four layers (sliding / full alternating, llama.cpp's default pattern of 2): the
+    # release layout; 8-bit activations and float16 attention roundings amplify last-bit
+    # differences layer after layer (llama.cpp's own batch-vs-sequential deviation is
+    # recorded: 0.36 here). And three layers with an explicit attention.sliding_window_pattern
+    # of 3 (sliding, sliding, full), Q8_0 experts and F16 attention. The deeper files use
+    # GPT_OSS_DECISIVE scales.
+    ("tiny-gpt-oss-l1-mxfp4", "tiny-gpt-oss", {"n_layer": 1}),
+    ("tiny-gpt-oss-l2-mxfp4", "tiny-gpt-oss", {"n_layer": 2, **GPT_OSS_DECISIVE}),
+    ("tiny-gpt-oss-mxfp4", "tiny-gpt-oss", dict(GPT_OSS_DECISIVE)),
+    ("tiny-gpt-oss-l3-pattern3-q8_0", "tiny-gpt-oss", {"n_layer": 3, "swa_pattern": 3, "expert_type": "Q8_0",
+                                                       "dense_type": "F16", **GPT_OSS_DECISIVE}),
+]
+GPT_OSS_SEEDS = range(6)
+
+
+def gpt_oss_goldens(out: Path, work: Path) -> dict:
+    """gpt-oss.json + logits/<name>.npy + chat/gpt-oss-harmony.json.
+
+    Prompt: the first sample conversation rendered by the file's harmony template (llama-cpp-
+    python's jinja renderer; ~100 tokens, so it crosses the tiny preset's 16-token sliding
+    window many times), tokenized by llama.cpp with special tokens parsed. Weights: of the
+    seeds in GPT_OSS_SEEDS, the one whose 48-token greedy chain has the largest smallest
+    top-1/top-2 gap in llama.cpp (the most decisive chain; the scales in synth_gpt_oss make
+    logits std ~12); every seed tried is recorded with its smallest gap.
+    """
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from moe_service.synth_gpt_oss import write_gpt_oss
+
+    manifest: dict = {"format": 1, "versions": versions(),
+                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
+                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
+                                   "n_greedy": N_GREEDY, "seeds_tried": list(GPT_OSS_SEEDS)},
+                      "models": {}}
+    for name, preset, overrides in GPT_OSS_MODELS:
+        tried, best = [], None
+        for seed in GPT_OSS_SEEDS:
+            path = write_gpt_oss(work / f"{name}-seed{seed}.gguf", preset, seed=seed, **overrides)
+            meta = read_gguf_metadata(path, prefixes=("tokenizer.",))
+            tokens = meta["tokenizer.ggml.tokens"]
+            jinja = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token=tokens[meta["tokenizer.ggml.eos_token_id"]],
+                                        bos_token=tokens[meta["tokenizer.ggml.bos_token_id"]], add_generation_prompt=True)
+            prompt_text = jinja(messages=CHAT_CONVERSATIONS[0]).prompt
+            llm = _open(path, vocab_only=True)
+            prompt_ids = llm.tokenize(prompt_text.encode(), add_bos=True, special=True)
+            del llm
+            r = run_model(path, prompt_ids)
+            gap = min(r["greedy_top1_top2_gap"])
+            tried.append({"seed": seed, "min_gap": gap})
+            print(f"gpt-oss {name} seed {seed}: min greedy gap {gap:.3f}", flush=True)
+            if best is None or gap > best[0]:
+                best = (gap, seed, path, prompt_text, prompt_ids, r)
+        _, seed, path, prompt_text, prompt_ids, r = best
+        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+        manifest["models"][name] = {
+            "source": {"kind": "synth-gpt-oss", "preset": preset, "overrides": overrides, "seed": seed},
+            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": prompt_text,
+            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy", "seed_search": tried, **r}
+        print(f"model {name}: seed {seed} argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
+              f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
+    first = manifest["models"][GPT_OSS_MODELS[0][0]]
+    chat = chat_fixture(work / f"{GPT_OSS_MODELS[0][0]}-seed{first['source']['seed']}.gguf", first["source"])
+    chat["date"] = time.strftime("%Y-%m-%d")  # strftime_now in the template: the system message's date
+    (out / "chat" / "gpt-oss-harmony.json").write_text(json.dumps(chat, ensure_ascii=False, indent=1))
+    manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
+    (out / "gpt-oss.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2"],
+    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "gpt-oss"],
                     help="regenerate only this part (demo-chain.json, qwen-dense.json; the deepseek2 models in "
-                         "manifest.json)")
+                         "manifest.json; gpt-oss.json and its logits and chat files)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.only == "gpt-oss":
+        for sub in ("logits", "chat"):
+            (out / sub).mkdir(parents=True, exist_ok=True)
+        gpt_oss_goldens(out, work)
+        return 0
     if args.only == "qwen-dense":
         (out / "logits").mkdir(parents=True, exist_ok=True)
         dense_goldens(out, work)
@@ -534,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "demo-chain.json").write_text(json.dumps(chain, ensure_ascii=False, indent=1))
     manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
     (out / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    gpt_oss_goldens(out, work)
     print(json.dumps(manifest["demo_equivalence"], indent=1))
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"fixtures: {total / 1e6:.2f} MB in {out}")

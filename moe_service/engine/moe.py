@@ -531,7 +531,8 @@ class ExpertWeights:
     copies: kind -> (offsets int64 [E, C] arena byte offsets of each expert's slab copy,
     nodes int32 [E, C] node id of each copy; -1 = no such copy; copy 0 is the primary);
     n_expert E, n_embd H, n_ff_exp I; biases: optional kind -> arena byte offset of a float32
-    bias tensor ('gate' / 'up' [E, I], 'gate_up' [E, 2I], 'down' [E, H]).
+    bias tensor ('gate' / 'up' [E, I], 'gate_up' [E, 2I], 'down' [E, H]); act / alpha / limit:
+    the layer's activation (ACT_SILU, ACT_SWIGLU_OAI), None = the MoE step's own.
     """
 
     n_expert: int
@@ -540,6 +541,9 @@ class ExpertWeights:
     types: dict[str, int]
     copies: dict[str, tuple[np.ndarray, np.ndarray]]
     biases: dict[str, int] = field(default_factory=dict)
+    act: int | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass

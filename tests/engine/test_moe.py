@@ -277,6 +277,25 @@ def test_fused_gate_up_with_gpt_oss_activation_and_biases(pool):
     _check_against_float64(y, arena, x, ids, w, ex, act=M.ACT_SWIGLU_OAI)
 
 
+def test_layer_activation_comes_from_the_experts(pool):
+    """A gpt-oss layer declares its clamped SwiGLU on its ExpertWeights (act/alpha/limit): the
+    one MoE step of the engine (default SiLU) runs it for that layer and SiLU for the next,
+    in the fused and the reference path."""
+    rng = np.random.default_rng(11)
+    ex, arena = _experts(rng, q.GGML_MXFP4, q.GGML_MXFP4, biases=True)
+    oai = M.ExpertWeights(ex.n_expert, ex.n_embd, ex.n_ff_exp, ex.types, ex.copies, ex.biases,
+                          act=M.ACT_SWIGLU_OAI, alpha=1.702, limit=7.0)
+    x = rng.standard_normal((3, 256)).astype(np.float32) * 4  # gate/up beyond the limit of 7 somewhere
+    ids, w = _routing(rng, 3, 8, 4)
+    moe = M.MoE(pool)  # SiLU unless the layer says otherwise
+    y_oai = moe.forward(arena, x, ids, w, oai)
+    y_silu = moe.forward(arena, x, ids, w, ex)
+    assert np.array_equal(y_oai, M.MoE(pool, act=M.ACT_SWIGLU_OAI).forward(arena, x, ids, w, ex))
+    assert np.abs(moe.forward(arena, x, ids, w, oai, fused=False) - y_oai).max() <= 1e-6 * np.abs(y_oai).max()
+    assert np.abs(y_oai - y_silu).max() > 0.1 * np.abs(y_silu).max()
+    _check_against_float64(y_oai, arena, x, ids, w, ex, act=M.ACT_SWIGLU_OAI)
+
+
 def test_mixed_types_and_separate_gate_up_biases(pool):
     rng = np.random.default_rng(9)
     ex, arena = _experts(rng, q.GGML_Q4_K, q.GGML_Q6_K, biases=True)

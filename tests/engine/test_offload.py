@@ -268,3 +268,40 @@ def test_model_ffn_offload_matches_the_cpu_fused_moe():
     y = _ffn(m, lw, h)
     assert off.stats.layers == 1
     assert rel_l2(y, cpu) < 2e-2
+
+
+def test_gpt_oss_activation_and_expert_biases():
+    """A layer that declares the clamped SwiGLU and carries gate/up/down biases (gpt-oss) computes
+    the same on the offload as the float64 formula, and agrees with the CPU fused MoE step."""
+    from moe_service.engine import moe as M
+    from moe_service.engine.pool import WorkerPool
+
+    E, H, n_ff = 8, 64, 32
+    layer = SynthLayer(E=E, H=H, n_ff=n_ff, types={"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, seed=4)
+    rng = np.random.default_rng(9)
+    start = (layer.end + 63) // 64 * 64
+    bias = {k: (rng.standard_normal((E, n)) * 0.5).astype(np.float32) for k, n in (("gate", n_ff), ("up", n_ff), ("down", H))}
+    arena = np.concatenate([layer.arena[:start], np.zeros(4 * sum(b.size for b in bias.values()), np.uint8)])
+    offs, pos = {}, start
+    for k, b in bias.items():
+        arena[pos: pos + 4 * b.size] = b.view(np.uint8).reshape(-1)
+        offs[k], pos = pos, pos + 4 * b.size
+    es = M.ExpertWeights(E, H, n_ff, layer.es.types, layer.es.copies, offs, act=M.ACT_SWIGLU_OAI)
+    es.layer = 0
+    ids, w = routing(40, E, 4, seed=3)
+    h = (np.random.default_rng(5).standard_normal((40, H)) * 6).astype(np.float32)  # past the clamp limit
+    got = ExpertOffload(arena, [es], "cpu", min_batch_tokens=1).moe(es, torch.from_numpy(h), ids, w).numpy()
+    ref = np.zeros((40, H))
+    for t in range(40):
+        for k in range(4):
+            e = ids[t, k]
+            g = np.minimum(layer.w["gate"][e] @ h[t] + bias["gate"][e], 7.0)
+            u = np.clip(layer.w["up"][e] @ h[t] + bias["up"][e], -7.0, 7.0)
+            ref[t] += w[t, k] * (layer.w["down"][e] @ (g / (1 + np.exp(-1.702 * g)) * (u + 1)) + bias["down"][e])
+    assert rel_l2(got, ref) < 1e-5
+    pool = WorkerPool(pin_caller=False, spin_s=0.002)
+    try:
+        cpu = M.MoE(pool).forward(arena, h, ids, w, es)  # 8-bit activations as ggml: ~1% apart
+    finally:
+        pool.close()
+    assert rel_l2(cpu, ref) < 0.03

@@ -85,6 +85,7 @@ from moe_service.engine.arch.base import (
     TensorSpec,
 )
 from moe_service.engine.arch.deepseek2 import Deepseek2
+from moe_service.engine.arch.gpt_oss import GptOss
 from moe_service.engine.arch.llama import Llama
 from moe_service.engine.arch.qwen2 import Qwen2
 from moe_service.engine.arch.qwen3 import Qwen3
@@ -110,7 +111,7 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     return cls
 
 
-for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2):
+for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2, GptOss):
     register(_cls)
 
 

@@ -70,3 +70,51 @@ def rope_tables(spec: RopeSpec, n_ctx: int, freq_factors: np.ndarray | None = No
     if mscale != f32(1.0):
         cos, sin = cos * mscale, sin * mscale
     return cos, sin
+
+
+def scaling_from_metadata(r, n_ctx_train: int, *, deepseek_mscale: bool = False) -> dict:
+    """The RoPE scaling llama.cpp applies to a file, as RopeSpec keyword arguments
+    (freq_scale, ext_factor, attn_factor, n_ctx_orig), read through an arch HParamReader
+    ``r`` (errors name the file and the key).
+
+    llama.cpp (llama-model.cpp load_hparams, llama-context.cpp): ``rope.scaling.type`` is
+    "none", "linear" (default) or "yarn"; freq_scale = 1 / ``rope.scaling.factor`` (the old
+    key ``rope.scale_linear`` when absent; 1 when 0 or absent; forced to 1 for "none");
+    ext_factor = 1 for yarn, else 0; n_ctx_orig = ``rope.scaling.original_context_length``,
+    else ``n_ctx_train``. With YaRN the attention factor is get_mscale(f, m) /
+    get_mscale(f, ``rope.scaling.yarn_log_multiplier``) when that key is set (m = 1, or the
+    multiplier itself for deepseek2 when it is not 1: ``deepseek_mscale``), else
+    get_mscale(f, 1), with get_mscale(s, m) = 1 + 0.1 m ln s for s > 1; then divided by
+    1 + 0.1 ln f, because rope_yarn multiplies that factor in again (module docstring);
+    finally times ``rope.scaling.attn_factor`` (default 1). All in float32 as llama.cpp.
+    For gpt-oss (factor 32, no multiplier) the net magnitude on cos/sin is 1 + 0.1 ln 32.
+    """
+    from moe_service.engine.arch.base import HParamError
+
+    f32 = np.float32
+    kind = r.str("rope.scaling.type", "linear")
+    if kind not in ("none", "linear", "yarn"):
+        key = r.full("rope.scaling.type")
+        raise HParamError(f"{r.path}: metadata key {key} is {kind!r}, expected none, linear or yarn", key)
+    factor = r.float("rope.scaling.factor", None, lo=0.0)
+    if factor is None:
+        factor = r.float("rope.scale_linear", 0.0, lo=0.0)
+    freq_scale = float(f32(1.0) / f32(factor)) if factor and kind != "none" else 1.0
+    ext = 1.0 if kind == "yarn" else 0.0
+
+    def get_mscale(s: float, m: float) -> np.float32:
+        return f32(1.0) if s <= 1.0 else f32(f32(f32(f32(0.1) * f32(m)) * f32(math.log(s))) + f32(1.0))
+
+    attn = f32(1.0)
+    if ext:
+        fac = float(f32(1.0) / f32(freq_scale))
+        log_mul = r.float("rope.scaling.yarn_log_multiplier", 0.0)
+        if log_mul:
+            m = log_mul if deepseek_mscale and log_mul != 1.0 else 1.0
+            attn = f32(get_mscale(fac, m) / get_mscale(fac, log_mul))
+        else:
+            attn = get_mscale(fac, 1.0)
+        attn = f32(attn * f32(f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * f32(math.log(fac))))))
+    attn = f32(attn * f32(r.float("rope.scaling.attn_factor", 1.0, lo=0.0, lo_open=True)))
+    n_orig = r.int("rope.scaling.original_context_length", 0, hi=1 << 30) or n_ctx_train
+    return {"freq_scale": freq_scale, "ext_factor": ext, "attn_factor": float(attn), "n_ctx_orig": int(n_orig)}
