@@ -302,7 +302,7 @@ def test_avx2_k_quant_path_matches_avx512(tmp_path):
     import sys
 
     env = dict(os.environ, MOE_SERVICE_KERNEL_ISA="avx2", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[3]), env.get("PYTHONPATH", "")])
     dst = tmp_path / "avx2.npy"
     subprocess.run([sys.executable, "-c", _ISA_SNIPPET, str(dst)], env=env, check=True, timeout=600)
     rng = np.random.default_rng(77)
