@@ -48,102 +48,52 @@ place with byte layouts), ``ir`` (numba intrinsics and LLVM vector building bloc
 two tile-kernel families), ``table`` (the per-format kernels generated from the
 declarations, their address table and ``matmul``). Adding a format is its declaration in
 formats.py, its row dequantizer in dequant.py and its weight side in its tile family.
+
+The names below load their module on first use (PEP 562): ``formats`` needs neither numba
+nor LLVM, so the GGUF reader and the synthetic writer import the declarations without them.
 """
 
 from __future__ import annotations
 
-from moe_service.engine.quant.activations import (
-    Activations,
-    PartnerArrays,
-    _alloc_partner,
-    quantize_activations,
-    quantize_partner_row,
-    quantize_partner_rows,
-    quantize_partner_rows_range,
-    quantize_row_q8_0,
-    quantize_row_q8_1,
-    quantize_row_q8_k,
-)
-from moe_service.engine.quant.dequant import DEQUANT_ROWS, check_tensor, dequantize, dequantize_rows
-from moe_service.engine.quant.formats import (
-    BY_NAME,
-    FORMATS,
-    GGML_BF16,
-    GGML_F16,
-    GGML_F32,
-    GGML_IQ4_XS,
-    GGML_MXFP4,
-    GGML_Q2_K,
-    GGML_Q3_K,
-    GGML_Q4_0,
-    GGML_Q4_1,
-    GGML_Q4_K,
-    GGML_Q5_0,
-    GGML_Q5_1,
-    GGML_Q5_K,
-    GGML_Q6_K,
-    GGML_Q8_0,
-    PARTNER_BLOCK,
-    QK,
-    QK_K,
-    BlockFormat,
-    Partner,
-    block_format,
-    random_blocks,
-    row_bytes,
-)
-from moe_service.engine.quant.ir import (
-    _AVX512,
-    _VNNI,
-    atomic_add,
-    atomic_load,
-    atomic_store,
-    bits_f32,
-    cpu_relax,
-    cycle_counter,
-    data_ptr,
-    f16_round,
-    f32_bits,
-    ld,
-    ld_bf16,
-    ld_f16,
-    ld_f16x2,
-    ld_f32,
-    ld_i8,
-    ld_i16,
-    ld_u8,
-    ld_u32,
-    rintf,
-    roundf,
-    st,
-    view_f32,
-    view_i8,
-    view_i16,
-    view_i32,
-    view_i64,
-    view_u8,
-)
-from moe_service.engine.quant.table import (
-    _KERNEL_CFUNCS,
-    _KERNEL_PY,
-    _KERNEL_TABLE,
-    _R_TILE,
-    ensure_kernels,
-    kernel_table,
-    matmul,
-    matmul_rows,
-)
+import importlib
 
-__all__ = [
-    "GGML_F32", "GGML_F16", "GGML_BF16", "GGML_Q4_0", "GGML_Q4_1", "GGML_Q5_0", "GGML_Q5_1",
-    "GGML_Q8_0", "GGML_Q2_K", "GGML_Q3_K", "GGML_Q4_K", "GGML_Q5_K", "GGML_Q6_K", "GGML_MXFP4", "GGML_IQ4_XS",
-    "QK", "QK_K", "Partner", "PARTNER_BLOCK", "BlockFormat", "FORMATS", "BY_NAME", "block_format", "row_bytes",
-    "Activations", "PartnerArrays", "quantize_activations", "dequantize", "matmul", "matmul_rows",
-    "dequantize_rows", "DEQUANT_ROWS", "random_blocks", "check_tensor", "ensure_kernels", "kernel_table",
-    "quantize_partner_rows", "quantize_partner_rows_range", "quantize_partner_row", "quantize_row_q8_0",
-    "quantize_row_q8_1", "quantize_row_q8_k", "_alloc_partner", "_AVX512", "_VNNI", "_R_TILE",
-    "_KERNEL_CFUNCS", "_KERNEL_PY", "_KERNEL_TABLE",
-    "atomic_add", "atomic_load", "atomic_store", "bits_f32", "cpu_relax", "cycle_counter", "data_ptr",
-    "f16_round", "f32_bits", "ld", "ld_bf16", "ld_f16", "ld_f16x2", "ld_f32", "ld_i8", "ld_i16", "ld_u8",
-    "ld_u32", "rintf", "roundf", "st", "view_f32", "view_i8", "view_i16", "view_i32", "view_i64", "view_u8",
-]
+_EXPORTS = {
+    "formats": (
+        "GGML_F32", "GGML_F16", "GGML_BF16", "GGML_Q4_0", "GGML_Q4_1", "GGML_Q5_0", "GGML_Q5_1", "GGML_Q8_0",
+        "GGML_Q2_K", "GGML_Q3_K", "GGML_Q4_K", "GGML_Q5_K", "GGML_Q6_K", "GGML_MXFP4", "GGML_IQ4_XS",
+        "QK", "QK_K", "Partner", "PARTNER_BLOCK", "BlockFormat", "FORMATS", "BY_NAME", "block_format",
+        "row_bytes", "random_blocks",
+    ),
+    "ir": (
+        "_AVX512", "_VNNI", "atomic_add", "atomic_load", "atomic_store", "bits_f32", "cpu_relax",
+        "cycle_counter", "data_ptr", "f16_round", "f32_bits", "ld", "ld_bf16", "ld_f16", "ld_f16x2", "ld_f32",
+        "ld_i8", "ld_i16", "ld_u8", "ld_u32", "rintf", "roundf", "st", "view_f32", "view_i8", "view_i16",
+        "view_i32", "view_i64", "view_u8",
+    ),
+    "activations": (
+        "Activations", "PartnerArrays", "_alloc_partner", "quantize_activations", "quantize_partner_row",
+        "quantize_partner_rows", "quantize_partner_rows_range", "quantize_row_q8_0", "quantize_row_q8_1",
+        "quantize_row_q8_k",
+    ),
+    "dequant": ("DEQUANT_ROWS", "check_tensor", "dequantize", "dequantize_rows"),
+    "table": (
+        "_KERNEL_CFUNCS", "_KERNEL_PY", "_KERNEL_TABLE", "_R_TILE", "ensure_kernels", "kernel_table", "matmul",
+        "matmul_rows",
+    ),
+}
+_MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))

@@ -154,7 +154,7 @@ _DECLARED = (
     BlockFormat("Q5_1", QK, (_h("d"), _h("m"), _f("qh", 4), _f("qs", QK // 2)), Partner.Q8_1, "32",
                 "f16 d | f16 m | u32 qh | 16 B nibbles; x = d*q + m", kind="nib", has_min=True),
     BlockFormat("Q8_0", QK, (_h("d"), _f("qs", QK)), Partner.Q8_0, "32",
-                "f16 d | 32 int8; x = d*q", kind="q8", signed=True),
+                "f16 d | 32 int8; x = d*q", kind="q8", signed=True, sequential_t1=True),
     BlockFormat("MXFP4", QK, (_f("e", 1), _f("qs", QK // 2)), Partner.Q8_0, "32",
                 "u8 E8M0 e | 16 B E2M1 codes; x = kvalue[code] * 2^(e-128)", kind="mxfp4", signed=True),
     BlockFormat("Q2_K", QK_K, (_f("scales", QK_K // 16), _f("qs", QK_K // 4), _h("d"), _h("dmin")),
