@@ -153,6 +153,22 @@ def test_row_result_does_not_depend_on_its_tile(tid):
             assert np.isnan(y[oi, :lo]).all() and np.isnan(y[oi, hi:]).all()
 
 
+@pytest.mark.parametrize("tid", [q.GGML_Q8_0, q.GGML_Q4_K], ids=["Q8_0", "Q4_K"])
+def test_a_row_range_shorter_than_a_tile_writes_only_its_rows(tid):
+    """3 rows x 2 items into a buffer with guard floats on both sides: the tile loop must not
+    run a 4-row tile past row_hi (nothing written outside the 6 outputs)."""
+    f = q.FORMATS[tid]
+    n_cols = 2 * f.block_elems
+    raw = det_blocks(tid, 3, n_cols, seed=5)
+    pa = q.quantize_activations(det_activations(2, n_cols, seed=6), f.partner)
+    buf = np.full(32, 12345.0, np.float32)
+    rows = np.arange(2, dtype=np.int64)
+    q.matmul_rows(raw, 0, tid, n_cols, q.row_bytes(tid, n_cols), 0, 3, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows,
+                  rows, buf[8:14], 3, 0, q.ensure_kernels([tid]))
+    assert (buf[:8] == 12345.0).all() and (buf[14:] == 12345.0).all()
+    assert not (buf[8:14] == 12345.0).any()
+
+
 if __name__ == "__main__":
     d = digest_outputs()
     d["isa"] = "avx512-vnni" if q._AVX512 else "avx2"

@@ -84,8 +84,6 @@ def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, o
         _tile(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
 
 
-
-
 @njit(**_JIT_INLINE)
 def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items,
          out, out_stride, out_col):
@@ -95,6 +93,7 @@ def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, x
     a plain stream beats 4 side-by-side rows when memory-bound) goes row by row."""
     r = row_lo
     if not (n_items == 1 and sequential_t1):
+        while r + _R_TILE <= row_hi:
             _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
                    n_items, out, out_stride, out_col + r)
             r += _R_TILE
