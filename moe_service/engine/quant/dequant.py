@@ -1,24 +1,29 @@
 """Dequantization: rows of a GGUF tensor to float32, bit-exact with gguf.quants.dequantize
-(the same float32 operations in the same order). One row function per format, looked up by
-GGML type id in ``DEQUANT_ROWS``; each compiles on first use. Used for embedding lookups
-and as the kernels' test oracle.
+(the same float32 operations in the same order). Used for embedding lookups and as the
+kernels' test oracle.
 
-Every row function has the signature (arena uint8 [*], w_off, n_cols, row_bytes_, rows int64
-[R], out float32 [R * n_cols]): out[i * n_cols : (i + 1) * n_cols] = row rows[i] of the tensor
-whose row 0 starts at byte ``w_off``. Byte offsets come from the format declarations
-(formats.py); the block loops read them as compile-time constants.
+A format's piece here is one *block* function (arena uint8 [*], o, out float32 [*], oo):
+the block at byte ``o`` -> out[oo : oo + block_elems], registered with ``@_dequantizes``;
+its byte offsets come from the format declarations (formats.py) as compile-time constants.
+The row loop is generated once per format by ``_make_rows`` (format id, block bytes and
+elements are closure constants, so each format caches separately), which picks the block
+function at compile time through ``_block``. ``DEQUANT_ROWS``: type id -> row function,
+compiled on first use, (arena, w_off, n_cols, row_bytes_, rows int64 [R], out float32
+[R * n_cols]): out[i * n_cols : (i + 1) * n_cols] = row rows[i] of the tensor whose row 0
+starts at byte ``w_off``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from moe_service.engine.quant.formats import (
     BY_NAME,
+    FORMATS,
     IQ4NL_KVALUES,
     QK,
-    QK_K,
     block_format,
     row_bytes,
 )
@@ -37,22 +42,41 @@ from moe_service.engine.quant.ir import (
 )
 from moe_service.errors import ModelFileError
 
-DEQUANT_ROWS: dict = {}
-"""GGML type id -> its row function (see the module docstring)."""
+_BLOCKS: dict = {}
+"""GGML type id -> its block function (inlined; see the module docstring)."""
 
 
-def _dequantizes(name: str):
+def _dequantizes(*names: str, params=lambda f: ()):
+    """Register a block function (arena, o, out, oo, p) for formats ``names``; p is
+    ``params(declaration)``, a tuple of ints the function reads as constants."""
     def register(fn):
-        DEQUANT_ROWS[BY_NAME[name].type_id] = fn
-        return fn
+        jitted = njit(**_JIT_INLINE)(fn)
+        for n in names:
+            _BLOCKS[BY_NAME[n].type_id] = (jitted, params(BY_NAME[n]))
+        return jitted
 
     return register
 
 
 def _offsets(name: str, *fields: str) -> tuple[int, ...]:
-    """(block bytes, offset of each named field) of format ``name``."""
-    f = BY_NAME[name]
-    return (f.block_bytes, *(f.off(n) for n in fields))
+    """The byte offsets of the named fields of format ``name``."""
+    return tuple(BY_NAME[name].off(n) for n in fields)
+
+
+def _block(fmt, arena, o, out, oo):
+    """Dequantize one block of format ``fmt`` (a literal): compiled as that format's block function."""
+
+
+@overload(_block, inline="always")
+def _block_impl(fmt, arena, o, out, oo):
+    if not isinstance(fmt, types.IntegerLiteral):
+        return None
+    block, p = _BLOCKS[fmt.literal_value]
+
+    def impl(fmt, arena, o, out, oo):
+        block(arena, o, out, oo, p)
+
+    return impl
 
 
 @njit(**_JIT_INLINE)
@@ -88,223 +112,119 @@ def _k4_min(arena, so, j):
 
 
 @_dequantizes("F32")
-@njit(**_JIT)
-def _rows_f32(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for j in range(n_cols):
-            st(out, oo + j, ld_f32(arena, wo + 4 * j))
+def _f32(arena, o, out, oo, p):
+    st(out, oo, ld_f32(arena, o))
 
 
 @_dequantizes("F16")
-@njit(**_JIT)
-def _rows_f16(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for j in range(n_cols):
-            st(out, oo + j, ld_f16(arena, wo + 2 * j))
+def _f16(arena, o, out, oo, p):
+    st(out, oo, ld_f16(arena, o))
 
 
 @_dequantizes("BF16")
-@njit(**_JIT)
-def _rows_bf16(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for j in range(n_cols):
-            st(out, oo + j, ld_bf16(arena, wo + 2 * j))
+def _bf16(arena, o, out, oo, p):
+    st(out, oo, ld_bf16(arena, o))
 
 
-Q4_0_BB, Q4_0_QS = _offsets("Q4_0", "qs")
+@_dequantizes("Q4_0", "Q4_1", "Q5_0", "Q5_1", params=lambda f: (f.bias, f.off("m"), f.off("qh"), f.qs))
+def _nib32(arena, o, out, oo, p):
+    """A 32-element nibble block (Q4_0, Q4_1, Q5_0, Q5_1): element j < 16 is the low nibble of
+    qs[j], 16 + j the high one, plus bit j (16 + j) of the u32 qh << 4 when qho >= 0;
+    x = d * (q - bias), or d * q + m when mo >= 0. p: (bias, mo, qho, qso) from the declaration."""
+    bias, mo, qho, qso = p
+    d = ld_f16(arena, o)
+    m = ld_f16(arena, o + mo) if mo >= 0 else np.float32(0.0)
+    qh = ld_u32(arena, o + qho) if qho >= 0 else np.int64(0)
+    for j in range(16):
+        v = ld_u8(arena, o + qso + j)
+        x0 = ((v & 15) | (((qh >> j) & 1) << 4)) - bias
+        x1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias
+        if mo >= 0:
+            st(out, oo + j, d * np.float32(x0) + m)
+            st(out, oo + 16 + j, d * np.float32(x1) + m)
+        else:
+            st(out, oo + j, d * np.float32(x0))
+            st(out, oo + 16 + j, d * np.float32(x1))
 
 
-@_dequantizes("Q4_0")
-@njit(**_JIT)
-def _rows_q4_0(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK):
-            o = wo + b * Q4_0_BB
-            d = ld_f16(arena, o)
-            for j in range(16):
-                v = ld_u8(arena, o + Q4_0_QS + j)
-                st(out, oo + b * QK + j, d * np.float32((v & 15) - 8))
-                st(out, oo + b * QK + 16 + j, d * np.float32((v >> 4) - 8))
-
-
-Q4_1_BB, Q4_1_M, Q4_1_QS = _offsets("Q4_1", "m", "qs")
-
-
-@_dequantizes("Q4_1")
-@njit(**_JIT)
-def _rows_q4_1(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK):
-            o = wo + b * Q4_1_BB
-            d = ld_f16(arena, o)
-            m = ld_f16(arena, o + Q4_1_M)
-            for j in range(16):
-                v = ld_u8(arena, o + Q4_1_QS + j)
-                st(out, oo + b * QK + j, d * np.float32(v & 15) + m)
-                st(out, oo + b * QK + 16 + j, d * np.float32(v >> 4) + m)
-
-
-Q5_0_BB, Q5_0_QH, Q5_0_QS = _offsets("Q5_0", "qh", "qs")
-
-
-@_dequantizes("Q5_0")
-@njit(**_JIT)
-def _rows_q5_0(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK):
-            o = wo + b * Q5_0_BB
-            d = ld_f16(arena, o)
-            qh = ld_u32(arena, o + Q5_0_QH)
-            for j in range(16):
-                v = ld_u8(arena, o + Q5_0_QS + j)
-                x0 = ((v & 15) | (((qh >> j) & 1) << 4)) - 16
-                x1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16
-                st(out, oo + b * QK + j, d * np.float32(x0))
-                st(out, oo + b * QK + 16 + j, d * np.float32(x1))
-
-
-Q5_1_BB, Q5_1_M, Q5_1_QH, Q5_1_QS = _offsets("Q5_1", "m", "qh", "qs")
-
-
-@_dequantizes("Q5_1")
-@njit(**_JIT)
-def _rows_q5_1(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK):
-            o = wo + b * Q5_1_BB
-            d = ld_f16(arena, o)
-            m = ld_f16(arena, o + Q5_1_M)
-            qh = ld_u32(arena, o + Q5_1_QH)
-            for j in range(16):
-                v = ld_u8(arena, o + Q5_1_QS + j)
-                x0 = (v & 15) | (((qh >> j) & 1) << 4)
-                x1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                st(out, oo + b * QK + j, d * np.float32(x0) + m)
-                st(out, oo + b * QK + 16 + j, d * np.float32(x1) + m)
-
-
-Q8_0_BB, Q8_0_QS = _offsets("Q8_0", "qs")
+(Q8_0_QS,) = _offsets("Q8_0", "qs")
 
 
 @_dequantizes("Q8_0")
-@njit(**_JIT)
-def _rows_q8_0(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK):
-            o = wo + b * Q8_0_BB
-            d = ld_f16(arena, o)
-            for j in range(QK):
-                st(out, oo + b * QK + j, np.float32(ld_i8(arena, o + Q8_0_QS + j)) * d)
+def _q8_0(arena, o, out, oo, p):
+    d = ld_f16(arena, o)
+    for j in range(QK):
+        st(out, oo + j, np.float32(ld_i8(arena, o + Q8_0_QS + j)) * d)
 
 
-MXFP4_BB, MXFP4_QS = _offsets("MXFP4", "qs")
+(MXFP4_QS,) = _offsets("MXFP4", "qs")
 
 
 @_dequantizes("MXFP4")
-@njit(**_JIT)
-def _rows_mxfp4(arena, w_off, n_cols, row_bytes_, rows, out):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK):
-            o = wo + b * MXFP4_BB
-            d = _e8m0_half(ld_u8(arena, o))
-            for j in range(16):
-                v = ld_u8(arena, o + MXFP4_QS + j)
-                st(out, oo + b * QK + j, d * np.float32(_mxfp4_value(v & 15)))
-                st(out, oo + b * QK + 16 + j, d * np.float32(_mxfp4_value(v >> 4)))
+def _mxfp4(arena, o, out, oo, p):
+    d = _e8m0_half(ld_u8(arena, o))
+    for j in range(16):
+        v = ld_u8(arena, o + MXFP4_QS + j)
+        st(out, oo + j, d * np.float32(_mxfp4_value(v & 15)))
+        st(out, oo + 16 + j, d * np.float32(_mxfp4_value(v >> 4)))
 
 
-Q4_K_BB, Q4_K_DMIN, Q4_K_SC, Q4_K_QS = _offsets("Q4_K", "dmin", "scales", "qs")
-Q5_K_BB, Q5_K_DMIN, Q5_K_SC, Q5_K_QH, Q5_K_QS = _offsets("Q5_K", "dmin", "scales", "qh", "qs")
+@_dequantizes("Q4_K", "Q5_K", params=lambda f: (f.qh >= 0, f.off("dmin"), f.off("scales"), f.qh, f.qs))
+def _k45(arena, o, out, oo, p):
+    """A Q4_K or Q5_K (a qh field: the 5th bits) super-block; p: (is_q5, dmin, scales, qh, qs
+    offsets) from the declaration."""
+    is_q5, dmo, sco, qho, qso = p
+    d = ld_f16(arena, o)
+    dmin = ld_f16(arena, o + dmo)
+    for g in range(4):
+        for h in range(2):
+            j = 2 * g + h
+            ds = d * np.float32(_k4_scale(arena, o + sco, j))
+            dm = dmin * np.float32(_k4_min(arena, o + sco, j))
+            for k in range(32):
+                q = (ld_u8(arena, o + qso + 32 * g + k) >> (4 * h)) & 15
+                if is_q5:
+                    q |= ((ld_u8(arena, o + qho + k) >> j) & 1) << 4
+                st(out, oo + 32 * j + k, ds * np.float32(q) - dm)
 
 
-@njit(**_JIT_INLINE)
-def _rows_q45_k(arena, w_off, n_cols, row_bytes_, rows, out, is_q5, bb, dmo, sco, qho, qso):
-    for i in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
-        for b in range(n_cols // QK_K):
-            o = wo + b * bb
-            d = ld_f16(arena, o)
-            dmin = ld_f16(arena, o + dmo)
-            for g in range(4):
-                for h in range(2):
-                    j = 2 * g + h
-                    ds = d * np.float32(_k4_scale(arena, o + sco, j))
-                    dm = dmin * np.float32(_k4_min(arena, o + sco, j))
-                    for k in range(32):
-                        q = (ld_u8(arena, o + qso + 32 * g + k) >> (4 * h)) & 15
-                        if is_q5:
-                            q |= ((ld_u8(arena, o + qho + k) >> j) & 1) << 4
-                        st(out, oo + b * QK_K + 32 * j + k, ds * np.float32(q) - dm)
-
-
-@_dequantizes("Q4_K")
-@njit(**_JIT)
-def _rows_q4_k(arena, w_off, n_cols, row_bytes_, rows, out):
-    _rows_q45_k(arena, w_off, n_cols, row_bytes_, rows, out, False, Q4_K_BB, Q4_K_DMIN, Q4_K_SC, -1, Q4_K_QS)
-
-
-@_dequantizes("Q5_K")
-@njit(**_JIT)
-def _rows_q5_k(arena, w_off, n_cols, row_bytes_, rows, out):
-    _rows_q45_k(arena, w_off, n_cols, row_bytes_, rows, out, True, Q5_K_BB, Q5_K_DMIN, Q5_K_SC, Q5_K_QH, Q5_K_QS)
-
-
-Q6_K_BB, Q6_K_QH, Q6_K_SC, Q6_K_D = _offsets("Q6_K", "qh", "scales", "d")
+Q6_K_QH, Q6_K_SC, Q6_K_D = _offsets("Q6_K", "qh", "scales", "d")
 
 
 @_dequantizes("Q6_K")
-@njit(**_JIT)
-def _rows_q6_k(arena, w_off, n_cols, row_bytes_, rows, out):
-    for r in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, r) * row_bytes_, r * n_cols
-        for b in range(n_cols // QK_K):
-            o = wo + b * Q6_K_BB
-            d = ld_f16(arena, o + Q6_K_D)
-            for i in range(8):
-                n = i // 4
-                k = i % 4
-                for el in range(32):
-                    lo = (ld_u8(arena, o + 64 * n + 32 * (k % 2) + el) >> (4 * (k // 2))) & 15
-                    hi = (ld_u8(arena, o + Q6_K_QH + 32 * n + el) >> (2 * k)) & 3
-                    q = (lo | (hi << 4)) - 32
-                    sc = d * np.float32(ld_i8(arena, o + Q6_K_SC + 2 * i + el // 16))
-                    st(out, oo + b * QK_K + 32 * i + el, sc * np.float32(q))
+def _q6_k(arena, o, out, oo, p):
+    d = ld_f16(arena, o + Q6_K_D)
+    for i in range(8):
+        n = i // 4
+        k = i % 4
+        for el in range(32):
+            lo = (ld_u8(arena, o + 64 * n + 32 * (k % 2) + el) >> (4 * (k // 2))) & 15
+            hi = (ld_u8(arena, o + Q6_K_QH + 32 * n + el) >> (2 * k)) & 3
+            q = (lo | (hi << 4)) - 32
+            sc = d * np.float32(ld_i8(arena, o + Q6_K_SC + 2 * i + el // 16))
+            st(out, oo + 32 * i + el, sc * np.float32(q))
 
 
-Q2_K_BB, Q2_K_QS, Q2_K_D, Q2_K_DMIN = _offsets("Q2_K", "qs", "d", "dmin")
+Q2_K_QS, Q2_K_D, Q2_K_DMIN = _offsets("Q2_K", "qs", "d", "dmin")
 
 
 @_dequantizes("Q2_K")
-@njit(**_JIT)
-def _rows_q2_k(arena, w_off, n_cols, row_bytes_, rows, out):
+def _q2_k(arena, o, out, oo, p):
     """ggml's dequantize_row_q2_K: element e = 128 n + 32 j + l of a super-block is bits 2j of
-    qs[32 n + l]; sub-block e // 16 has scale byte (d * (s & 15), dmin * (s >> 4))."""
-    for r in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, r) * row_bytes_, r * n_cols
-        for b in range(n_cols // QK_K):
-            o = wo + b * Q2_K_BB
-            d = ld_f16(arena, o + Q2_K_D)
-            dmin = ld_f16(arena, o + Q2_K_DMIN)
-            for s in range(16):
-                sc = ld_u8(arena, o + s)
-                dl = d * np.float32(sc & 15)
-                ml = dmin * np.float32(sc >> 4)
-                for el in range(16):
-                    e = 16 * s + el
-                    q = (ld_u8(arena, o + Q2_K_QS + 32 * (e // 128) + e % 32) >> (2 * ((e // 32) % 4))) & 3
-                    st(out, oo + b * QK_K + e, dl * np.float32(q) - ml)
+    qs[32 n + l]; sub-block e // 16 has scale byte s: d * (s & 15), dmin * (s >> 4)."""
+    d = ld_f16(arena, o + Q2_K_D)
+    dmin = ld_f16(arena, o + Q2_K_DMIN)
+    for s in range(16):
+        sc = ld_u8(arena, o + s)
+        dl = d * np.float32(sc & 15)
+        ml = dmin * np.float32(sc >> 4)
+        for el in range(16):
+            e = 16 * s + el
+            q = (ld_u8(arena, o + Q2_K_QS + 32 * (e // 128) + e % 32) >> (2 * ((e // 32) % 4))) & 3
+            st(out, oo + e, dl * np.float32(q) - ml)
 
 
-Q3_K_BB, Q3_K_QS, Q3_K_SC, Q3_K_D = _offsets("Q3_K", "qs", "scales", "d")
+Q3_K_QS, Q3_K_SC, Q3_K_D = _offsets("Q3_K", "qs", "scales", "d")
 
 
 @njit(**_JIT_INLINE)
@@ -317,47 +237,55 @@ def _k3_scale(arena, so, s):
 
 
 @_dequantizes("Q3_K")
-@njit(**_JIT)
-def _rows_q3_k(arena, w_off, n_cols, row_bytes_, rows, out):
+def _q3_k(arena, o, out, oo, p):
     """ggml's dequantize_row_q3_K: 2-bit low q as Q2_K, minus 4 where the element's hmask bit
     (bit e // 32 of hmask[e % 32]) is clear; sub-block e // 16 has scale d * (6-bit scale - 32)."""
-    for r in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, r) * row_bytes_, r * n_cols
-        for b in range(n_cols // QK_K):
-            o = wo + b * Q3_K_BB
-            d = ld_f16(arena, o + Q3_K_D)
-            for s in range(16):
-                dl = d * np.float32(_k3_scale(arena, o + Q3_K_SC, s))
-                for el in range(16):
-                    e = 16 * s + el
-                    q = (ld_u8(arena, o + Q3_K_QS + 32 * (e // 128) + e % 32) >> (2 * ((e // 32) % 4))) & 3
-                    h = (ld_u8(arena, o + e % 32) >> (e // 32)) & 1
-                    st(out, oo + b * QK_K + e, dl * np.float32(q - 4 * (1 - h)))
+    d = ld_f16(arena, o + Q3_K_D)
+    for s in range(16):
+        dl = d * np.float32(_k3_scale(arena, o + Q3_K_SC, s))
+        for el in range(16):
+            e = 16 * s + el
+            q = (ld_u8(arena, o + Q3_K_QS + 32 * (e // 128) + e % 32) >> (2 * ((e // 32) % 4))) & 3
+            h = (ld_u8(arena, o + e % 32) >> (e // 32)) & 1
+            st(out, oo + e, dl * np.float32(q - 4 * (1 - h)))
 
 
-IQ4_XS_BB, IQ4_XS_SH, IQ4_XS_SL, IQ4_XS_QS = _offsets("IQ4_XS", "scales_h", "scales_l", "qs")
+IQ4_XS_SH, IQ4_XS_SL, IQ4_XS_QS = _offsets("IQ4_XS", "scales_h", "scales_l", "qs")
 _IQ4NL = np.array(IQ4NL_KVALUES, dtype=np.int8)
 
 
 @_dequantizes("IQ4_XS")
-@njit(**_JIT)
-def _rows_iq4_xs(arena, w_off, n_cols, row_bytes_, rows, out):
+def _iq4_xs(arena, o, out, oo, p):
     """ggml's dequantize_row_iq4_xs: sub-block s (32 elements) has scale d * (6-bit scale - 32)
     (low 4 bits: nibble s % 2 of scales_l[s // 2]; high 2 bits: bits 2s of the u16 scales_h),
     element j < 16 is kvalues_iq4nl[low nibble of qs[16 s + j]], element 16 + j the high one."""
-    for r in range(rows.shape[0]):
-        wo, oo = w_off + ld(rows, r) * row_bytes_, r * n_cols
-        for b in range(n_cols // QK_K):
-            o = wo + b * IQ4_XS_BB
-            d = ld_f16(arena, o)
-            sh = ld_u8(arena, o + IQ4_XS_SH) | (ld_u8(arena, o + IQ4_XS_SH + 1) << 8)
-            for s in range(8):
-                ls = ((ld_u8(arena, o + IQ4_XS_SL + s // 2) >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)
-                dl = d * np.float32(ls - 32)
-                for j in range(16):
-                    v = ld_u8(arena, o + IQ4_XS_QS + 16 * s + j)
-                    st(out, oo + b * QK_K + 32 * s + j, dl * np.float32(_IQ4NL[v & 15]))
-                    st(out, oo + b * QK_K + 32 * s + 16 + j, dl * np.float32(_IQ4NL[v >> 4]))
+    d = ld_f16(arena, o)
+    sh = ld_u8(arena, o + IQ4_XS_SH) | (ld_u8(arena, o + IQ4_XS_SH + 1) << 8)
+    for s in range(8):
+        ls = ((ld_u8(arena, o + IQ4_XS_SL + s // 2) >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)
+        dl = d * np.float32(ls - 32)
+        for j in range(16):
+            v = ld_u8(arena, o + IQ4_XS_QS + 16 * s + j)
+            st(out, oo + 32 * s + j, dl * np.float32(_IQ4NL[v & 15]))
+            st(out, oo + 32 * s + 16 + j, dl * np.float32(_IQ4NL[v >> 4]))
+
+
+def _make_rows(f):
+    """The row function of format ``f`` (see the module docstring), compiled on first call."""
+    fmt, block_bytes, block_elems = f.type_id, f.block_bytes, f.block_elems
+
+    def rows_fn(arena, w_off, n_cols, row_bytes_, rows, out):
+        for i in range(rows.shape[0]):
+            wo, oo = w_off + ld(rows, i) * row_bytes_, i * n_cols
+            for b in range(n_cols // block_elems):
+                _block(fmt, arena, wo + b * block_bytes, out, oo + b * block_elems)
+
+    rows_fn.__name__ = rows_fn.__qualname__ = f"_dequant_rows_{f.name.lower()}"
+    return njit(**_JIT)(rows_fn)
+
+
+DEQUANT_ROWS: dict = {t: _make_rows(FORMATS[t]) for t in _BLOCKS}
+"""GGML type id -> its row function (see the module docstring)."""
 
 
 def dequantize_rows(arena, w_off, ggml_type, n_cols, row_bytes_, rows, out) -> None:
