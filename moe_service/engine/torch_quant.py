@@ -131,22 +131,24 @@ def _q4_k_groups(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([g & 0x0F, g >> 4], dim=2).reshape(n, 8, 32)
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: (d * scale, dmin * min) of each 32-element sub-block, float32 [N, 8, 1]."""
     n = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.float()).reshape(n, 8, 1)
-    ml = (dmin * mn.float()).reshape(n, 8, 1)
+    return (d * sc.float()).reshape(n, 8, 1), (dmin * mn.float()).reshape(n, 8, 1)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    dl, ml = _k_scales(b)
     q = _q4_k_groups(b[:, 16:144]).float()
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.float()).reshape(n, 8, 1)
-    ml = (dmin * mn.float()).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)
     ql = _q4_k_groups(b[:, 48:176])  # [N, 8, 32]
     # qh [N, 32]: bit i of byte j is the 5th bit of element j of sub-block i
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)

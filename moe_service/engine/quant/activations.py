@@ -50,6 +50,16 @@ def _bf16_round(x):
 # ---------------------------------------------------------------------------------------
 
 
+def _load_abs(context, builder, signature, args, count):
+    """(x[base : base + count], its magnitudes) as <count x float> for an intrinsic whose first
+    two arguments are (x, base)."""
+    vty = _vt(_F32, count)
+    p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+    v = builder.load(builder.bitcast(p, vty.as_pointer()))
+    v.align = 4
+    return v, _call(builder, f"llvm.fabs.v{count}f32", vty, [v])
+
+
 @intrinsic
 def _absmax(typingctx, x, base, n):
     """max |x[base : base + n]| (n a literal 32 or 256) as numba's running ``max(amax, abs(v))``
@@ -61,11 +71,7 @@ def _absmax(typingctx, x, base, n):
     count = n.literal_value
 
     def codegen(context, builder, signature, args):
-        vty = _vt(_F32, count)
-        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        v = builder.load(builder.bitcast(p, vty.as_pointer()))
-        v.align = 4
-        a = _call(builder, f"llvm.fabs.v{count}f32", vty, [v])
+        _, a = _load_abs(context, builder, signature, args, count)
         m = _call(builder, f"llvm.vector.reduce.fmax.v{count}f32", _F32, [a])
         return _call(builder, "llvm.maxnum.f32", _F32, [m, ir.Constant(_F32, 0.0)])
 
@@ -80,11 +86,7 @@ def _first_absmax(typingctx, x, base, amax):
     sig = types.float32(x, base, types.float32)
 
     def codegen(context, builder, signature, args):
-        vty = _vt(_F32, QK_K)
-        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        v = builder.load(builder.bitcast(p, vty.as_pointer()))
-        v.align = 4
-        a = _call(builder, f"llvm.fabs.v{QK_K}f32", vty, [v])
+        v, a = _load_abs(context, builder, signature, args, QK_K)
         hit = builder.fcmp_ordered("==", a, _splat_f32(builder, args[2], QK_K))
         bits = builder.bitcast(hit, ir.IntType(QK_K))
         tz = _call(builder, f"llvm.cttz.i{QK_K}", ir.IntType(QK_K), [bits, ir.Constant(ir.IntType(1), 0)])
@@ -145,6 +147,17 @@ def _sums16(typingctx, qs, qo, bsums, bo):
     return sig, codegen
 
 
+@njit(**_JIT_INLINE)
+def _q8_32(x, base, qs, qo, d_out, di):
+    """One 32-element block of the x86 Q8_0 rule (see quantize_row_q8_0): writes qs[qo:qo+32]
+    and d_out[di] = f16(d); returns (d unrounded, sum(q) as int32)."""
+    amax = _absmax(x, base, 32)
+    d = amax / np.float32(127.0)
+    idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+    st(d_out, di, f16_round(d))
+    return d, _quant_block(x, base, idd, qs, qo, 32, 0)
+
+
 @njit(**_JIT)
 def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
     """As ggml-cpu's x86 quantize_row_q8_0 (the AVX2/AVX-512 path llama.cpp runs on these
@@ -157,12 +170,7 @@ def quantize_row_q8_0(x, xo, n, qs, qo, d_out, do_):
     d_out[do_ : do_ + n/32] float32 (the f16-rounded d the dot products use).
     """
     for b in range(n // QK):
-        base = xo + b * QK
-        amax = _absmax(x, base, 32)
-        d = amax / np.float32(127.0)
-        idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-        st(d_out, do_ + b, f16_round(d))
-        _quant_block(x, base, idd, qs, qo + b * QK, 32, 0)
+        _q8_32(x, xo + b * QK, qs, qo + b * QK, d_out, do_ + b)
 
 
 @njit(**_JIT)
@@ -170,12 +178,7 @@ def quantize_row_q8_1(x, xo, n, qs, qo, d_out, s_out, do_):
     """As ggml-cpu's x86 quantize_row_q8_1: the Q8_0 rule above (id = 127/amax, half to even)
     plus s = f16(d * sum(q)) per 32-element block."""
     for b in range(n // QK):
-        base = xo + b * QK
-        amax = _absmax(x, base, 32)
-        d = amax / np.float32(127.0)
-        idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-        st(d_out, do_ + b, f16_round(d))
-        total = _quant_block(x, base, idd, qs, qo + b * QK, 32, 0)
+        d, total = _q8_32(x, xo + b * QK, qs, qo + b * QK, d_out, do_ + b)
         st(s_out, do_ + b, f16_round(np.float32(total) * d))
 
 
