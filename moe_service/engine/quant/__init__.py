@@ -47,7 +47,8 @@ place with byte layouts), ``ir`` (numba intrinsics and LLVM vector building bloc
 ``activations`` (the partner quantizers), ``dequant``, ``tiles32`` and ``tiles_k`` (the
 two tile-kernel families), ``table`` (the per-format kernels generated from the
 declarations, their address table and ``matmul``). Adding a format is its declaration in
-formats.py, its row dequantizer in dequant.py and its weight side in its tile family.
+formats.py, its block function in dequant.py (``@_dequantizes``) and its weight side in its
+tile family (tiles32.py's parameters, or a ``@_weight_side`` function in tiles_k.py).
 
 The names below load their module on first use (PEP 562): ``formats`` needs neither numba
 nor LLVM, so the GGUF reader and the synthetic writer import the declarations without them.

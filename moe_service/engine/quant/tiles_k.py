@@ -1,6 +1,7 @@
 """Tile kernels of the K-quants (super-blocks of 256 x Q8_K): LLVM IR for R weight rows x A
 activation rows per pass (see the section comment). A format of this family is its
-declaration in formats.py plus its weight side in ``_kq_pieces``."""
+declaration in formats.py plus its weight side, a ``@_weight_side`` function
+(the super-block's values, scales, mins or offset, and d, as ``KPieces``)."""
 
 from __future__ import annotations
 
