@@ -66,7 +66,7 @@ _EXPORTS = {
         "row_bytes", "random_blocks",
     ),
     "ir": (
-        "_AVX512", "_VNNI", "atomic_add", "atomic_load", "atomic_store", "bits_f32", "cpu_relax",
+        "_AVX512", "_VNNI", "_addr_view", "atomic_add", "atomic_load", "atomic_store", "bits_f32", "cpu_relax",
         "cycle_counter", "data_ptr", "f16_round", "f32_bits", "ld", "ld_bf16", "ld_f16", "ld_f16x2", "ld_f32",
         "ld_i8", "ld_i16", "ld_u8", "ld_u32", "rintf", "roundf", "st", "view_f32", "view_i8", "view_i16",
         "view_i32", "view_i64", "view_u8",
