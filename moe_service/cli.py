@@ -107,6 +107,7 @@ BENCHES = {
     "decode": "bench.decode",
     "placement": "bench.placement",
     "serve": "bench.serve",
+    "kernels": "bench.kernels",
 }
 
 

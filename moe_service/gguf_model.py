@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from moe_service.engine.quant.formats import FORMATS
 from moe_service.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
@@ -52,24 +53,8 @@ SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gg
 EXPERT_TENSOR_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate_up|gate|up|down)_exps\.weight$")
 EXPERT_KINDS = ("gate", "up", "down", "gate_up")
 
-SUPPORTED_GGML_TYPES: frozenset[int] = frozenset(
-    int(t)
-    for t in (
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-        GGMLQuantizationType.MXFP4,
-    )
-)
-"""ggml type ids the engine's kernels read (REFERENCE.md's block table). A tensor of another
+SUPPORTED_GGML_TYPES: frozenset[int] = frozenset(FORMATS)
+"""ggml type ids the engine's kernels read (the format declarations, moe_service/engine/quant/formats.py). A tensor of another
 known type is listed but reported as unsupported; pass ``supported_types`` to widen the set."""
 
 # GGUF metadata value types -> struct format (scalars) and numpy dtype (arrays of scalars).

@@ -64,24 +64,15 @@ from typing import Any
 
 import numpy as np
 
+from moe_service.engine.quant.formats import BY_NAME
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
 from moe_service.paths import gguf_written_atomically
 
 log = get_logger(__name__)
 
-# ggml type name -> (block elements, block bytes)
-BLOCK_FORMATS: dict[str, tuple[int, int]] = {
-    "F32": (1, 4),
-    "F16": (1, 2),
-    "Q4_0": (32, 2 + 16),
-    "Q4_1": (32, 2 + 2 + 16),
-    "Q8_0": (32, 2 + 32),
-    "Q4_K": (256, 2 + 2 + 12 + 128),
-    "Q5_K": (256, 2 + 2 + 12 + 32 + 128),
-    "Q6_K": (256, 128 + 64 + 16 + 2),
-    "MXFP4": (32, 1 + 16),
-}
+# ggml type name -> (block elements, block bytes), from the format declarations
+BLOCK_FORMATS: dict[str, tuple[int, int]] = {f.name: (f.block_elems, f.block_bytes) for f in BY_NAME.values()}
 EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 SYNTH_ARCHS = ("llama", "qwen3moe", "qwen2", "qwen3")
 DENSE_ARCHS = ("qwen2", "qwen3")  # no experts: n_expert = 0, FFN width n_ff
@@ -249,37 +240,39 @@ def make_blocks(qtype: str, raw: np.ndarray, std: float) -> np.ndarray:
         std: target standard deviation of the dequantized values.
     """
     n = raw.shape[0]
+    f = BY_NAME.get(qtype)
+    if f is not None:  # the scale fields' offsets (formats.py)
+        d, m, dmin, sc = (f.off(k) for k in ("d", "m", "dmin", "scales"))
     if qtype == "Q8_0":
-        u = raw[:, 0].astype(np.float64) / 255.0  # scale jitter from the d bytes themselves
-        d = std / 73.9 * (0.75 + 0.5 * u)
-        raw[:, 0:2] = _f16_bytes(d)
+        u = raw[:, d].astype(np.float64) / 255.0  # scale jitter from the d bytes themselves
+        raw[:, d:d + 2] = _f16_bytes(std / 73.9 * (0.75 + 0.5 * u))
     elif qtype == "Q4_0":
-        u = raw[:, 0].astype(np.float64) / 255.0
-        raw[:, 0:2] = _f16_bytes(std / 4.6 * (0.75 + 0.5 * u))
+        u = raw[:, d].astype(np.float64) / 255.0
+        raw[:, d:d + 2] = _f16_bytes(std / 4.6 * (0.75 + 0.5 * u))
     elif qtype == "Q4_1":
-        u = raw[:, 0].astype(np.float64) / 255.0
+        u = raw[:, d].astype(np.float64) / 255.0
         d16 = (std / 4.6 * (0.75 + 0.5 * u)).astype(np.float32).astype(np.float16)
-        raw[:, 0:2] = d16.astype("<f2").view(np.uint8).reshape(n, 2)
-        raw[:, 2:4] = _f16_bytes(d16.astype(np.float32) * np.float32(-7.5))
+        raw[:, d:d + 2] = d16.astype("<f2").view(np.uint8).reshape(n, 2)
+        raw[:, m:m + 2] = _f16_bytes(d16.astype(np.float32) * np.float32(-7.5))
     elif qtype in ("Q4_K", "Q5_K"):
         # x = d * sc * q - dmin * m, q uniform in [0, 2^b); m chosen to centre each sub-block.
         qmax = 15 if qtype == "Q4_K" else 31
         dmin_ratio = 8 if qtype == "Q4_K" else 16
-        sc = 16 + raw[:, 4:12].astype(np.int64) % 48  # [n, 8] 6-bit scales in [16, 63]
-        m = (sc * qmax + dmin_ratio) // (2 * dmin_ratio)  # round(sc * qmax/2 / dmin_ratio)
+        scales = 16 + raw[:, sc:sc + 8].astype(np.int64) % 48  # [n, 8] 6-bit scales in [16, 63]
+        mins = (scales * qmax + dmin_ratio) // (2 * dmin_ratio)  # round(sc * qmax/2 / dmin_ratio)
         rms_sc = np.sqrt(np.mean(np.arange(16, 64, dtype=np.float64) ** 2))
         q_std = np.sqrt(((qmax + 1) ** 2 - 1) / 12.0)
-        d = np.full(n, std / (rms_sc * q_std))
-        raw[:, 0:2] = _f16_bytes(d)
-        raw[:, 2:4] = _f16_bytes(d * dmin_ratio)
-        raw[:, 4:16] = _pack_k_scales(sc, m)
+        dv = np.full(n, std / (rms_sc * q_std))
+        raw[:, d:d + 2] = _f16_bytes(dv)
+        raw[:, dmin:dmin + 2] = _f16_bytes(dv * dmin_ratio)
+        raw[:, sc:sc + 12] = _pack_k_scales(scales, mins)
     elif qtype == "Q6_K":
-        mag = 32 + raw[:, 192:208].astype(np.int64) % 96
+        mag = 32 + raw[:, sc:sc + 16].astype(np.int64) % 96
         sign = np.where(raw[:, 0:16] & 1, -1, 1)  # low bit of ql bytes as sign source
-        raw[:, 192:208] = (mag * sign).astype(np.int8).view(np.uint8)
+        raw[:, sc:sc + 16] = (mag * sign).astype(np.int8).view(np.uint8)
         rms_sc = np.sqrt(np.mean(np.arange(32, 128, dtype=np.float64) ** 2))
         q_std = np.sqrt((64 ** 2 - 1) / 12.0 + 0.25)
-        raw[:, 208:210] = _f16_bytes(np.full(n, std / (rms_sc * q_std)))
+        raw[:, d:d + 2] = _f16_bytes(np.full(n, std / (rms_sc * q_std)))
     elif qtype == "MXFP4":
         # value = table[code] * 2^(e - 128), table rms sqrt(34.25) (E2M1 values doubled). Each
         # block's scale is 2^a or 2^(a+1) with 2^a <= s/rms < 2^(a+1), the larger one with the

@@ -48,7 +48,7 @@ log = get_logger(__name__)
 Status = Literal["ok", "warn", "fail"]
 
 CPU_FLAGS = ("avx2", "fma", "f16c")
-"""CPU features the expert kernels are compiled for (moe_service/engine/quant.py): AVX2
+"""CPU features the expert kernels are compiled for (moe_service/engine/quant/): AVX2
 vpmaddubsw/vpmaddwd block dot products (SSSE3 pshufb comes with it), FMA accumulation
 (llvm.fma.v8f32) and F16C vcvtph2ps for the block scales (inline assembly: a CPU without it
 faults with an illegal instruction)."""

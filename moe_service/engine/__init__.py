@@ -3,8 +3,8 @@ pass (model), tokenizer, sampler, batching.
 
 Importing this package points numba's on-disk kernel cache at a folder keyed by the kernel
 sources. numba invalidates a cached function only when *its own* file changes, yet the pool's
-and the MoE step's compiled code inline the block kernels of quant.py: after an upgrade that
-changes only quant.py they would keep running the old kernels. A folder per source hash makes
+and the MoE step's compiled code inline the block kernels of quant/: after an upgrade that
+changes only quant/ they would keep running the old kernels. A folder per source hash makes
 every change a fresh cache, and a restart with unchanged sources reuses it (no recompile).
 """
 
@@ -14,7 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
-_KERNEL_SOURCES = ("quant.py", "pool.py", "moe.py")
+_KERNEL_SOURCES = ("quant/*.py", "pool.py", "moe.py")
 
 
 def kernel_cache_key() -> str:
@@ -23,8 +23,10 @@ def kernel_cache_key() -> str:
 
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for name in _KERNEL_SOURCES:
-        h.update((here / name).read_bytes())
+    for pattern in _KERNEL_SOURCES:
+        for path in sorted(here.glob(pattern)):
+            h.update(path.relative_to(here).as_posix().encode())
+            h.update(path.read_bytes())
     h.update(numba.__version__.encode())
     h.update(os.environ.get("MOE_SERVICE_KERNEL_ISA", "").encode())
     return h.hexdigest()[:16]

@@ -35,34 +35,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-# ggml type ids (gguf.GGMLQuantizationType)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30, 39
-
-QK_K = 256
-
-BLOCK_SIZES: dict[int, tuple[int, int]] = {
-    # type: (elements per block, bytes per block)
-    F32: (1, 4),
-    F16: (1, 2),
-    BF16: (1, 2),
-    Q4_0: (32, 2 + 16),
-    Q4_1: (32, 2 + 2 + 16),
-    Q5_0: (32, 2 + 4 + 16),
-    Q5_1: (32, 2 + 2 + 4 + 16),
-    Q8_0: (32, 2 + 32),
-    Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
-    Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
-    Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
-    MXFP4: (32, 1 + 16),
-}
-
-TYPE_NAMES = {
-    F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-    Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", MXFP4: "MXFP4",
-}
-
-# MXFP4 code -> doubled E2M1 value (bit 3 is the sign), as ggml's kvalues_mxfp4
-MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+from moe_service.engine.quant.formats import FORMATS, MXFP4_KVALUES, QK_K
+from moe_service.engine.quant.formats import GGML_BF16 as BF16
+from moe_service.engine.quant.formats import GGML_F16 as F16
+from moe_service.engine.quant.formats import GGML_F32 as F32
+from moe_service.engine.quant.formats import GGML_MXFP4 as MXFP4
+from moe_service.engine.quant.formats import GGML_Q4_0 as Q4_0
+from moe_service.engine.quant.formats import GGML_Q4_1 as Q4_1
+from moe_service.engine.quant.formats import GGML_Q4_K as Q4_K
+from moe_service.engine.quant.formats import GGML_Q5_0 as Q5_0
+from moe_service.engine.quant.formats import GGML_Q5_1 as Q5_1
+from moe_service.engine.quant.formats import GGML_Q5_K as Q5_K
+from moe_service.engine.quant.formats import GGML_Q6_K as Q6_K
+from moe_service.engine.quant.formats import GGML_Q8_0 as Q8_0
 
 
 def supports(ggml_type: int) -> bool:
@@ -146,22 +131,24 @@ def _q4_k_groups(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([g & 0x0F, g >> 4], dim=2).reshape(n, 8, 32)
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: (d * scale, dmin * min) of each 32-element sub-block, float32 [N, 8, 1]."""
     n = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.float()).reshape(n, 8, 1)
-    ml = (dmin * mn.float()).reshape(n, 8, 1)
+    return (d * sc.float()).reshape(n, 8, 1), (dmin * mn.float()).reshape(n, 8, 1)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    dl, ml = _k_scales(b)
     q = _q4_k_groups(b[:, 16:144]).float()
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.float()).reshape(n, 8, 1)
-    ml = (dmin * mn.float()).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)
     ql = _q4_k_groups(b[:, 48:176])  # [N, 8, 32]
     # qh [N, 32]: bit i of byte j is the 5th bit of element j of sub-block i
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
@@ -235,6 +222,13 @@ DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     Q6_K: _q6_k,
     MXFP4: _mxfp4,
 }
+"""ggml type id -> its torch dequantizer (the block sizes and names come from the format
+declarations, moe_service/engine/quant/formats.py)."""
+
+BLOCK_SIZES: dict[int, tuple[int, int]] = {t: (FORMATS[t].block_elems, FORMATS[t].block_bytes) for t in DEQUANTIZERS}
+"""type: (elements per block, bytes per block)"""
+
+TYPE_NAMES: dict[int, str] = {t: FORMATS[t].name for t in DEQUANTIZERS}
 
 CHUNK_ELEMENTS = 1 << 24
 """Elements expanded per step: bounds the float32 temporaries (a few x 64 MiB) whatever the

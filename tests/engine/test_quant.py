@@ -49,8 +49,8 @@ def test_format_table_matches_gguf():
 
 
 def test_unknown_type_is_a_model_file_error():
-    with pytest.raises(ModelFileError, match="type 10 is not supported"):
-        q.block_format(10)  # Q2_K
+    with pytest.raises(ModelFileError, match="type 16 is not supported"):
+        q.block_format(16)  # IQ2_XXS
     with pytest.raises(ValueError, match="not a whole number of Q4_K blocks"):
         q.row_bytes(q.GGML_Q4_K, 100)
 
@@ -260,7 +260,7 @@ def test_matmul_validates(rng):
     with pytest.raises(ValueError, match="activations have 32 columns"):
         q.matmul(raw, 0, q.GGML_Q8_0, 4, 64, np.zeros((1, 32), np.float32))
     with pytest.raises(ModelFileError):
-        q.matmul(raw, 0, 10, 1, 256, np.zeros((1, 256), np.float32))
+        q.matmul(raw, 0, 16, 1, 256, np.zeros((1, 256), np.float32))  # IQ2_XXS
     with pytest.raises(ValueError, match="1-D C-contiguous uint8"):
         q.matmul(raw.view(np.int8), 0, q.GGML_Q8_0, 4, 64, x)
 
@@ -285,7 +285,7 @@ from moe_service.engine import quant as q
 assert q._AVX512 is False
 rng = np.random.default_rng(77)
 out = []
-for t in (q.GGML_Q4_K, q.GGML_Q5_K, q.GGML_Q6_K):
+for t in (q.GGML_Q4_K, q.GGML_Q5_K, q.GGML_Q6_K, q.GGML_Q2_K, q.GGML_Q3_K, q.GGML_IQ4_XS):
     raw = q.random_blocks(rng, t, 6, 512)
     x = rng.standard_normal((5, 512)).astype(np.float32)
     out.append(q.matmul(raw, 0, t, 6, 512, x))
@@ -302,12 +302,12 @@ def test_avx2_k_quant_path_matches_avx512(tmp_path):
     import sys
 
     env = dict(os.environ, MOE_SERVICE_KERNEL_ISA="avx2", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[3]), env.get("PYTHONPATH", "")])
     dst = tmp_path / "avx2.npy"
     subprocess.run([sys.executable, "-c", _ISA_SNIPPET, str(dst)], env=env, check=True, timeout=600)
     rng = np.random.default_rng(77)
     mine = []
-    for t in (q.GGML_Q4_K, q.GGML_Q5_K, q.GGML_Q6_K):
+    for t in (q.GGML_Q4_K, q.GGML_Q5_K, q.GGML_Q6_K, q.GGML_Q2_K, q.GGML_Q3_K, q.GGML_IQ4_XS):
         raw = q.random_blocks(rng, t, 6, 512)
         x = rng.standard_normal((5, 512)).astype(np.float32)
         mine.append(q.matmul(raw, 0, t, 6, 512, x))

@@ -70,9 +70,7 @@ def det_blocks(tid: int, n_rows: int, n_cols: int, seed: int) -> np.ndarray:
             return x.astype(np.float16).view(np.uint8)
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     raw = (_u32(n_rows * nb * f.block_bytes, seed) & 0xFF).astype(np.uint8).reshape(n_rows, nb, f.block_bytes)
-    f16_fields = {q.GGML_Q4_0: (0,), q.GGML_Q5_0: (0,), q.GGML_Q8_0: (0,), q.GGML_Q4_1: (0, 2),
-                  q.GGML_Q5_1: (0, 2), q.GGML_Q4_K: (0, 2), q.GGML_Q5_K: (0, 2), q.GGML_Q6_K: (208,)}
-    for i, off in enumerate(f16_fields.get(tid, ())):
+    for i, off in enumerate(f.f16_offsets):
         v = (_unit(n_rows * nb, seed + 101 + i) * 0.02).astype(np.float16)
         raw[:, :, off:off + 2] = v.view(np.uint8).reshape(n_rows, nb, 2)
     if tid == q.GGML_MXFP4:
@@ -91,8 +89,9 @@ def det_activations(n_tok: int, n_cols: int, seed: int) -> np.ndarray:
 def digest_outputs() -> dict[str, str]:
     """The digests of RECORDED for the kernels of this process."""
     out = {}
-    for tid in ALL_TYPES:
-        f = q.FORMATS[tid]
+    for name in RECORDED:
+        f = q.BY_NAME[name]
+        tid = f.type_id
         h = hashlib.sha256()
         # an odd and an even number of blocks per row (32-element formats pair blocks)
         cols = (96, 128) if f.block_elems == 1 else ((2 * f.block_elems * 5 + f.block_elems), 4 * f.block_elems)
@@ -123,7 +122,7 @@ def test_avx2_code_matches_the_recorded_one_row_kernels(tmp_path):
     """The AVX2 form of every kernel (a subprocess with MOE_SERVICE_KERNEL_ISA=avx2 and its
     own numba cache) gives the recorded digests too."""
     env = dict(os.environ, MOE_SERVICE_KERNEL_ISA="avx2", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(q.__file__).parents[3]), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, __file__], env=env, check=True, timeout=600, capture_output=True, text=True)
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got.pop("isa") == "avx2"
@@ -152,6 +151,22 @@ def test_row_result_does_not_depend_on_its_tile(tid):
         for i, (ai, oi) in enumerate(zip(a, o, strict=True)):
             assert np.array_equal(y[oi, lo:hi].view(np.uint32), single[ai, lo:hi].view(np.uint32)), (lo, hi, i)
             assert np.isnan(y[oi, :lo]).all() and np.isnan(y[oi, hi:]).all()
+
+
+@pytest.mark.parametrize("tid", [q.GGML_Q8_0, q.GGML_Q4_K], ids=["Q8_0", "Q4_K"])
+def test_a_row_range_shorter_than_a_tile_writes_only_its_rows(tid):
+    """3 rows x 2 items into a buffer with guard floats on both sides: the tile loop must not
+    run a 4-row tile past row_hi (nothing written outside the 6 outputs)."""
+    f = q.FORMATS[tid]
+    n_cols = 2 * f.block_elems
+    raw = det_blocks(tid, 3, n_cols, seed=5)
+    pa = q.quantize_activations(det_activations(2, n_cols, seed=6), f.partner)
+    buf = np.full(32, 12345.0, np.float32)
+    rows = np.arange(2, dtype=np.int64)
+    q.matmul_rows(raw, 0, tid, n_cols, q.row_bytes(tid, n_cols), 0, 3, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows,
+                  rows, buf[8:14], 3, 0, q.ensure_kernels([tid]))
+    assert (buf[:8] == 12345.0).all() and (buf[14:] == 12345.0).all()
+    assert not (buf[8:14] == 12345.0).any()
 
 
 if __name__ == "__main__":

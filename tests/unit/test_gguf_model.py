@@ -124,12 +124,12 @@ def test_unknown_type_id_reported_other_tensors_listed(tmp_path):
 
 def test_unsupported_known_type(tmp_path):
     (path,) = write_moe_gguf(
-        tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q2_K, n_embd=256, n_ff_exp=256
+        tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.IQ2_XXS, n_embd=256, n_ff_exp=256
     )
     m = GGUFModel.open(path, strict=False)
     (p,) = m.problems()
-    assert p.kind == "unsupported_type" and "Q2_K (id 10)" in p.message
-    assert GGUFModel.open(path, supported_types=frozenset({0, 10})).problems() == []
+    assert p.kind == "unsupported_type" and "IQ2_XXS (id 16)" in p.message
+    assert GGUFModel.open(path, supported_types=frozenset({0, 16})).problems() == []
 
 
 def test_duplicate_names_in_one_file_and_across_shards(tmp_path):

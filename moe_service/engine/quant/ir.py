@@ -1,0 +1,528 @@
+"""numba intrinsics: raw loads and stores, f16/bf16 conversions, rounding, atomics, raw
+address views, and the LLVM vector building blocks the tile kernels and activation
+quantizers emit. The worker pool (pool.py) and the MoE step (moe.py) use the scalar ones.
+
+Importing this module switches on LLVM's SLP vectorizer for every numba function compiled
+afterwards in this process (see below) and initializes LLVM's assembly parser.
+"""
+
+from __future__ import annotations
+
+import os
+
+import llvmlite.binding as _llb
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core import config as _numba_config
+from numba.extending import intrinsic
+
+# The scalar kernels (quantizers, dequantization) rely on LLVM's SLP vectorizer to turn
+# unrolled element loops into vector code (measured ~6x on a scalar Q8_0 dot). numba keeps
+# it off by default; it is read when each function is optimized, so setting it here covers
+# every function compiled in this process (the rest of the engine's numba code only gains).
+_numba_config.SLP_VECTORIZE = 1
+
+# ld_f16x2 uses two instructions of inline assembly; LLVM needs its assembly parser for that.
+_llb.initialize_native_asmparser()
+
+# ---------------------------------------------------------------------------------------
+# Intrinsics: raw loads, f16/bf16 conversions, rounding, atomics (used by pool.py as well)
+# ---------------------------------------------------------------------------------------
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+
+
+def _data(context, builder, aryty, ary):
+    """Data pointer of a numba array, or the pointer itself for a CPointer."""
+    if isinstance(aryty, types.CPointer):
+        return ary
+    return context.make_array(aryty)(context, builder, ary).data
+
+
+def _byte_ptr(context, builder, aryty, ary, off, llty):
+    data = builder.bitcast(_data(context, builder, aryty, ary), _I8.as_pointer())
+    return builder.bitcast(builder.gep(data, [off]), llty.as_pointer())
+
+
+@intrinsic
+def ld(typingctx, arr, idx):
+    """Element ``idx`` of a 1-D C array: no bounds check and no negative-index wraparound."""
+    sig = arr.dtype(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        data = _data(context, builder, signature.args[0], args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.load(builder.gep(data, [i]))
+
+    return sig, codegen
+
+
+@intrinsic
+def data_ptr(typingctx, arr):
+    """The data pointer of a 1-D array as a CPointer (no reference count: the kernels' inner
+    functions take pointers so no NRT incref/decref runs per row; the array must outlive it)."""
+    sig = types.CPointer(arr.dtype)(arr)
+
+    def codegen(context, builder, signature, args):
+        return _data(context, builder, signature.args[0], args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def st(typingctx, arr, idx, val):
+    """``arr[idx] = val`` for a 1-D C array: no bounds check and no wraparound."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        data = _data(context, builder, signature.args[0], args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.int64)
+        v = context.cast(builder, args[2], signature.args[2], signature.args[0].dtype)
+        builder.store(v, builder.gep(data, [i]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _byte_loader(llty, retty, convert, doc):
+    @intrinsic
+    def loader(typingctx, arena, off):
+        sig = retty(arena, off)
+
+        def codegen(context, builder, signature, args):
+            o = context.cast(builder, args[1], signature.args[1], types.int64)
+            v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], o, llty))
+            v.align = 1
+            return convert(builder, v)
+
+        return sig, codegen
+
+    loader.__doc__ = doc
+    return loader
+
+
+ld_i8 = _byte_loader(_I8, types.int32, lambda b, v: b.sext(v, _I32), "int8 at a byte offset, as int32.")
+ld_u8 = _byte_loader(_I8, types.int32, lambda b, v: b.zext(v, _I32), "uint8 at a byte offset, as int32.")
+ld_i16 = _byte_loader(_I16, types.int32, lambda b, v: b.sext(v, _I32), "int16 at a byte offset, as int32.")
+ld_u32 = _byte_loader(_I32, types.int64, lambda b, v: b.zext(v, _I64), "uint32 at a byte offset, as int64.")
+ld_f32 = _byte_loader(_F32, types.float32, lambda b, v: v, "float32 at a byte offset.")
+ld_f16 = _byte_loader(_I16, types.float32, lambda b, v: b.fpext(b.bitcast(v, ir.HalfType()), _F32),
+                      "float16 at a byte offset, widened exactly to float32 (vcvtph2ps).")
+ld_bf16 = _byte_loader(_I16, types.float32,
+                       lambda b, v: b.bitcast(b.shl(b.zext(v, _I32), ir.Constant(_I32, 16)), _F32),
+                       "bfloat16 at a byte offset, widened exactly to float32.")
+
+
+@intrinsic
+def ld_f16x2(typingctx, arena, off):
+    """The two float16 at byte offsets ``off`` and ``off + 2``, widened to float32, as a tuple.
+
+    The block kernels read their float16 scales with this: one 4-byte load into a general
+    register, then ``vmovd`` + ``vcvtph2ps`` (inline asm). Left to itself LLVM narrows the
+    load and inserts it into a live xmm register with ``vpinsrw``, which chains every block
+    on the previous block's scale arithmetic (measured 2.8x slower on Q4_0).
+    """
+    retty = types.UniTuple(types.float32, 2)
+    sig = retty(arena, off)
+
+    def codegen(context, builder, signature, args):
+        o = context.cast(builder, args[1], signature.args[1], types.int64)
+        v = builder.load(_byte_ptr(context, builder, signature.args[0], args[0], o, _I32))
+        v.align = 1
+        f4 = builder.asm(ir.FunctionType(ir.VectorType(_F32, 4), [_I32]),
+                         "vmovd $1, $0\n\tvcvtph2ps $0, $0", "=x,r", [v], False)
+        a = builder.extract_element(f4, ir.Constant(_I32, 0))
+        b = builder.extract_element(f4, ir.Constant(_I32, 1))
+        return context.make_tuple(builder, retty, [a, b])
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_round(typingctx, x):
+    """float32 -> float16 (nearest even, as GGML_FP32_TO_FP16) -> float32."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), _F32)
+
+    return sig, codegen
+
+
+def _unary_f32_intrinsic(llvm_name, doc):
+    @intrinsic
+    def fn(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32]), llvm_name)
+            return builder.call(f, [args[0]])
+
+        return sig, codegen
+
+    fn.__doc__ = doc
+    return fn
+
+
+roundf = _unary_f32_intrinsic("llvm.round.f32", "C roundf: round half away from zero.")
+rintf = _unary_f32_intrinsic("llvm.rint.f32", "Round half to even (ggml's nearest_int for |x| < 2^22).")
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The IEEE-754 bits of a float32, as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_f32(typingctx, x):
+    """The float32 whose IEEE-754 bits are the low 32 bits of the integer ``x``."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint32)
+        return builder.bitcast(v, _F32)
+
+    return sig, codegen
+
+
+def _elem_ptr(context, builder, aryty, ary, idx, idxty):
+    data = _data(context, builder, aryty, ary)
+    return builder.gep(data, [context.cast(builder, idx, idxty, types.int64)])
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """Sequentially consistent load of int64 element ``idx`` (a volatile read for spin loops)."""
+    sig = types.int64(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        return builder.load_atomic(p, "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """Sequentially consistent store into int64 element ``idx``."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(v, p, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """Atomically add ``val`` to int64 element ``idx`` (``lock xadd``); returns the old value."""
+    sig = types.int64(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        p = _elem_ptr(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        v = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", p, v, "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """Spin-wait hint (x86 ``pause``)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                           "llvm.x86.sse2.pause")
+        builder.call(f, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cycle_counter(typingctx):
+    """The CPU cycle counter (``rdtsc`` via llvm.readcyclecounter), as int64."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), "llvm.readcyclecounter")
+        return builder.call(f, [])
+
+    return sig, codegen
+
+
+def _addr_view(dtype):
+    arrty = types.Array(dtype, 1, "C")
+
+    @intrinsic
+    def view(typingctx, addr, n):
+        sig = arrty(addr, n)
+
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[0], signature.args[0], types.int64)
+            count = context.cast(builder, args[1], signature.args[1], types.int64)
+            llelem = context.get_data_type(dtype)
+            ary = context.make_array(arrty)(context, builder)
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(llelem))
+            context.populate_array(ary, data=builder.inttoptr(a, llelem.as_pointer()),
+                                   shape=cgutils.pack_array(builder, [count]),
+                                   strides=cgutils.pack_array(builder, [itemsize]),
+                                   itemsize=itemsize, meminfo=None)
+            return ary._getvalue()
+
+        return sig, codegen
+
+    view.__doc__ = f"A 1-D {dtype} array of ``n`` elements at raw address ``addr`` (no ownership)."
+    return view
+
+
+view_u8 = _addr_view(types.uint8)
+view_i8 = _addr_view(types.int8)
+view_i16 = _addr_view(types.int16)
+view_i32 = _addr_view(types.int32)
+view_i64 = _addr_view(types.int64)
+view_f32 = _addr_view(types.float32)
+
+_JIT = dict(nogil=True, cache=True)
+_JIT_FLOAT = dict(nogil=True, cache=True, fastmath={"reassoc", "contract", "nsz"})
+_JIT_INLINE = dict(nogil=True, cache=True, inline="always")
+
+
+
+# ---------------------------------------------------------------------------------------
+# Vector building blocks (LLVM vector IR) for the tile kernels (tiles32.py, tiles_k.py)
+# ---------------------------------------------------------------------------------------
+# As ggml's x86 kernels: weights become bytes (unpacked nibbles, or the int8 values),
+# multiplied with the activation's int8 by vpdpbusd (AVX-512 VNNI: unsigned x signed bytes,
+# four adjacent products summed into each int32 lane) or by vpmaddubsw (unsigned x signed
+# bytes -> int16 pair sums) + vpmaddwd (int16 pairs -> int32, times 1 or times the
+# sub-block scale). No int16 pair sum can saturate: |w| <= 128 and |a| <= 127 (both
+# quantizers clamp to 127), so 2 * 128 * 127 = 32512. Integer sums are exact, so every
+# instruction choice gives the same int32 lanes; the float steps are spelled out per lane.
+
+def _target_has_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 BW + VL + VNNI (the host, unless
+    NUMBA_CPU_NAME is set): the 512-bit kernels need all three (Ice Lake / Zen 4 and later);
+    other AVX-512 CPUs (Skylake-SP) run the AVX2 code. MOE_SERVICE_KERNEL_ISA=avx2 forces the
+    AVX2 code (the engine's numba cache folder is keyed by it, see engine/__init__.py)."""
+    if os.environ.get("MOE_SERVICE_KERNEL_ISA", "").lower() == "avx2":
+        return False
+    need = ("avx512bw", "avx512vl", "avx512vnni")
+    if _numba_config.CPU_NAME:
+        return all(f"+{f}" in (_numba_config.CPU_FEATURES or "") for f in need)
+    feats = _llb.get_host_cpu_features()
+    return all(bool(feats.get(f, False)) for f in need)
+
+
+_AVX512 = _target_has_avx512()
+_VNNI = _AVX512  # the 512-bit path requires AVX-512 BW + VL + VNNI (see _target_has_avx512)
+_VF = ir.VectorType(_F32, 8)
+_VI = ir.VectorType(_I32, 8)
+
+
+def _vt(t, n):
+    return ir.VectorType(t, n)
+
+
+def _cvec(t, vals):
+    return ir.Constant(_vt(t, len(vals)), list(vals))
+
+
+def _splat_f32(builder, v, n):
+    """<n x float> of the scalar float v."""
+    one = builder.insert_element(ir.Constant(_vt(_F32, n), None), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, _cvec(_I32, [0] * n))
+
+
+def _i64(context, builder, val, ty):
+    return context.cast(builder, val, ty, types.int64)
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _maddubs(builder, w_u8, a_s8):
+    """vpmaddubsw: <32 x u8> . <32 x s8> -> <16 x i16> sums of adjacent products."""
+    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(_I16, 16), [w_u8, a_s8])
+
+
+def _madd(builder, p16, m16):
+    """vpmaddwd: <16 x i16> . <16 x i16> -> <8 x i32> sums of adjacent products."""
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [p16, m16])
+
+
+def _maddubs512(builder, w_u8, a_s8):
+    """512-bit vpmaddubsw: <64 x u8> . <64 x s8> -> <32 x i16> (AVX-512BW)."""
+    return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vt(_I16, 32), [w_u8, a_s8])
+
+
+def _concat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, _cvec(_I32, range(2 * n)))
+
+
+def _abs8(builder, w):
+    return _call(builder, "llvm.abs.v32i8", _vt(_I8, 32), [w, ir.Constant(ir.IntType(1), 0)])
+
+
+def _sign8(builder, a, w):
+    """vpsignb: a where w > 0, -a where w < 0, 0 where w == 0."""
+    return _call(builder, "llvm.x86.avx2.psign.b", _vt(_I8, 32), [a, w])
+
+
+_ONES16 = _cvec(_I16, [1] * 16)
+
+
+
+
+def _ldv(builder, ptr, off, vty, align=1):
+    """Load a value of type vty at byte offset ``off`` (an int or an i64 value) of the i8* ``ptr``."""
+    if isinstance(off, int):
+        off = _ci(off)
+    p = builder.bitcast(builder.gep(ptr, [off]), vty.as_pointer())
+    v = builder.load(p)
+    v.align = align
+    return v
+
+
+def _ci(v):
+    return ir.Constant(_I64, v)
+
+
+def _shuf(builder, v, idx):
+    return builder.shuffle_vector(v, v, _cvec(_I32, idx))
+
+
+def _cat(builder, parts):
+    """Concatenate equal vectors into one."""
+    while len(parts) > 1:
+        parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _tree8(builder, v, lo):
+    """Pairwise sum of lanes lo..lo+7 of float vector v, as _acc_sum."""
+    v = builder.shuffle_vector(v, v, _cvec(_I32, range(lo, lo + 8)))
+    n = 8
+    while n > 1:
+        h = n // 2
+        v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, n)))
+        n = h
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _tree8_many(builder, vecs, ids):
+    """The _tree8 sums of many 8-lane float groups at once (transposed: ~1.3 vector ops per
+    group instead of ~7), with exactly _tree8's pairings: (j, j+4), then (j, j+2), then (0, 1).
+
+    vecs: <8 x float> (one group) or <16 x float> (two groups) values; ids: per vector, the
+    ids of its groups. Returns (one float vector holding every sum, {id: lane})."""
+    zero8 = ir.Constant(_VF, [0.0] * 8)
+    zero16 = ir.Constant(_vt(_F32, 16), [0.0] * 16)
+    v16, gid, eights = [], [], []
+    for v, i in zip(vecs, ids, strict=True):
+        if v.type.count == 16:
+            v16.append(v)
+            gid += list(i)
+        else:
+            eights.append((v, i[0]))
+    if len(eights) % 2:
+        eights.append((zero8, None))
+    for (a, ia), (b, ib) in zip(eights[::2], eights[1::2], strict=True):
+        v16.append(_concat(builder, a, b))
+        gid += [ia, ib]
+
+    def level(vs, lanes):  # each group of ``lanes`` lanes -> lanes/2: j + (j + lanes/2)
+        if len(vs) % 2:
+            vs = vs + [zero16]
+        h = lanes // 2
+        out = []
+        for a, b in zip(vs[::2], vs[1::2], strict=True):
+            lo = [16 * src + lanes * g + j for src in (0, 1) for g in range(16 // lanes) for j in range(h)]
+            out.append(builder.fadd(builder.shuffle_vector(a, b, _cvec(_I32, lo)),
+                                    builder.shuffle_vector(a, b, _cvec(_I32, [i + h for i in lo]))))
+        return out
+
+    w = level(level(level(v16, 8), 4), 2)  # 16 group sums per vector, in input order
+    while len(w) & (len(w) - 1):
+        w.append(zero16)
+    return _cat(builder, w), {g: lane for lane, g in enumerate(gid) if g is not None}
+
+
+def _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a):
+    """res: float vector, lane t * n_w + k = the result of (weight row k, item t): one n_w-float
+    store per item at out[o_rows[i0 + t] * ostride + ocol]."""
+    for t in range(n_a):
+        orow_t = builder.load(builder.gep(orow, [builder.add(i0, _ci(t))]))
+        ptr = builder.gep(outp, [builder.add(builder.mul(orow_t, ostride), ocol)])
+        if n_w == 1:
+            builder.store(builder.extract_element(res, ir.Constant(_I32, t)), ptr)
+        else:
+            st_ = builder.store(_shuf(builder, res, range(t * n_w, t * n_w + n_w)),
+                                builder.bitcast(ptr, _vt(_F32, n_w).as_pointer()))
+            st_.align = 4
+
+
+
+
+
+# Software prefetch distance, at least the next tile (n_w rows on) and at least this many
+# bytes: a tile streams n_w rows side by side, which the hardware prefetchers do not follow
+# (T=1 from DRAM ran at half speed without prefetching). Measured on Zen 5 at T=1, one
+# thread (GB/s vs distance 2/4/6/8/12/16 KiB): the 32-element formats peak at 8-16 KiB
+# (Q4_1 +30% at 12 KiB over 8 KiB), the K-quants at 8 KiB (Q6_K -10% at 12 KiB).
+_PF_MIN_32 = 12288
+_PF_MIN_K = 8192
+
+
+def _pf_distance(builder, rb, n_w, min_bytes):
+    """Prefetch distance in bytes: max(n_w * rb, min_bytes) (see _PF_MIN_32)."""
+    d = builder.mul(rb, _ci(n_w))
+    return builder.select(builder.icmp_signed("<", d, _ci(min_bytes)), _ci(min_bytes), d)
+
+
+def _prefetch(builder, ptr):
+    """prefetcht0 of the line at i8* ptr (a hint: never faults)."""
+    _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                                         ir.Constant(_I32, 1)])
+
+
+def _tile_args(context, builder, sig, args, n_w, n_a):
+    """The tile intrinsics' arguments (fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, x3, a_rows, i0,
+    o_rows, out, out_stride, out_col) as IR values: (rb, nb, i0, out_stride, out_col as i64; xq as
+    i8*, xd as f32*, x3's data pointer for the caller to cast (Q8_1 sums f32*, Q8_K block sums
+    i8*); o_rows' and out's data pointers; the n_w weight row pointers wo + k*rb into the
+    arena; the n_a activation rows a_rows[i0 + t])."""
+    (_, _, _, arena, wo, rb, nb, xq, xd, x3, a_rows, i0, o_rows, out, ostride, ocol) = args
+    ty = sig.args
+    wo, rb, nb, i0, ostride, ocol = (_i64(context, builder, v, t) for v, t in
+                                    ((wo, ty[4]), (rb, ty[5]), (nb, ty[6]), (i0, ty[11]), (ostride, ty[14]),
+                                     (ocol, ty[15])))
+    base = builder.bitcast(_data(context, builder, ty[3], arena), _I8.as_pointer())
+    xq8 = builder.bitcast(_data(context, builder, ty[7], xq), _I8.as_pointer())
+    xd32 = builder.bitcast(_data(context, builder, ty[8], xd), _F32.as_pointer())
+    x3p = _data(context, builder, ty[9], x3)
+    arow = _data(context, builder, ty[10], a_rows)
+    orow = _data(context, builder, ty[12], o_rows)
+    outp = _data(context, builder, ty[13], out)
+    wrow = [builder.gep(base, [builder.add(wo, builder.mul(rb, _ci(k)))]) for k in range(n_w)]
+    arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
+    return rb, nb, i0, ostride, ocol, xq8, xd32, x3p, orow, outp, wrow, arows
+

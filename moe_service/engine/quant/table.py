@@ -1,0 +1,272 @@
+"""The kernel table: one C-ABI matmul kernel per format, generated from the format
+declarations, compiled on first use and called through an address table (matmul_rows).
+Also the Python-facing ``matmul``."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import cfunc, njit, types
+from numba.extending import intrinsic
+
+from moe_service.engine.quant.activations import Activations
+from moe_service.engine.quant.dequant import check_tensor
+from moe_service.engine.quant.formats import (
+    FORMATS,
+    GGML_F16,
+    GGML_F32,
+    BlockFormat,
+    block_format,
+)
+from moe_service.engine.quant.ir import (
+    _JIT,
+    _JIT_INLINE,
+    _VNNI,
+    data_ptr,
+    ld,
+    ld_bf16,
+    ld_f16,
+    ld_f32,
+    st,
+)
+from moe_service.engine.quant.tiles32 import _tile32_codegen
+from moe_service.engine.quant.tiles_k import _tilek_codegen
+
+
+@intrinsic
+def _tile(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol):
+    """out[o_rows[i0+t] * out_stride + ocol + k] = W[k] . act[a_rows[i0+t]] for k < n_w, t < n_a.
+
+    fmt, n_w, n_a: literal ints (a quantized GGML type, weight rows, items); W[k] is the row
+    at byte ``wo + k * rb`` of ``arena`` (nb blocks); xq/xd: the partner's int8 values and
+    block scales, xaux: Q8_1 sums s (32-element formats) or Q8_K 16-sums (K-quants). Emits
+    the whole pass over the row's blocks (tiles32.py, tiles_k.py)."""
+    for v in (fmt, n_w, n_a):
+        if not isinstance(v, types.IntegerLiteral):
+            return None
+    sig = types.void(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol)
+    gen = _tile32_codegen if FORMATS[fmt.literal_value].family == "32" else _tilek_codegen
+    return sig, gen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
+
+
+@intrinsic
+def _aux(typingctx, fmt, xs, xbs):
+    """The partner's auxiliary array a format's tiles read (literal ``fmt``): the Q8_1 sums
+    ``xs`` (float32*) for the 32-element family, the Q8_K 16-sums ``xbs`` (int16*) for the
+    K-quants. Chosen at compile time: a run-time ``xs if ... else xbs`` would not unify."""
+    if not isinstance(fmt, types.IntegerLiteral):
+        return None
+    k_family = FORMATS[fmt.literal_value].family == "k"
+    sig = (xbs if k_family else xs)(fmt, xs, xbs)
+
+    def codegen(context, builder, signature, args):
+        return args[2] if k_family else args[1]
+
+    return sig, codegen
+
+
+_R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
+
+
+@njit(**_JIT_INLINE)
+def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
+    """n_w weight rows at byte wo x every item, in tiles of 4, 2, 1 items."""
+    i = 0
+    while i + 4 <= n_items:
+        _tile(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
+        i += 4
+    if i + 2 <= n_items:
+        _tile(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
+        i += 2
+    if i < n_items:
+        _tile(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
+
+
+@njit(**_JIT_INLINE)
+def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items,
+         out, out_stride, out_col):
+    """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
+    tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
+    every item; a single item of a ``sequential_t1`` format (formats.SEQUENTIAL_T1_NOTE:
+    a plain stream beats 4 side-by-side rows when memory-bound) goes row by row."""
+    r = row_lo
+    if not (n_items == 1 and sequential_t1):
+        while r + _R_TILE <= row_hi:
+            _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
+                   n_items, out, out_stride, out_col + r)
+            r += _R_TILE
+    while r < row_hi:
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
+               out_stride, out_col + r)
+        r += 1
+
+
+@njit(**_JIT_INLINE)
+def _row1_float(ggml_type, arena, wo, n, xf, a):
+    """F32 / F16 / BF16 row x activation row a (already rounded to the weight's precision)."""
+    s = np.float32(0.0)
+    xo = a * n
+    if ggml_type == GGML_F32:
+        for j in range(n):
+            s += ld_f32(arena, wo + 4 * j) * ld(xf, xo + j)
+    elif ggml_type == GGML_F16:
+        for j in range(n):
+            s += ld_f16(arena, wo + 2 * j) * ld(xf, xo + j)
+    else:
+        for j in range(n):
+            s += ld_bf16(arena, wo + 2 * j) * ld(xf, xo + j)
+    return s
+
+
+# ---------------------------------------------------------------------------------------
+# Format kernels: compiled once each, as C-ABI functions (numba cfunc), called through an
+# address table
+# ---------------------------------------------------------------------------------------
+# numba re-optimizes a callee's whole code inside every jitted caller that links it, so the
+# big format kernels would be recompiled once per call site (matmul, the pool's items, the
+# MoE items, ...). Compiled as cfuncs and called through addresses read at run time from
+# ``kernel_table()`` (never baked into cached code), each is compiled exactly once, and only
+# for the formats a model uses (``ensure_kernels``). All share one signature:
+#   (arena u8*, w_off, row_bytes, n_cols, row_lo, row_hi, xf f32*, xq i8*, xd f32*, xs f32*,
+#    xbs i16*, a_rows i64*, o_rows i64*, n_items, out f32*, out_stride, out_col, ggml_type)
+
+
+# The quantized kernels are generated from the format declarations by ``_make_kernel``: the
+# format id, its block size and its sequential_t1 choice are closure constants, which numba
+# compiles as literals (the tile intrinsics need the format id as one) and which its on-disk
+# cache hashes into the index key (numba/core/caching.py ``_index_key``), so each format
+# caches separately. Closures hold only ints and bools: a dispatcher in a closure pickles
+# with a per-process uuid and would never hit the cache.
+
+
+def _make_kernel(f: BlockFormat):
+    """The matmul kernel of quantized format ``f`` (python function, for cfunc)."""
+    fmt, block_elems, sequential_t1 = f.type_id, f.block_elems, f.sequential_t1
+
+    def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+               out, out_stride, out_col, ggml_type):
+        _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
+             _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
+
+    kernel.__name__ = kernel.__qualname__ = f"_mm_{f.name.lower()}"
+    kernel.__doc__ = f"{f.name} rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."
+    return kernel
+
+
+def _mm_float(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+              out, out_stride, out_col, ggml_type):
+    """F32 / F16 / BF16 rows [row_lo, row_hi) x activation rows (see matmul_rows)."""
+    for r in range(row_lo, row_hi):
+        wo = w_off + r * row_bytes_
+        for i in range(n_items):
+            st(out, ld(o_rows, i) * out_stride + out_col + r, _row1_float(ggml_type, arena, wo, n_cols, xf, ld(a_rows, i)))
+
+
+_P = types.CPointer
+_KERNEL_SIG = types.void(_P(types.uint8), types.int64, types.int64, types.int64, types.int64, types.int64,
+                         _P(types.float32), _P(types.int8), _P(types.float32), _P(types.float32), _P(types.int16),
+                         _P(types.int64), _P(types.int64), types.int64, _P(types.float32), types.int64, types.int64,
+                         types.int64)
+_KERNEL_PY = {t: (_mm_float if f.family == "float" else _make_kernel(f)) for t, f in FORMATS.items()}
+_KERNEL_TABLE = np.zeros(64, np.int64)  # ggml type id -> cfunc address (0: not compiled yet)
+_KERNEL_CFUNCS: dict[object, object] = {}  # python function -> its cfunc (keeps the code alive)
+_KERNEL_LOCK = threading.Lock()
+
+
+def ensure_kernels(ggml_types) -> np.ndarray:
+    """Compile (or load from numba's cache) the kernels of these GGML types; returns the
+    address table matmul_rows reads. Thread-safe; each kernel is compiled once per process.
+    ModelFileError for an unsupported type."""
+    for t in ggml_types:
+        t = int(t)
+        if _KERNEL_TABLE[t]:
+            continue
+        block_format(t)
+        with _KERNEL_LOCK:
+            if _KERNEL_TABLE[t]:
+                continue
+            py = _KERNEL_PY[t]
+            cf = _KERNEL_CFUNCS.get(py)
+            if cf is None:
+                opts = dict(nopython=True, cache=True)
+                if py is _mm_float:
+                    opts["fastmath"] = {"reassoc", "contract", "nsz"}
+                cf = _KERNEL_CFUNCS[py] = cfunc(_KERNEL_SIG, **opts)(py)
+            _KERNEL_TABLE[t] = cf.address
+    return _KERNEL_TABLE
+
+
+def kernel_table() -> np.ndarray:
+    """The address table of the kernels compiled so far (see ensure_kernels)."""
+    return _KERNEL_TABLE
+
+
+@intrinsic
+def _call_kernel(typingctx, addr, arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows,
+                 o_rows, n_items, out, out_stride, out_col, ggml_type):
+    """Call the format kernel at address ``addr`` (one of ensure_kernels' cfuncs)."""
+    sig = types.void(types.int64, *_KERNEL_SIG.args)
+
+    def codegen(context, builder, signature, args):
+        argtys = signature.args[1:]
+        fnty = ir.FunctionType(ir.VoidType(), [context.get_value_type(t) for t in argtys])
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(fptr, list(args[1:]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT)
+def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf, xq, xd, xs, xbs,
+                a_rows, o_rows, out, out_stride, out_col, kernels):
+    """out[o_rows[i], out_col + r] = W[r] . act[a_rows[i]] for r in [row_lo, row_hi), all i.
+
+    arena: uint8 [*], the weight tensor's row r at byte ``w_off + r * row_bytes_`` (GGUF
+    blocks of ``ggml_type``, read in place, n_cols elements); xf/xq/xd/xs/xbs: activations in
+    the type's partner format (PartnerArrays, rows of n_cols); a_rows/o_rows: int64 [n]
+    activation row and output row of each item (arange(T) for a plain matmul; the tokens
+    routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
+    kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
+    Quantized formats run in tiles of 4 weight rows x 4 items (see the tile sections): each
+    weight row is read from memory once per call and each block unpacked once per tile.
+    The caller validates types, offsets and shapes; a type whose kernel is not compiled
+    writes nothing.
+    """
+    addr = ld(kernels, ggml_type)
+    if addr == 0:
+        return
+    _call_kernel(addr, data_ptr(arena), w_off, row_bytes_, n_cols, row_lo, row_hi, data_ptr(xf), data_ptr(xq),
+                 data_ptr(xd), data_ptr(xs), data_ptr(xbs), data_ptr(a_rows), data_ptr(o_rows), a_rows.shape[0],
+                 data_ptr(out), out_stride, out_col, ggml_type)
+
+
+
+def matmul(arena: np.ndarray, offset: int, ggml_type: int, n_rows: int, n_cols: int,
+           x: np.ndarray | Activations, out: np.ndarray | None = None,
+           row_lo: int = 0, row_hi: int | None = None) -> np.ndarray:
+    """Single-threaded y = x @ W.T for a GGUF tensor read in place.
+
+    arena: uint8 [*]; the tensor is n_rows rows of row_bytes(ggml_type, n_cols) bytes at
+    ``offset`` (ggml ne = {n_cols, n_rows}); x: float32 [T, n_cols] or an Activations;
+    returns out float32 [T, n_rows] (only columns [row_lo, row_hi) written). The worker pool
+    (pool.py) splits the row range over threads.
+    """
+    rb = check_tensor(arena, offset, ggml_type, n_rows, n_cols)
+    act = x if isinstance(x, Activations) else Activations(x)
+    if act.n_cols != n_cols:
+        raise ValueError(f"activations have {act.n_cols} columns, the tensor has {n_cols}")
+    pa = act.encoded(block_format(ggml_type).partner)
+    if out is None:
+        out = np.zeros((act.n_tok, n_rows), np.float32)
+    if out.dtype != np.float32 or not out.flags.c_contiguous or out.shape != (act.n_tok, n_rows):
+        raise ValueError(f"out must be C-contiguous float32 {(act.n_tok, n_rows)} (got {out.dtype} {out.shape})")
+    hi = n_rows if row_hi is None else row_hi
+    if not 0 <= row_lo <= hi <= n_rows:
+        raise ValueError(f"row range [{row_lo}, {hi}) is outside [0, {n_rows})")
+    rows = np.arange(act.n_tok, dtype=np.int64)
+    matmul_rows(arena, int(offset), int(ggml_type), int(n_cols), rb, int(row_lo), int(hi), pa.xf, pa.xq, pa.xd,
+                pa.xs, pa.xbs, rows, rows, out.reshape(-1), n_rows, 0, ensure_kernels([ggml_type]))
+    return out

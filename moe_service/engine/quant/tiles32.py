@@ -1,0 +1,260 @@
+"""Tile kernels of the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 x Q8_0 /
+Q8_1): LLVM IR for R weight rows x A activation rows per pass (see the section comment).
+A format of this family declares its tile parameters in formats.py (``kind``, ``bias``,
+``signed``, ``has_min`` and the ``qs`` / ``qh`` offsets)."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from moe_service.engine.quant.formats import FORMATS, MXFP4_KVALUES, QK
+from moe_service.engine.quant.ir import (
+    _F32,
+    _I8,
+    _I16,
+    _I32,
+    _I64,
+    _ONES16,
+    _PF_MIN_32,
+    _VF,
+    _VNNI,
+    _abs8,
+    _call,
+    _cat,
+    _ci,
+    _concat,
+    _cvec,
+    _ldv,
+    _madd,
+    _maddubs,
+    _pf_distance,
+    _prefetch,
+    _shuf,
+    _sign8,
+    _store_rows,
+    _tile_args,
+    _tree8_many,
+    _vt,
+)
+
+# ---------------------------------------------------------------------------------------
+# Tile kernels of the 32-element formats: R weight rows x A activation rows per pass
+# ---------------------------------------------------------------------------------------
+# One call of a tile intrinsic computes R x A dot products (R consecutive weight rows, A
+# activation rows picked through a_rows) in one pass over the rows' blocks, taking blocks
+# two at a time (a *pair*). Per pair it unpacks each weight row's two blocks once (64 int8,
+# the float16 scales widened) and loads each activation row's two blocks once; the R x A
+# products then cost four vector instructions each on AVX-512 VNNI: vpdpbusd (64 byte
+# products -> 16 int32, four adjacent products per lane), vcvtdq2ps, vmulps (d_w * d_x,
+# both pre-expanded to the 16 lanes), vfmadd. The R x A accumulators stay in registers.
+#
+# Numerics are exactly the per-row order of the one-row dot: each row's accumulator is
+# 8 lanes for even blocks and 8 for odd blocks (on AVX-512 the two halves of one zmm);
+# lane k of block b gets fma(float(sum of the 4 products 4k..4k+3), d_w(b) * d_x(b), acc);
+# at the end each half is summed by the same pairwise tree, even + odd, then (Q4_1/Q5_1)
+# + (m_even + m_odd) where m_par accumulates m_w(b) * s_x(b) (multiply, then add) over the
+# blocks of its parity. The int32 lane sums are exact whatever instructions compute them,
+# so the result of a row never depends on R, A, the tile a row lands in, or the ISA.
+#
+# Signed weights (Q8_0, Q4_0, Q5_0, MXFP4) with vpdpbusd (unsigned x signed bytes): the
+# activation goes in as unsigned a + 128 (a xor 0x80) and every lane starts from
+# -128 * (sum of its 4 weights), computed once per weight pair: sum w*(a+128) - 128 sum w =
+# sum w*a exactly (vpdpbusd does not saturate). Without VNNI (the AVX2 path) a block is one
+# ymm and the products go through vpmaddubsw + vpmaddwd (signed weights: ggml's sign trick,
+# |w| x sign(a, w)); no int16 pair sum can saturate (|w| <= 128, |a| <= 127).
+
+
+
+def _unpack32(builder, f, ptrs):
+    """The int8 values of the blocks at i8* ptrs (1 or 2 consecutive blocks of one row) as
+    one <32*len(ptrs) x i8> (signed values for signed formats, else 0..31)."""
+    n = len(ptrs)
+    if f.kind == "q8":
+        return _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 32)) for p in ptrs])
+    v = _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 16)) for p in ptrs])  # <16n x i8>
+    # block j: its 16 low nibbles (elements 0..15), then its 16 high nibbles (16..31): each
+    # block's 16 bytes twice, the second copy shifted right by 4 (as 16-bit lanes), & 15
+    dup = _shuf(builder, v, [16 * j + i for j in range(n) for _ in range(2) for i in range(16)])
+    w16 = builder.lshr(builder.bitcast(dup, _vt(_I16, 16 * n)), _cvec(_I16, ([0] * 8 + [4] * 8) * n))
+    q = builder.and_(builder.bitcast(w16, _vt(_I8, 32 * n)), _cvec(_I8, [15] * 32 * n))
+    if f.kind == "mxfp4":
+        table = _cvec(_I8, [v_ & 0xFF for v_ in MXFP4_KVALUES] * (2 * n))
+        name = "llvm.x86.avx512.pshuf.b.512" if n == 2 else "llvm.x86.avx2.pshuf.b"
+        return _call(builder, name, _vt(_I8, 32 * n), [table, q])
+    if f.qh >= 0:
+        bits = [builder.zext(_ldv(builder, p, _ci(f.qh), _I32), _I64) for p in ptrs]
+        m = bits[0] if n == 1 else builder.or_(bits[0], builder.shl(bits[1], _ci(32)))
+        mask = builder.bitcast(builder.trunc(m, _I32) if n == 1 else m, _vt(ir.IntType(1), 32 * n))
+        q = builder.or_(q, builder.select(mask, _cvec(_I8, [16] * 32 * n), _cvec(_I8, [0] * 32 * n)))
+    if f.bias:
+        q = builder.sub(q, _cvec(_I8, [f.bias] * 32 * n))
+    return q
+
+
+def _scales32(builder, f, ptrs):
+    """<2n x float>: [d, m] of each block (m only meaningful for Q4_1 / Q5_1), widened
+    exactly from float16 (MXFP4: [2^(e-128), 0])."""
+    n = len(ptrs)
+    if f.kind == "mxfp4":
+        e = ir.Constant(_vt(_I32, 2 * n), None)
+        for j, p in enumerate(ptrs):
+            e = builder.insert_element(e, builder.zext(builder.load(p), _I32), ir.Constant(_I32, 2 * j))
+            e = builder.insert_element(e, ir.Constant(_I32, 2), ir.Constant(_I32, 2 * j + 1))
+        small = builder.shl(_cvec(_I32, [0x00200000] * 2 * n), e)
+        big = builder.shl(builder.sub(e, _cvec(_I32, [1] * 2 * n)), _cvec(_I32, [23] * 2 * n))
+        bits = builder.select(builder.icmp_unsigned("<", e, _cvec(_I32, [2] * 2 * n)), small, big)
+        return builder.bitcast(bits, _vt(_F32, 2 * n))
+    w = ir.Constant(_vt(_I32, n), None)
+    for j, p in enumerate(ptrs):
+        w = builder.insert_element(w, _ldv(builder, p, _ci(0), _I32), ir.Constant(_I32, j))
+    return builder.fpext(builder.bitcast(w, _vt(ir.HalfType(), 2 * n)), _vt(_F32, 2 * n))
+
+
+def _dot32(builder, f, w, neg, a, a_u):
+    """int32 lanes (8 per block) of w . a for one weight value vector w and activation a
+    (<32n x i8>); on VNNI ``neg``/``a_u`` carry the signed-weight correction (see above)."""
+    n = w.type.count // 32
+    vi = _vt(_I32, 8 * n)
+    if _VNNI:
+        name = "llvm.x86.avx512.vpdpbusd.512" if n == 2 else "llvm.x86.avx512.vpdpbusd.256"
+        if f.signed:
+            return _call(builder, name, vi, [neg, builder.bitcast(a_u, vi), builder.bitcast(w, vi)])
+        return _call(builder, name, vi, [ir.Constant(vi, [0] * 8 * n), builder.bitcast(w, vi), builder.bitcast(a, vi)])
+    if f.signed:
+        return _madd(builder, _maddubs(builder, _abs8(builder, w), _sign8(builder, a, w)), _ONES16)
+    return _madd(builder, _maddubs(builder, w, a), _ONES16)
+
+def _tile32_codegen(fmt, n_w, n_a):
+    f = FORMATS[fmt]
+    # accumulator layout: VNNI: one <16 x float> per (row, item) = [even blocks | odd blocks];
+    # AVX2: two <8 x float> (even, odd).
+    n_par_parts = 1 if _VNNI else 2
+
+    def codegen(context, builder, sig, args):
+        rb, nb, i0, ostride, ocol, xq8, xd32, x3, orow, outp, wrow, arows = _tile_args(context, builder, sig,
+                                                                                        args, n_w, n_a)
+        xs32 = builder.bitcast(x3, _F32.as_pointer())
+        n_cols = builder.mul(nb, _ci(QK))
+        pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_32)
+        xq_t = [builder.gep(xq8, [builder.mul(a, n_cols)]) for a in arows]
+        xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
+        xs_t = [builder.gep(xs32, [builder.mul(a, nb)]) for a in arows]
+        acc_ty = _vt(_F32, 16) if _VNNI else _VF
+        acc = [[[cgutils.alloca_once(builder, acc_ty) for _ in range(n_par_parts)] for _ in range(n_a)]
+               for _ in range(n_w)]
+        for k in range(n_w):
+            for t in range(n_a):
+                for p in acc[k][t]:
+                    builder.store(ir.Constant(acc_ty, [0.0] * acc_ty.count), p)
+        mvec = []
+        if f.has_min:
+            mty = _vt(_F32, 2 * n_a)
+            mvec = [cgutils.alloca_once(builder, mty) for _ in range(n_w)]
+            for p in mvec:
+                builder.store(ir.Constant(mty, [0.0] * 2 * n_a), p)
+
+        def step(b, n):
+            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even)."""
+            boff = builder.mul(b, _ci(f.bb))
+            wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
+            if n == 2:
+                for k in range(n_w):
+                    for line in range(0, 2 * f.bb, 64):
+                        _prefetch(builder, builder.gep(wp[k][0], [builder.add(pf_dist, _ci(line))]))
+            if _VNNI:
+                ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
+            else:
+                ws = [[_unpack32(builder, f, [wp[k][j]]) for j in range(n)] for k in range(n_w)]
+            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)]  # [d0, m0, (d1, m1)]
+            if _VNNI:
+                dw = [[_shuf(builder, sc[k], [0] * 8 + ([2] * 8 if n == 2 else []))] for k in range(n_w)]
+            else:
+                dw = [[_shuf(builder, sc[k], [2 * j] * 8) for j in range(n)] for k in range(n_w)]
+            neg = [[None] * len(ws[k]) for k in range(n_w)]
+            if _VNNI and f.signed:
+                for k in range(n_w):
+                    for j, w in enumerate(ws[k]):
+                        vi = _vt(_I32, w.type.count // 4)
+                        name = "llvm.x86.avx512.vpdpbusd.512" if w.type.count == 64 else "llvm.x86.avx512.vpdpbusd.256"
+                        s = _call(builder, name, vi, [ir.Constant(vi, [0] * vi.count),
+                                                      builder.bitcast(_cvec(_I8, [0x80] * w.type.count), vi),
+                                                      builder.bitcast(w, vi)])
+                        neg[k][j] = builder.sub(ir.Constant(vi, [0] * vi.count), s)
+            xoff = builder.mul(b, _ci(QK))
+            for t in range(n_a):
+                if _VNNI:
+                    av = [_ldv(builder, xq_t[t], xoff, _vt(_I8, 32 * n))]
+                else:
+                    av = [_ldv(builder, xq_t[t], builder.add(xoff, _ci(32 * j)), _vt(_I8, 32)) for j in range(n)]
+                au = [builder.xor(v, _cvec(_I8, [0x80] * v.type.count)) for v in av] if (_VNNI and f.signed) else av
+                dx2 = _ldv(builder, builder.bitcast(builder.gep(xd_t[t], [b]), _I8.as_pointer()), 0, _vt(_F32, n), 4)
+                if _VNNI:
+                    dx = [_shuf(builder, dx2, [0] * 8 + ([1] * 8 if n == 2 else []))]
+                else:
+                    dx = [_shuf(builder, dx2, [j] * 8) for j in range(n)]
+                for k in range(n_w):
+                    for j in range(len(av)):
+                        li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
+                        fl = builder.sitofp(li, _vt(_F32, li.type.count))
+                        s = builder.fmul(dw[k][j], dx[j])
+                        if _VNNI:
+                            p = acc[k][t][0]
+                            old = builder.load(p)
+                            if n == 2:
+                                new = _call(builder, "llvm.fma.v16f32", acc_ty, [fl, s, old])
+                            else:  # even block only: the low 8 lanes
+                                lo = _call(builder, "llvm.fma.v8f32", _VF, [fl, s, _shuf(builder, old, range(8))])
+                                lo16 = _shuf(builder, lo, list(range(8)) + [0] * 8)
+                                new = builder.shuffle_vector(lo16, old, _cvec(_I32, list(range(8)) + list(range(24, 32))))
+                            builder.store(new, p)
+                        else:
+                            p = acc[k][t][j]
+                            builder.store(_call(builder, "llvm.fma.v8f32", _VF, [fl, s, builder.load(p)]), p)
+            if f.has_min:
+                # m_par += m_w(b) * s_x(b): lanes [2t + parity], one vector per weight row
+                xsv = _cat(builder, [_ldv(builder, builder.bitcast(builder.gep(xs_t[t], [b]), _I8.as_pointer()), 0,
+                                          _vt(_F32, n), 4) for t in range(n_a)]) if n_a > 1 else \
+                    _ldv(builder, builder.bitcast(builder.gep(xs_t[0], [b]), _I8.as_pointer()), 0, _vt(_F32, n), 4)
+                for k in range(n_w):
+                    p = mvec[k]
+                    old = builder.load(p)
+                    if n == 2:
+                        mw = _shuf(builder, sc[k], [1, 3] * n_a)
+                        builder.store(builder.fadd(old, builder.fmul(mw, xsv)), p)
+                    else:
+                        prod = builder.fmul(_shuf(builder, sc[k], [1] * n_a), xsv)  # <n_a>
+                        prod2 = _shuf(builder, prod, [t // 2 for t in range(2 * n_a)])
+                        new = builder.fadd(old, prod2)
+                        keep = _cvec(ir.IntType(1), [1 - (ln & 1) for ln in range(2 * n_a)])
+                        builder.store(builder.select(keep, new, old), p)
+
+        npairs = builder.lshr(nb, _ci(1))
+        with cgutils.for_range(builder, npairs) as loop:
+            step(builder.mul(loop.index, _ci(2)), 2)
+        odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
+        with builder.if_then(odd, likely=False):
+            step(builder.sub(nb, _ci(1)), 1)
+        # result (k, t) = (tree(even) + tree(odd)) [+ (m_even + m_odd)], lanes t * n_w + k
+        vecs, ids = [], []
+        for t in range(n_a):
+            for k in range(n_w):
+                if _VNNI:
+                    vecs.append(builder.load(acc[k][t][0]))
+                else:
+                    vecs.append(_concat(builder, builder.load(acc[k][t][0]), builder.load(acc[k][t][1])))
+                ids.append(((k, t, 0), (k, t, 1)))
+        sums, lane = _tree8_many(builder, vecs, ids)
+        order = [(k, t) for t in range(n_a) for k in range(n_w)]
+        res = builder.fadd(_shuf(builder, sums, [lane[(k, t, 0)] for k, t in order]),
+                           _shuf(builder, sums, [lane[(k, t, 1)] for k, t in order]))
+        if f.has_min:
+            m = _cat(builder, [builder.load(mvec[k]) for k in range(n_w)]) if n_w > 1 else builder.load(mvec[0])
+            ms = builder.fadd(_shuf(builder, m, [2 * n_a * k + 2 * t for k, t in order]),
+                              _shuf(builder, m, [2 * n_a * k + 2 * t + 1 for k, t in order]))
+            res = builder.fadd(res, ms)
+        _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a)
+        return context.get_dummy_value()
+
+    return codegen
+

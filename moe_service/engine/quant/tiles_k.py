@@ -1,0 +1,355 @@
+"""Tile kernels of the K-quants (super-blocks of 256 x Q8_K): LLVM IR for R weight rows x A
+activation rows per pass (see the section comment). A format of this family is its
+declaration in formats.py plus its weight side, a ``@_weight_side`` function
+(the super-block's values, scales, mins or offset, and d, as ``KPieces``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, QK_K
+from moe_service.engine.quant.ir import (
+    _F32,
+    _I8,
+    _I16,
+    _I32,
+    _I64,
+    _PF_MIN_K,
+    _VI,
+    _VNNI,
+    _call,
+    _cat,
+    _ci,
+    _concat,
+    _cvec,
+    _ldv,
+    _madd,
+    _maddubs,
+    _maddubs512,
+    _pf_distance,
+    _prefetch,
+    _shuf,
+    _store_rows,
+    _tile_args,
+    _tree8_many,
+    _vt,
+)
+
+# ---------------------------------------------------------------------------------------
+# Tile kernels of the K-quants (Q2_K .. Q6_K, IQ4_XS x Q8_K): R weight rows x A items per pass
+# ---------------------------------------------------------------------------------------
+# Per super-block (256 elements) and (row, item): an int32 accumulator of 16 lanes takes
+# four 64-element pieces, each vpmaddubsw (unsigned weights x activation -> int16 pairs)
+# then vpdpwssd / vpmaddwd+vpaddd with the int16 sub-block scales; lanes k and k + 8 are
+# then folded (exact), so lane k holds the same integer as ggml's AVX2 kernel's lane k.
+# Q6_K's -32 offset (Q3_K's -4) enters as -32 * (16 scales . 16 Q8_K sums) in lanes 0..7,
+# and Q4_K / Q5_K's mins as sum_j min_j * (bsums[2j] + bsums[2j+1]) (Q2_K: one min per 16
+# elements, sum_j min_j * bsums[j]) (exact int32 dots). IQ4_XS's values are signed: they go
+# through the sign trick (_kq_dot).
+# Float part, in the one-row order: acc = fma(float(lanes), d_w * d_x, acc) per
+# super-block (8 lanes; on AVX-512 two items share one zmm), mins = mins + ((dmin_w * d_x) *
+# float(min dot)), result = tree sum of acc - mins.
+
+
+_PIECES: dict = {}
+"""K-quant format id -> its weight-side function (builder, f, o) -> KPieces."""
+
+
+class KPieces(NamedTuple):
+    """Weight side of one super-block: ``pieces`` 4 x <64 x i8> (elements 64g..64g+63:
+    unsigned values, or signed ones when the format is ``signed``), ``scales`` 4 x <32 x
+    i16> (the sub-block scale of each int16 pair lane), ``mins`` <16 x i16> (the min of each
+    16 elements, formats with ``has_min``) or None, ``offset`` <16 x i16> (a constant offset
+    of the values times the scale of each 16 elements, dotted with the Q8_K sums) or None,
+    ``d2`` <2 x float> [d, dmin]."""
+
+    pieces: list
+    scales: list
+    mins: object
+    offset: object
+    d2: object
+
+
+def _weight_side(*names: str):
+    def register(fn):
+        for n in names:
+            _PIECES[BY_NAME[n].type_id] = fn
+        return fn
+
+    return register
+
+
+def _kq_pieces(builder, fmt, o):
+    """The KPieces of the super-block at i8* o of K-quant ``fmt``."""
+    return _PIECES[fmt](builder, FORMATS[fmt], o)
+
+
+def _f16_pair(builder, o, off):
+    """<2 x float>: the two float16 at byte offsets off and off + 2, widened exactly (one u32
+    load: a lone 16-bit load becomes a vpinsrw into a live register, see ld_f16x2)."""
+    return builder.fpext(builder.bitcast(_ldv(builder, o, off, _I32), _vt(ir.HalfType(), 2)), _vt(_F32, 2))
+
+
+@_weight_side("Q6_K")
+def _q6_k_pieces(builder, f, o):
+    pieces, scl = [], []
+    sc = builder.sext(_ldv(builder, o, f.off("scales"), _vt(_I8, 16)), _vt(_I16, 16))
+    for g in range(4):  # groups 2g, 2g+1: ql half n = g // 2, shift by 4 * (g % 2)
+        n, hi4 = g // 2, g % 2
+        qh = _ldv(builder, o, f.off("qh") + 32 * n, _vt(_I8, 32))
+        parts = []
+        for delta in range(2):
+            ql = _ldv(builder, o, f.off("ql") + 64 * n + 32 * delta, _vt(_I8, 32))
+            k = 2 * hi4 + delta  # group index within its 128-element half
+            lo = builder.and_(builder.lshr(ql, _cvec(_I8, [4 * hi4] * 32)), _cvec(_I8, [15] * 32))
+            h2 = builder.and_(builder.lshr(qh, _cvec(_I8, [2 * k] * 32)), _cvec(_I8, [3] * 32))
+            parts.append(builder.or_(lo, builder.shl(h2, _cvec(_I8, [4] * 32))))
+        pieces.append(_concat(builder, parts[0], parts[1]))
+        scl.append(_shuf(builder, sc, [4 * g + m // 8 for m in range(32)]))
+    neg = builder.mul(sc, _cvec(_I16, [-32] * 16))
+    # d: the f16 after the scales, read with the scales' last two bytes, moved to lane 0
+    d2 = _f16_pair(builder, o, f.off("d") - 2)
+    return KPieces(pieces, scl, None, neg, _shuf(builder, d2, [1, 0]))
+
+
+@_weight_side("Q4_K", "Q5_K")
+def _q45_k_pieces(builder, f, o):
+    pieces, scl = [], []
+    q5 = f.qh >= 0
+    u = [builder.zext(_ldv(builder, o, f.off("scales") + 4 * i, _I32), _I64) for i in range(3)]
+    c = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    sc_lo = builder.and_(u[0], c(0x3F3F3F3F))
+    sc_hi = builder.or_(builder.and_(u[2], c(0x0F0F0F0F)),
+                        builder.shl(builder.and_(builder.lshr(u[0], c(6)), c(0x03030303)), c(4)))
+    m_lo = builder.and_(u[1], c(0x3F3F3F3F))
+    m_hi = builder.or_(builder.and_(builder.lshr(u[2], c(4)), c(0x0F0F0F0F)),
+                       builder.shl(builder.and_(builder.lshr(u[1], c(6)), c(0x03030303)), c(4)))
+    sc8 = builder.bitcast(builder.or_(sc_lo, builder.shl(sc_hi, c(32))), _vt(_I8, 8))
+    m8 = builder.bitcast(builder.or_(m_lo, builder.shl(m_hi, c(32))), _vt(_I8, 8))
+    sc16 = builder.zext(sc8, _vt(_I16, 8))
+    mins = builder.zext(_shuf(builder, m8, [j // 2 for j in range(16)]), _vt(_I16, 16))
+    qs_off = f.qs
+    qh = _ldv(builder, o, f.qh, _vt(_I8, 32)) if q5 else None
+    for g in range(4):
+        qs = _ldv(builder, o, qs_off + 32 * g, _vt(_I8, 32))
+        if not q5:  # low nibbles | high nibbles: qs in both halves, the high half shifted by 4
+            q2 = builder.bitcast(_concat(builder, qs, qs), _vt(_I16, 32))
+            q2 = builder.lshr(q2, _cvec(_I16, [0] * 16 + [4] * 16))
+            pieces.append(builder.and_(builder.bitcast(q2, _vt(_I8, 64)), _cvec(_I8, [15] * 64)))
+            scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+            continue
+        lo = builder.and_(qs, _cvec(_I8, [15] * 32))
+        hi = builder.lshr(qs, _cvec(_I8, [4] * 32))
+        if q5:
+            one = _cvec(_I8, [1] * 32)
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh, _cvec(_I8, [2 * g] * 32)), one),
+                                             _cvec(_I8, [4] * 32)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh, _cvec(_I8, [2 * g + 1] * 32)), one),
+                                             _cvec(_I8, [4] * 32)))
+        pieces.append(_concat(builder, lo, hi))
+        scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+    return KPieces(pieces, scl, mins, None, _f16_pair(builder, o, f.off("d")))
+
+
+def _split_bits(builder, v, shifts, mask):
+    """<n x i8> v lshr'd by each of ``shifts`` and masked: one vector per shift."""
+    n = v.type.count
+    return [builder.and_(builder.lshr(v, _cvec(_I8, [sh] * n)), _cvec(_I8, [mask] * n)) for sh in shifts]
+
+
+@_weight_side("Q2_K")
+def _q2_k_pieces(builder, f, o):
+    """Element e = 128 n + 32 j + l is bits 2j of qs[32 n + l] (0..3); each 16 elements have
+    a scale byte: d * (s & 15), dmin * (s >> 4)."""
+    sb = _ldv(builder, o, f.off("scales"), _vt(_I8, 16))
+    sc16 = builder.zext(builder.and_(sb, _cvec(_I8, [15] * 16)), _vt(_I16, 16))
+    mins = builder.zext(builder.lshr(sb, _cvec(_I8, [4] * 16)), _vt(_I16, 16))
+    pieces, scl = [], []
+    for g in range(4):  # piece g: half n = g // 2, shifts 2j for j = 2 (g % 2) and + 1
+        qs = _ldv(builder, o, f.qs + 32 * (g // 2), _vt(_I8, 32))
+        lo, hi = _split_bits(builder, qs, (4 * (g % 2), 4 * (g % 2) + 2), 3)
+        pieces.append(_concat(builder, lo, hi))
+        scl.append(_shuf(builder, sc16, [4 * g + m // 8 for m in range(32)]))
+    return KPieces(pieces, scl, mins, None, _f16_pair(builder, o, f.off("d")))
+
+
+@_weight_side("Q3_K")
+def _q3_k_pieces(builder, f, o):
+    """Values as unsigned q' = (2-bit low q) + 4 * (hmask bit) in 0..7, x = d * sc * (q' - 4):
+    the -4 enters as -4 * (16 scales . 16 Q8_K sums), as Q6_K's -32. Scale s (6 bits, minus
+    32): low nibble s // 8 of byte s % 8, high 2 bits 2 (s // 4) of byte 8 + s % 4."""
+    so = f.off("scales")
+    lo8 = _ldv(builder, o, so, _vt(_I8, 8))
+    hi4 = _ldv(builder, o, so + 8, _vt(_I8, 4))
+    lo = builder.and_(builder.lshr(_shuf(builder, lo8, list(range(8)) * 2), _cvec(_I8, [0] * 8 + [4] * 8)),
+                      _cvec(_I8, [15] * 16))
+    hi = builder.and_(builder.lshr(_shuf(builder, hi4, list(range(4)) * 4),
+                                   _cvec(_I8, [2 * (s // 4) for s in range(16)])), _cvec(_I8, [3] * 16))
+    sc6 = builder.or_(lo, builder.shl(hi, _cvec(_I8, [4] * 16)))
+    sc16 = builder.sub(builder.zext(sc6, _vt(_I16, 16)), _cvec(_I16, [32] * 16))
+    hm = _ldv(builder, o, f.off("hmask"), _vt(_I8, 32))
+    pieces, scl = [], []
+    for g in range(4):  # piece g: half n = g // 2, j = 2 (g % 2) + delta; hmask bit 4 n + j
+        qs = _ldv(builder, o, f.qs + 32 * (g // 2), _vt(_I8, 32))
+        parts = []
+        for delta in range(2):
+            j = 2 * (g % 2) + delta
+            (q,) = _split_bits(builder, qs, (2 * j,), 3)
+            (h,) = _split_bits(builder, hm, (4 * (g // 2) + j,), 1)
+            parts.append(builder.or_(q, builder.shl(h, _cvec(_I8, [2] * 32))))
+        pieces.append(_concat(builder, parts[0], parts[1]))
+        scl.append(_shuf(builder, sc16, [4 * g + m // 8 for m in range(32)]))
+    offset = builder.mul(sc16, _cvec(_I16, [-4] * 16))
+    d2 = _f16_pair(builder, o, f.off("d") - 2)  # the scales' last two bytes and d, as Q6_K
+    return KPieces(pieces, scl, None, offset, _shuf(builder, d2, [1, 1]))
+
+
+def _lut16(builder, table, idx):
+    """pshufb: table[idx] for <n x i8> indices 0..15 (n a multiple of 32), 32 bytes at a time."""
+    n = idx.type.count
+    tv = _cvec(_I8, [v & 0xFF for v in table] * 2)
+    parts = [_call(builder, "llvm.x86.avx2.pshuf.b", _vt(_I8, 32), [tv, _shuf(builder, idx, range(h, h + 32))])
+             for h in range(0, n, 32)]
+    return _cat(builder, parts)
+
+
+@_weight_side("IQ4_XS")
+def _iq4_xs_pieces(builder, f, o):
+    """Signed values kvalues_iq4nl[code] (-127..113); sub-block s (32 elements) has scale
+    d * (ls - 32), ls = nibble s % 2 of scales_l[s // 2] | bits 2s of the u16 scales_h << 4;
+    element j < 16 of a sub-block is the low nibble of its qs byte j, 16 + j the high one."""
+    sl = _ldv(builder, o, f.off("scales_l"), _vt(_I8, 4))
+    lo = builder.and_(builder.lshr(_shuf(builder, sl, [s // 2 for s in range(8)]), _cvec(_I8, [0, 4] * 4)),
+                      _cvec(_I8, [15] * 8))
+    sh = _ldv(builder, o, f.off("scales_h"), _I16)
+    shv = _shuf(builder, builder.insert_element(ir.Constant(_vt(_I16, 1), None), sh, ir.Constant(_I32, 0)), [0] * 8)
+    hi = builder.and_(builder.lshr(shv, _cvec(_I16, [2 * s for s in range(8)])), _cvec(_I16, [3] * 8))
+    sc16 = builder.sub(builder.or_(builder.zext(lo, _vt(_I16, 8)), builder.shl(hi, _cvec(_I16, [4] * 8))),
+                       _cvec(_I16, [32] * 8))
+    pieces, scl = [], []
+    for g in range(4):  # piece g: sub-blocks 2g, 2g + 1 (qs bytes 32g..32g+31)
+        qs = _ldv(builder, o, f.qs + 32 * g, _vt(_I8, 32))
+        dup = _shuf(builder, qs, [16 * b + i for b in range(2) for _ in range(2) for i in range(16)])
+        w16 = builder.lshr(builder.bitcast(dup, _vt(_I16, 32)), _cvec(_I16, ([0] * 8 + [4] * 8) * 2))
+        codes = builder.and_(builder.bitcast(w16, _vt(_I8, 64)), _cvec(_I8, [15] * 64))
+        pieces.append(_lut16(builder, IQ4NL_KVALUES, codes))
+        scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
+    d2 = _f16_pair(builder, o, f.off("d"))
+    return KPieces(pieces, scl, None, None, _shuf(builder, d2, [0, 0]))
+
+
+def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
+    """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
+    w64 goes in as |w| x (a with w's sign), ggml's sign trick (no int16 pair sum saturates:
+    |w|, |a| <= 127)."""
+    if signed:
+        zero = _cvec(_I8, [0] * 64)
+        a64 = builder.select(builder.icmp_signed("<", w64, zero), builder.sub(zero, a64),
+                             builder.select(builder.icmp_signed("==", w64, zero), zero, a64))
+        w64 = _call(builder, "llvm.abs.v64i8", _vt(_I8, 64), [w64, ir.Constant(ir.IntType(1), 0)])
+    if _VNNI:
+        vi = _vt(_I32, 16)
+        p = _maddubs512(builder, w64, a64)
+        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", vi,
+                     [iacc, builder.bitcast(p, vi), builder.bitcast(sc32, vi)])
+    halves = []
+    for h in range(2):
+        w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
+        a = _shuf(builder, a64, range(32 * h, 32 * h + 32))
+        halves.append(_madd(builder, _maddubs(builder, w, a), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
+    return builder.add(iacc, _concat(builder, halves[0], halves[1]))
+
+
+def _hsum_i32(builder, vs):
+    """<len(vs) x i32>: lane t = the (exact) sum of the 8 lanes of vs[t] (len a power of 2)."""
+    x = _cat(builder, vs) if len(vs) > 1 else vs[0]
+    n = x.type.count
+    while n > len(vs):
+        x = builder.add(_shuf(builder, x, range(0, n, 2)), _shuf(builder, x, range(1, n, 2)))
+        n //= 2
+    return x
+
+
+def _tilek_codegen(fmt, n_w, n_a):
+    f = FORMATS[fmt]
+    bb, has_min = f.block_bytes, f.has_min
+    n_pk = (n_a + 1) // 2  # accumulators per row: items packed two per <16 x float>
+
+    def codegen(context, builder, sig, args):
+        rb, nb, i0, ostride, ocol, xq8, xd32, x3, orow, outp, wrow, arows = _tile_args(context, builder, sig,
+                                                                                        args, n_w, n_a)
+        xbs8 = builder.bitcast(x3, _I8.as_pointer())
+        pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_K)
+        xq_t = [builder.gep(xq8, [builder.mul(a, builder.mul(nb, _ci(QK_K)))]) for a in arows]
+        xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
+        xbs_t = [builder.gep(xbs8, [builder.mul(a, builder.mul(nb, _ci(32)))]) for a in arows]
+        acc_ty = [_vt(_F32, 16 if 2 * p + 1 < n_a else 8) for p in range(n_pk)]
+        acc = [[cgutils.alloca_once(builder, acc_ty[p]) for p in range(n_pk)] for _ in range(n_w)]
+        for k in range(n_w):
+            for p in range(n_pk):
+                builder.store(ir.Constant(acc_ty[p], [0.0] * acc_ty[p].count), acc[k][p])
+        mty = _vt(_F32, n_a)
+        mvec = [cgutils.alloca_once(builder, mty) for _ in range(n_w)] if has_min else []
+        for p in mvec:
+            builder.store(ir.Constant(mty, [0.0] * n_a), p)
+        z16 = ir.Constant(_vt(_I32, 16), [0] * 16)
+
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            boff = builder.mul(b, _ci(bb))
+            wb = [builder.gep(wrow[k], [boff]) for k in range(n_w)]
+            for k in range(n_w):
+                for line in range(0, bb, 64):
+                    _prefetch(builder, builder.gep(wb[k], [builder.add(pf_dist, _ci(line))]))
+            aoff = builder.mul(b, _ci(QK_K))
+            yd = _cat(builder, [builder.insert_element(ir.Constant(_vt(_F32, 1), None),
+                                                       builder.load(builder.gep(xd_t[t], [b])), ir.Constant(_I32, 0))
+                                for t in range(n_a)]) if n_a > 1 else \
+                builder.insert_element(ir.Constant(_vt(_F32, 1), None), builder.load(builder.gep(xd_t[0], [b])),
+                                       ir.Constant(_I32, 0))
+            bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
+            wk = [_kq_pieces(builder, fmt, wb[k]) for k in range(n_w)]
+            # int32 lanes per (row, item); Q6_K / Q3_K start from offset * (scales . bsums) in lanes 0..7
+            iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
+                     if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
+            for g in range(4):  # piece-major: one piece of every row live at a time
+                for t in range(n_a):
+                    a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
+                    for k in range(n_w):
+                        iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a64, wk[k].scales[g], iacc[k][t], f.signed)
+            for k in range(n_w):
+                _, _, mins, _, d2 = wk[k]
+                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) for v in iacc[k]]
+                dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item
+                for p in range(n_pk):
+                    two = 2 * p + 1 < n_a
+                    li = _concat(builder, lanes[2 * p], lanes[2 * p + 1]) if two else lanes[2 * p]
+                    s = _shuf(builder, dsc, [2 * p] * 8 + ([2 * p + 1] * 8 if two else []))
+                    fl = builder.sitofp(li, acc_ty[p])
+                    old = builder.load(acc[k][p])
+                    name = "llvm.fma.v16f32" if two else "llvm.fma.v8f32"
+                    builder.store(_call(builder, name, acc_ty[p], [fl, s, old]), acc[k][p])
+                if has_min:
+                    md = _hsum_i32(builder, [_madd(builder, mins, bs[t]) for t in range(n_a)])
+                    t1 = builder.fmul(_shuf(builder, d2, [1] * n_a), yd)
+                    old = builder.load(mvec[k])
+                    builder.store(builder.fadd(old, builder.fmul(t1, builder.sitofp(md, mty))), mvec[k])
+        # result (k, t) = tree(acc) [- mins], lanes t * n_w + k
+        vecs, ids = [], []
+        for k in range(n_w):
+            for p in range(n_pk):
+                vecs.append(builder.load(acc[k][p]))
+                ids.append(((k, 2 * p), (k, 2 * p + 1)) if 2 * p + 1 < n_a else ((k, 2 * p),))
+        sums, lane = _tree8_many(builder, vecs, ids)
+        order = [(k, t) for t in range(n_a) for k in range(n_w)]
+        res = _shuf(builder, sums, [lane[kt] for kt in order])
+        if has_min:
+            m = _cat(builder, [builder.load(mvec[k]) for k in range(n_w)]) if n_w > 1 else builder.load(mvec[0])
+            res = builder.fsub(res, _shuf(builder, m, [n_a * k + t for k, t in order]))
+        _store_rows(builder, outp, orow, i0, ostride, ocol, res, n_w, n_a)
+        return context.get_dummy_value()
+
+    return codegen
