@@ -33,14 +33,14 @@ import numpy as np
 
 
 def active_bytes_per_token(catalog) -> dict[str, int]:
-    """Bytes a decode step reads: every dense 2-D matrix once (q/k/v/o, dense FFN, the output
-    head), and per MoE layer K/E of its expert tensors (K experts' slabs); embeddings read one
-    row (not counted), norms are negligible."""
+    """Bytes a decode step reads: every dense matrix once (q/k/v/o, dense FFN, the output
+    head, deepseek2's per-head attn_k_b/attn_v_b), and per MoE layer K/E of its expert
+    tensors (K experts' slabs); embeddings read one row (not counted), norms are negligible."""
     p = catalog.params
     expert_names = {et.tensor.name for kinds in catalog.expert_layers.values() for et in kinds.values()}
     dense = 0
     for t in catalog.tensors.values():
-        if t.name in expert_names or t.name == "token_embd.weight" or len(t.shape) != 2:
+        if t.name in expert_names or t.name == "token_embd.weight" or len(t.shape) < 2:
             continue
         dense += t.nbytes
     if "output.weight" not in catalog.tensors:  # tied: the head reads the embedding matrix

@@ -49,6 +49,7 @@ from moe_service.synth import (  # noqa: E402
     write_synthetic,
     write_vocab_only,
 )
+from moe_service.synth_deepseek2 import write_deepseek2  # noqa: E402
 
 N_THREADS = 2
 N_CTX = 512
@@ -347,13 +348,65 @@ def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
     raise SystemExit(f"no demo-chain prompt keeps a greedy gap >= {DEMO_CHAIN_MIN_GAP}: {tried}")
 
 
+# deepseek2 fixtures: (preset, expert type). The tiny deepseek2 presets have a successor
+# output head (moe_service/synth_deepseek2.py) so that every greedy step has a clear winner;
+# each fixture records its decisive prefix (steps before the first top-1/top-2 gap below
+# DEEPSEEK2_DECISIVE_GAP) and minimum gap, and the logits after the whole chain (the
+# decode path's numerics, compared in full). With several DEEPSEEK2_SEEDS the seed with the
+# longest decisive prefix (then the larger minimum gap) is kept.
+DEEPSEEK2_FIXTURES = [(preset, et) for preset in ("tiny-deepseek2", "tiny-deepseek2-legacy", "tiny-deepseek2-lite")
+                      for et in ("Q4_K", "Q8_0")] + [("tiny-kimi-k2", "Q4_K")]
+DEEPSEEK2_SEEDS = range(1)
+DEEPSEEK2_DECISIVE_GAP = 0.5
+
+
+def decisive_prefix(gaps: list[float], threshold: float = DEEPSEEK2_DECISIVE_GAP) -> int:
+    """Steps before the first greedy step whose top-1/top-2 gap is below ``threshold``."""
+    return next((i for i, g in enumerate(gaps) if g < threshold), len(gaps))
+
+
+def deepseek2_fixtures(out: Path, work: Path, manifest: dict) -> None:
+    """Write the deepseek2 goldens (logits/<name>.npy and manifest entries), choosing for each
+    fixture the seed with the most decisive greedy chain (largest minimum gap)."""
+    for preset, et in DEEPSEEK2_FIXTURES:
+        name = f"{preset}-{et.lower()}"
+        tried, best = [], None
+        for seed in DEEPSEEK2_SEEDS:
+            path = write_deepseek2(work / f"{name}-s{seed}.gguf", preset, expert_type=et, seed=seed)
+            llm = _open(path, vocab_only=True)
+            prompt_ids = llm.tokenize(SYNTH_PROMPT.encode(), add_bos=True, special=False)
+            del llm
+            r = run_model(path, prompt_ids)
+            gap = min(r["greedy_top1_top2_gap"])
+            prefix = decisive_prefix(r["greedy_top1_top2_gap"])
+            tried.append({"seed": seed, "min_gap": round(gap, 5), "decisive_prefix": prefix})
+            print(f"{name} seed {seed}: decisive prefix {prefix}, min greedy gap {gap:.4f}", flush=True)
+            if best is None or (prefix, gap) > best[0]:
+                best = ((prefix, gap), seed, path, prompt_ids, r)
+        (prefix, gap), seed, path, prompt_ids, r = best
+        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+        np.save(out / "logits" / f"{name}-final.npy", prefill_logits(path, prompt_ids + r["greedy_ids"]))
+        manifest["models"][name] = {
+            "source": {"kind": "synth", "arch": "deepseek2", "preset": preset, "expert_type": et, "n_layer": None,
+                       "seed": seed, "seeds_tried": tried, "decisive_gap": DEEPSEEK2_DECISIVE_GAP,
+                       "decisive_prefix": prefix},
+            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": SYNTH_PROMPT,
+            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy",
+            "final_logits_file": f"logits/{name}-final.npy",
+            "final_logits_what": "llama.cpp logits at the last position of prompt + the 48 greedy ids (one batch)",
+            **r}
+        print(f"model {name}: seed {seed} decisive prefix {prefix} min gap {gap:.4f} argmax {r['logits_stats']['argmax']} "
+              f"chain {r['greedy_ids'][:8]}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain", "qwen-dense"],
-                    help="regenerate only this part (demo-chain.json, qwen-dense.json)")
+    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2"],
+                    help="regenerate only this part (demo-chain.json, qwen-dense.json; the deepseek2 models in "
+                         "manifest.json)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
@@ -369,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         fx["versions"] = versions()
         (out / "demo-chain.json").write_text(json.dumps(fx, ensure_ascii=False, indent=1))
         print(f"demo chain: {fx['prompt_text']!r} -> {len(fx['greedy_ids'])} tokens")
+        return 0
+    if args.only == "deepseek2":
+        manifest = json.loads((out / "manifest.json").read_text())
+        manifest["versions_deepseek2"] = versions()
+        deepseek2_fixtures(out, work, manifest)
+        (out / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
         return 0
     for sub in ("logits", "tokenize", "chat"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -441,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         manifest["models"][name] = entry
         print(f"model {name}: argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
               f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
+
+    deepseek2_fixtures(out, work, manifest)
 
     # ---- the demo conversion check: dense and MoE must compute the same function
     dense, moe = manifest["models"]["smollm2-135m-q4_1"], manifest["models"]["smollm2-135m-moe8"]

@@ -290,10 +290,10 @@ def route(logits, k, gating, norm, scale, bias, has_bias, n_group, n_group_used,
             inv = np.float32(1.0 / total)
             for j in range(k):
                 weights[t, j] = weights[t, j] * inv
-        wsum = np.float32(0.0)
+        wsum = 0.0  # float64, as ggml_sum_rows
         for j in range(k):
-            wsum += weights[t, j]
-        wsum = max(wsum, np.float32(6.103515625e-5))
+            wsum += np.float64(weights[t, j])
+        wsum = max(np.float32(wsum), np.float32(6.103515625e-5))
         for j in range(k):
             w = weights[t, j] / wsum if norm else weights[t, j]
             weights[t, j] = w * scale

@@ -78,6 +78,21 @@ class QMat:
 
 
 @dataclass(frozen=True)
+class HeadMat:
+    """Per-head 2-D weights read in place: head h is ``n_rows`` rows of ``n_cols`` inputs at
+    byte ``offset + h * head_stride`` of the arena (a 3-D tensor {n_cols, n_rows, NH}, or
+    head-strided row groups of a 2-D one)."""
+
+    name: str
+    offset: int
+    ggml_type: int
+    n_head: int
+    n_rows: int
+    n_cols: int
+    head_stride: int
+
+
+@dataclass(frozen=True)
 class ExpertSet:
     """The routed experts of one layer, for moe_service.engine.moe and the GPU offload.
 
@@ -317,6 +332,39 @@ class CpuPath:
         (y,) = self.linear(lw, names[2:], out)
         return y
 
+    def head_mat(self, name: str, n_head: int, n_rows: int, n_cols: int, row0: int = 0,
+                 head_rows: int | None = None) -> HeadMat:
+        """Per-head matrices W[h] [n_rows, n_cols] read in place from tensor ``name``: rows
+        ``h * head_rows + row0 ..`` (``head_rows`` default n_rows: a 3-D tensor {n_cols,
+        n_rows, n_head}; larger: head-strided row groups of a 2-D tensor). ModelFileError
+        naming the tensor when the rows do not fit it."""
+        t = self.m.catalog.tensors[name]
+        head_rows = n_rows if head_rows is None else head_rows
+        if t.ne[0] != n_cols or (n_head - 1) * head_rows + row0 + n_rows > t.n_rows:
+            raise ModelFileError(f"{self.m.catalog.shards[0].path}: tensor {name!r} (ne {list(t.ne)}) does not hold "
+                                 f"{n_head} heads of {n_rows} x {n_cols}")
+        return HeadMat(name, self.m.weights.tensor_offset(name) + row0 * t.row_bytes, t.ggml_type, n_head, n_rows,
+                       n_cols, head_rows * t.row_bytes)
+
+    def head_mat_float(self, w: np.ndarray) -> np.ndarray:
+        """Per-head float matrices float32 [NH, rows, cols] for :meth:`head_linear`."""
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    def head_linear(self, w, x: np.ndarray) -> np.ndarray:
+        """out[t, h] = W[h] @ x[t, h]: x [T, NH, cols] -> [T, NH, rows]. ``w``: a HeadMat
+        (quantized in place; each (t, h) row quantized to the weight's partner format, as
+        ggml's broadcast mul_mat) or float32 [NH, rows, cols] (:meth:`head_mat_float`)."""
+        from moe_service.engine import mla
+
+        if isinstance(w, HeadMat):
+            return mla.head_matmul(self.m.weights.arena, w.offset, w.ggml_type, w.n_head, w.n_rows, w.n_cols, x,
+                                   head_stride_bytes=w.head_stride)
+        return np.einsum("hrc,thc->thr", w, np.ascontiguousarray(x, dtype=np.float32),
+                         optimize=False).astype(np.float32, copy=False)
+
+    def concat(self, parts: list[np.ndarray], axis: int = -1) -> np.ndarray:
+        return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts], axis=axis)
+
     def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
         """h [T, H] times the router [E, H]^T (+ the router's logit bias): [T, E] float32."""
         out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
@@ -436,16 +484,19 @@ class TorchPath:
         T, nh = q.shape[0], q.shape[1]
         dv = value_dim or v.shape[2]
         out = torch.empty(T, nh, dv, dtype=torch.float32, device=m.device)
-        group = nh // kc.shape[2]
+        nkv = kc.shape[2]
+        group = nh // nkv
         for s, a, e, n0 in spans:
             n = e - a
             kc[s, n0 : n0 + n] = k[a:e].to(torch.float16)
             if not latent:
                 vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
-            keys = kc[s, : n0 + n].float().repeat_interleave(group, dim=1)  # [L, NH, D]
-            vals = (kc[s, : n0 + n, :, :dv] if latent else vc[s, : n0 + n]).float().repeat_interleave(group, dim=1)
-            qs = q[a:e].to(torch.float16).float()  # ggml computes K·Q with Q converted to f16
-            scores = torch.einsum("thd,lhd->htl", qs, keys) * scale  # [NH, n, L]
+            # K/V heads are not repeated per query head (an MLA layer has one shared row of
+            # NH x more values than a head would: repeating it cost NH x the cache in memory)
+            keys = kc[s, : n0 + n].float()  # [L, NKV, D]
+            vals = (kc[s, : n0 + n, :, :dv] if latent else vc[s, : n0 + n]).float()  # [L, NKV, Dv]
+            qs = q[a:e].to(torch.float16).float().reshape(n, nkv, group, -1)  # ggml: K·Q with Q in f16
+            scores = torch.einsum("tkgd,lkd->kgtl", qs, keys).reshape(nh, n, -1) * scale  # [NH, n, L]
             qpos = torch.arange(n0, n0 + n, device=m.device)[:, None]
             kpos = torch.arange(0, n0 + n, device=m.device)[None, :]
             mask = kpos > qpos
@@ -458,7 +509,7 @@ class TorchPath:
             else:
                 probs = torch.softmax(scores, dim=-1)
             probs = probs.to(torch.float16).float()  # ggml: KQ converted to f16 for V·KQ
-            out[a:e] = torch.einsum("htl,lhd->thd", probs, vals)
+            out[a:e] = torch.einsum("kgtl,lkd->tkgd", probs.reshape(nkv, group, n, -1), vals).reshape(n, nh, dv)
         return out
 
     def glu_ffn(self, lw: LayerWeights, h: torch.Tensor, names=("ffn_gate", "ffn_up", "ffn_down"),
@@ -466,6 +517,27 @@ class TorchPath:
         g, u = self.linear(lw, names[:2], h)
         (y,) = self.linear(lw, names[2:], torch_act(act, g, u))
         return y
+
+    def head_mat(self, name: str, n_head: int, n_rows: int, n_cols: int, row0: int = 0,
+                 head_rows: int | None = None) -> torch.Tensor:
+        """CpuPath.head_mat's matrices dequantized on the device: [NH, n_rows, n_cols]."""
+        t = self.m.catalog.tensors[name]
+        head_rows = n_rows if head_rows is None else head_rows
+        if t.ne[0] != n_cols or (n_head - 1) * head_rows + row0 + n_rows > t.n_rows:
+            raise ModelFileError(f"{self.m.catalog.shards[0].path}: tensor {name!r} (ne {list(t.ne)}) does not hold "
+                                 f"{n_head} heads of {n_rows} x {n_cols}")
+        full = self.m._to_device(name).reshape(-1, n_cols)
+        idx = (torch.arange(n_head)[:, None] * head_rows + row0 + torch.arange(n_rows)[None, :]).to(full.device)
+        return full[idx].contiguous()  # [NH, n_rows, n_cols]
+
+    def head_mat_float(self, w: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(self.m.device, self.m.dense_dtype)
+
+    def head_linear(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("hrc,thc->thr", w, x.to(w.dtype)).float()
+
+    def concat(self, parts: list[torch.Tensor], axis: int = -1) -> torch.Tensor:
+        return torch.cat(parts, dim=axis)
 
     def router_logits(self, lw: LayerWeights, h: torch.Tensor) -> np.ndarray:
         return self._logits(lw, h).cpu().numpy()
@@ -666,6 +738,7 @@ class Model:
                 copies={k: self.weights.expert_copies(i, k) for k in kinds},
                 act=act.kind, alpha=act.alpha, limit=act.limit, biases=biases,
             )
+        self.arch.prepare_layer(self.path, lw)
         return lw
 
     def _rope_table(self) -> RopeTable | None:

@@ -22,14 +22,15 @@ import sys
 import numpy as np
 import pytest
 
-from moe_service.engine.arch import check_model
+from moe_service.engine.arch import check_model, supported
 from moe_service.engine.tokenizer import Tokenizer
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth import write_synthetic
 from tests.conftest import REPO
 from tests.engine.arch_mutation_runner import patch, scalar_fields, set_metadata
 
-ARCH_PRESETS = {"llama": "tiny-llama", "qwen3moe": "tiny-qwen3moe", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3"}
+ARCH_PRESETS = {"llama": "tiny-llama", "qwen3moe": "tiny-qwen3moe", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
+                "deepseek2": "tiny-deepseek2"}
 MUTATIONS = {"x0": lambda v: 0 * v, "x64": lambda v: 64 * v, "-1": lambda v: v - 1, "x2": lambda v: 2 * v,
              "+1": lambda v: v + 1}
 RUNS_PER_KEY = 3  # engine runs per (architecture, key) among the accepted mutations, in MUTATIONS' order
@@ -51,7 +52,10 @@ def _mutations(path):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("mutations")
-    return {arch: write_synthetic(d / f"{arch}.gguf", preset, seed=5) for arch, preset in ARCH_PRESETS.items()}
+    from moe_service.synth_deepseek2 import write_deepseek2
+
+    return {arch: (write_deepseek2 if arch == "deepseek2" else write_synthetic)(d / f"{arch}.gguf", preset, seed=5)
+            for arch, preset in ARCH_PRESETS.items()}
 
 
 def _problems(path) -> list[str]:
@@ -138,7 +142,7 @@ def test_check_cli_names_key_and_tensor_and_lists_supported_architectures(models
     _set_arch(other, "bloom")
     r = _check(other)
     assert r.returncode == 3, r.stdout + r.stderr
-    assert "architecture 'bloom' is not supported (supported: llama, qwen2, qwen3, qwen3moe" in r.stdout
+    assert f"architecture 'bloom' is not supported (supported: {', '.join(supported())}" in r.stdout
 
 
 def _set_arch(path, name: str) -> None:

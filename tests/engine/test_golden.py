@@ -81,7 +81,8 @@ def _first_divergence(chain: list[int], golden: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(chain, golden, strict=True)) if a != b), None)
 
 
-CASES = [n for n in golden_model_names() if not golden_model(n).slow]
+# deepseek2 fixtures run in test_deepseek2.py (their own tolerances, the latent-cache model)
+CASES = [n for n in golden_model_names() if not golden_model(n).slow and golden_model(n).source.get("arch") != "deepseek2"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -16,6 +16,9 @@ arrays are numpy float32 on the CPU path, torch float32 on the device path; T to
     be.linear(lw, names, x [T, n_in]) -> [ [T, n_out] per name ]  (+ the layer's "<name>" bias when loaded)
     be.heads(x [T, heads*d], heads, d) -> [T, heads, d] contiguous;  be.flat(x [T, a, b]) -> [T, a*b]
     be.rope(x [T, heads, R'], positions, st.rope) -> x with its first R dims rotated
+    be.head_linear(W, x [T, NH, n_in]) -> [T, NH, n_out]   per-head matmul (W from be.head_mat /
+                 be.head_mat_float in Architecture.prepare_layer; deepseek2's MLA absorption)
+    be.concat([a, b, ...], axis) -> the arrays joined along axis
     be.attention(layer, q [T, NH, D], k [T, NKV, D], v [T, NKV, Dv] | None, spans, scale,
                  *, window=0, sinks=None, value_dim=0) -> [T, NH, Dv]
                  (stores k, v in the layer's cache then attends: engine/attention.py; a latent
@@ -81,6 +84,7 @@ from moe_service.engine.arch.base import (
     Routing,
     TensorSpec,
 )
+from moe_service.engine.arch.deepseek2 import Deepseek2
 from moe_service.engine.arch.llama import Llama
 from moe_service.engine.arch.qwen2 import Qwen2
 from moe_service.engine.arch.qwen3 import Qwen3
@@ -106,7 +110,7 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     return cls
 
 
-for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3):
+for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2):
     register(_cls)
 
 

@@ -139,7 +139,8 @@ class TensorSpec:
     [E, H]), ``"router_bias"`` (float32 [E] selection bias, ``exp_probs_b``), ``"expert"``
     (3-D routed-expert tensor, slab per expert), ``"expert_bias"``
     (float32 [E, rows] read in place by the MoE kernels), ``"model"`` (token_embd, output,
-    output_norm, rope_freqs: the Model reads them itself).
+    output_norm, rope_freqs: the Model reads them itself), ``"custom"`` (checked here, loaded
+    by the architecture's :meth:`Architecture.prepare_layer`).
     """
 
     name: str
@@ -306,6 +307,11 @@ class Architecture:
         (CpuPath or TorchPath), ``lw``: moe_service.engine.model.LayerWeights, ``st``: the
         step (positions, spans, rope table, route)."""
         raise NotImplementedError
+
+    def prepare_layer(self, be, lw) -> None:
+        """Load what the generic roles do not cover (tensors declared with ``role="custom"``)
+        into ``lw``, through the backend's loading primitives (e.g. ``be.head_mat``). Called
+        once per layer at load, after the role-based loading. Default: nothing."""
 
     def final_norm(self, be, x, w):
         """The output norm before the head (RMSNorm with the model's epsilon by default)."""
