@@ -66,6 +66,7 @@ SUPPORTED_GGML_TYPES: frozenset[int] = frozenset(
         GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
         GGMLQuantizationType.MXFP4,
+        GGMLQuantizationType.I32,  # index tables (deepseek4 ffn_gate_tid2eid), read as int32
     )
 )
 """ggml type ids the engine's kernels read (REFERENCE.md's block table). A tensor of another
