@@ -110,6 +110,7 @@ class Deepseek4Preset:
     yarn_orig_ctx: int = 65536
     n_ctx_train: int = 1048576
     rms_eps: float = 1e-6
+    hc_base_std: float = 0.5  # hc_*_base / output_hc_base element std (larger: sharper stream mixing)
     embd_std: float = 0.0  # 0: 4/sqrt(H)
     successor_head: bool = False
 
@@ -155,12 +156,13 @@ PRESETS: dict[str, Deepseek4Preset] = {
         # the indexer with top-k, the heavily compressed KV), the first 2 layers hash-routed,
         # MXFP4 experts, one shared expert, one MTP block. Window 128 and top-k 32 so that a
         # 600-token prompt crosses the window, 150 ratio-4 blocks (top-k selects) and 4 ratio-128
-        # blocks.
+        # blocks. SwiGLU clamps low enough to bite (1.5 routed, 1.0 shared: activations ~1), stream
+        # mixing bases of std 2 (so the Sinkhorn iterations matter).
         Deepseek4Preset("tiny-deepseek4", compress_ratios=(0, 4, 128, 4, 128), n_embd=256, n_head=8, head_dim=128,
                         n_rot=32, q_lora_rank=128, o_groups=2, o_lora_rank=64, window=128, indexer_heads=4,
                         indexer_dim=64, indexer_top_k=32, hash_layers=2, n_expert=16, n_expert_used=4,
                         n_ff_exp=256, n_expert_shared=1, n_vocab=8192, n_mtp=1, mtp_ratio=0,
-                        embd_std=1.0, successor_head=True),
+                        clamp_exp=1.5, clamp_shexp=1.0, hc_base_std=2.0, embd_std=1.0, successor_head=True),
         # DeepSeek-V4-Flash at its real layer shapes (43 layers, 129280-token vocabulary in the
         # real model; here a few layers and the qwen2-style vocabulary of that size).
         Deepseek4Preset("deepseek-v4-flash", compress_ratios=(0, 0, 4, 128), n_embd=4096, n_head=64, head_dim=512,
@@ -225,7 +227,7 @@ def tensor_plan(p: Deepseek4Preset) -> list[_T]:
         _T("output_norm.weight", (H,), "F32", kind="norm"),
         _T("output.weight", (H, V), p.embd_type, 4.0 / math.sqrt(H), kind="successor" if p.successor_head else "rand"),
         _T("output_hc_fn.weight", (C * H, C), "F32", hc_std),
-        _T("output_hc_base.weight", (C,), "F32", 0.5, kind="bias"),
+        _T("output_hc_base.weight", (C,), "F32", p.hc_base_std, kind="bias"),
         _T("output_hc_scale.weight", (1,), "F32", kind="const", value=0.5),
     ]
     ratios = p.compress_ratios + (p.mtp_ratio,) * p.n_mtp
@@ -242,10 +244,10 @@ def tensor_plan(p: Deepseek4Preset) -> list[_T]:
             _T(b + "attn_output_a.weight", (NH * D // G, Ro * G), dt, 1.0 / math.sqrt(NH * D // G)),
             _T(b + "attn_output_b.weight", (G * Ro, H), dt, 1.0 / math.sqrt(G * Ro)),
             _T(b + "hc_attn_fn.weight", (C * H, M), "F32", hc_std),
-            _T(b + "hc_attn_base.weight", (M,), "F32", 0.5, kind="bias"),
+            _T(b + "hc_attn_base.weight", (M,), "F32", p.hc_base_std, kind="bias"),
             _T(b + "hc_attn_scale.weight", (3,), "F32", kind="const", value=0.5),
             _T(b + "hc_ffn_fn.weight", (C * H, M), "F32", hc_std),
-            _T(b + "hc_ffn_base.weight", (M,), "F32", 0.5, kind="bias"),
+            _T(b + "hc_ffn_base.weight", (M,), "F32", p.hc_base_std, kind="bias"),
             _T(b + "hc_ffn_scale.weight", (3,), "F32", kind="const", value=0.5),
         ]
         if ratio:
