@@ -1,9 +1,9 @@
 """deepseek4 declarations (moe_service/engine/arch/deepseek4.py): the synthetic writer's files
 agree with the architecture's tensor list; header/tensor disagreements are named (file, key,
-tensor, shapes); the MTP block is declared and checked; a consistent file is refused as not
-runnable (the forward pass is not built), never loaded; ``moe-service check`` on a
-V4-Flash-shaped file prints the per-node plan and says why it cannot start, and exits 3 on a
-header/tensor disagreement; the llama.cpp goldens are long and decisive enough."""
+tensor, shapes); the MTP block is declared and checked; ``moe-service check`` on a
+V4-Flash-shaped file is ready and prints the per-node plan, and exits 3 on a header/tensor
+disagreement; an architecture in CHECK_ONLY (declared, forward pass not built) is checked
+and then refused naming it; the llama.cpp goldens are long and decisive enough."""
 
 from __future__ import annotations
 
@@ -57,10 +57,15 @@ def test_synth_layout_is_the_architecture_s(tiny):
     assert a.compressed_kv_values_per_token() == pytest.approx(2 * (128 / 4 + 64 / 4) + 2 * 128 / 128)
 
 
-def test_a_consistent_file_is_refused_as_not_runnable(tiny):
+def test_a_consistent_file_is_runnable_and_a_check_only_architecture_is_refused(tiny, monkeypatch):
     cat = GGUFModel.open(tiny)
+    assert archs.check_model(cat) == [] and "deepseek4" in archs.supported()
+    # the CHECK_ONLY mechanism (an architecture declared before its forward pass exists)
+    monkeypatch.delitem(archs.ARCHITECTURES, "deepseek4")
+    monkeypatch.setitem(archs.CHECK_ONLY, "deepseek4", Deepseek4)
     (p,) = archs.check_model(cat)
     assert "deepseek4" in p.message and "does not run deepseek4 yet" in p.message and str(tiny) in p.message
+    assert archs.check_model(cat, runnable=False) == []
     with pytest.raises(ModelFileError, match="does not run deepseek4 yet"):
         archs.validate(cat)
 
@@ -119,12 +124,12 @@ def test_check_on_a_v4_flash_shaped_file(tmp_path):
     host = write_sysfs(tmp_path / "host", [[0, 1]], [64.0])
     path = write_deepseek4(tmp_path / "v4f.gguf", "deepseek-v4-flash", sparse=True)
     r = _check(path, host)
-    assert r.returncode == 4, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
     assert "architecture: deepseek4, 4 layers, hidden 4096, heads 64/1 (head_dim 512)" in r.stdout
     assert "experts: 256 per layer, top-6, width 2048" in r.stdout
-    assert "deepseek4 declared (not run by this engine yet), hyperparameters and 116 tensors agree" in r.stdout
+    assert "deepseek4 supported, hyperparameters and 116 tensors agree" in r.stdout
     assert "plan:" in r.stdout and "fits: yes" in r.stdout
-    assert "does not run deepseek4 yet" in r.stdout
+    assert r.stdout.rstrip().endswith("check: ready to start")
     bad = write_deepseek4(tmp_path / "v4f-bad.gguf", "deepseek-v4-flash", sparse=True,
                           metadata_overrides={"deepseek4.attention.output_lora_rank": 512})
     r = _check(bad, host)

@@ -111,11 +111,11 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     return cls
 
 
-for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2):
+for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2, Deepseek4):
     register(_cls)
 
 
-CHECK_ONLY: dict[str, type[Architecture]] = {"deepseek4": Deepseek4}
+CHECK_ONLY: dict[str, type[Architecture]] = {}
 """Architectures whose files are checked in full (hyperparameters, every tensor's shape and
 type) but which the engine does not run yet: :func:`check_model` names them as not runnable
 after their checks pass (``runnable=False`` leaves that out: ``moe-service check`` then goes

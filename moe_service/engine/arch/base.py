@@ -232,6 +232,7 @@ class Routing:
 
 ACT_SILU = 0  # moe_service.engine.moe.ACT_SILU: silu(g) * u
 ACT_SWIGLU_OAI = 1  # moe.ACT_SWIGLU_OAI: min(g, limit) * sigmoid(alpha min(g, limit)) * (clamp(u, +-limit) + 1)
+ACT_SWIGLU_CLAMP = 2  # moe.ACT_SWIGLU_CLAMP: silu(min(g, limit)) * clamp(u, +-limit) (deepseek4)
 
 
 @dataclass(frozen=True)

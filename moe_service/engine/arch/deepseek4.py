@@ -75,9 +75,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGMLQuantizationType as _GT
 
 from moe_service.engine.arch.base import (
+    ACT_SWIGLU_CLAMP,
     MATRIX_TYPES,
     VECTOR_TYPES,
     Architecture,
@@ -90,6 +92,9 @@ from moe_service.engine.arch.base import (
     TensorSpec,
 )
 from moe_service.engine.arch.deepseek2 import Yarn, yarn_from_metadata
+from moe_service.log import get_logger
+
+log = get_logger(__name__)
 
 I32_ONLY: frozenset[int] = frozenset({int(_GT.I32)})
 """ffn_gate_tid2eid: token id -> K expert ids, int32."""
@@ -417,7 +422,261 @@ class Deepseek4(Architecture):
         return Routing(k=k or hp.n_expert_used, norm=hp.weights_norm, scale=hp.weights_scale or 1.0)
 
     def moe_act(self) -> MoEAct:
-        return MoEAct()
+        """The routed experts' ggml_swiglu_clamp with swiglu_clamp_exp (plain SiLU when <= 1e-6)."""
+        lim = self.hp.clamp_exp[0]
+        return MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
+
+    # -- the forward pass ---------------------------------------------------------------------
+    # The hidden state between blocks is the C hyper-connection streams flattened, [T, C*H]
+    # (block 0 receives the embedding [T, H] and repeats it C times); final_norm merges the
+    # streams (hc_head) before the output norm. The parts new to this architecture
+    # (hyper-connections, compression, the indexer, attention over window + compressed rows
+    # with sinks) run as numpy (moe_service.engine.ds4_ops) on either backend; matmuls,
+    # norms, the shared expert and the routed experts (the fused MoE kernel, or the GPU
+    # offload) go through the backend's primitives.
+
+    def prepare_layer(self, be, lw) -> None:
+        hp = self.hp
+        i = lw.index
+        pre = f"blk.{i}."
+        m = be.m
+        d: dict = {"hc_attn_fn": _np(be.matrix(pre + "hc_attn_fn.weight")),
+                    "hc_ffn_fn": _np(be.matrix(pre + "hc_ffn_fn.weight"))}
+        for short in ("attn_compressor_ape", "indexer_compressor_ape"):
+            if pre + short + ".weight" in m.catalog.tensors:
+                d[short] = _np(be.matrix(pre + short + ".weight"))  # [ratio, c*D]
+        if i < hp.hash_layers:
+            raw = m.weights.tensor(pre + "ffn_gate_tid2eid.weight")
+            d["tid2eid"] = np.frombuffer(raw, dtype="<i4").reshape(hp.n_vocab, hp.n_expert_used).copy()
+        for k, v in lw.vecs.items():
+            d[k] = _np(v)
+        lw.ds4 = d
+        # attn_output_a {NH*D/G, Ro*G}: group g is rows g*Ro .. (g+1)*Ro, read in place
+        from moe_service.engine.model import QMat
+
+        name = pre + "attn_output_a.weight"
+        t = m.catalog.tensors[name]
+        row_bytes = m.catalog.tensors[name].nbytes // t.shape[0]
+        off = m.weights.tensor_offset(name)
+        Ro = hp.o_lora_rank
+        dense = _np(be.matrix(name)) if m.dense_mode == "torch" else None
+        for g in range(hp.o_groups):
+            key = f"attn_output_a.{g}"
+            lw.mats[key] = QMat(name, off + g * Ro * row_bytes, t.ggml_type, Ro, t.shape[1])
+            if dense is not None:
+                import torch
+
+                lw.dense[key] = torch.from_numpy(dense[g * Ro:(g + 1) * Ro].copy()).to(m.device, m.dense_dtype)
+        if i == 0 and hp.n_mtp:
+            log.info("mtp_not_used", arch=self.name, mtp_blocks=hp.n_mtp,
+                     first_block=hp.n_layer, what="multi-token-prediction blocks loaded and validated, not run "
+                     "(speculative decoding is not implemented)")
+
+    def _tables(self, n_ctx: int):
+        t = getattr(self, "_rope_cache", None)
+        if t is None or t[0] < n_ctx:
+            from moe_service.engine.arch.rope import rope_tables
+
+            t = self._rope_cache = (n_ctx, rope_tables(self.rope(), n_ctx), rope_tables(self.rope_compressed(), n_ctx))
+        return t[1], t[2]
+
+    def _state(self, be, il: int) -> dict:
+        """Per-layer compressed-KV state for every sequence slot (allocated at first use):
+        ring buffers of the last 2*ratio tokens' compressor inputs and the compressed rows."""
+        st = getattr(self, "_kvstate", None)
+        if st is None:
+            st = self._kvstate = {}
+        if il not in st:
+            hp, m = self.hp, be.m
+            n_seq, n_ctx = len(m.kv.length), m.n_ctx
+            r = hp.compress_ratios[il]
+            c = 2 if r == 4 else 1
+            s = {"ring_kv": np.zeros((n_seq, 2 * r, c * hp.head_dim), np.float32),
+                 "ring_sc": np.zeros((n_seq, 2 * r, c * hp.head_dim), np.float32),
+                 "comp": np.zeros((n_seq, n_ctx // r + 1, hp.head_dim), np.float16)}
+            if r == 4:
+                Di = hp.indexer_dim
+                s.update(iring_kv=np.zeros((n_seq, 8, 2 * Di), np.float32),
+                         iring_sc=np.zeros((n_seq, 8, 2 * Di), np.float32),
+                         icomp=np.zeros((n_seq, n_ctx // 4 + 1, Di), np.float16))
+            st[il] = s
+        return st[il]
 
     def block(self, be, lw, x, st):
-        raise NotImplementedError("deepseek4's forward pass is not implemented (module docstring: STATUS)")
+        from moe_service.engine import ds4_ops as ops
+
+        hp, d = self.hp, lw.ds4
+        C, H = hp.hc, hp.n_embd
+        xs = _np(x)
+        T = xs.shape[0]
+        xs = np.repeat(xs[:, None, :], C, axis=1) if lw.index == 0 else xs.reshape(T, C, H)
+        h, post, comb = ops.hc_pre(xs, d["hc_attn_fn"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
+                                   hp.hc_eps, hp.hc_iters)
+        h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
+        xs = ops.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
+        h, post, comb = ops.hc_pre(xs, d["hc_ffn_fn"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
+                                   hp.hc_eps, hp.hc_iters)
+        h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
+        xs = ops.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
+        return _back(be, xs.reshape(T, C * H))
+
+    def final_norm(self, be, x, w):
+        from moe_service.engine import ds4_ops as ops
+
+        hp = self.hp
+        head = getattr(self, "_hc_head", None)
+        if head is None:
+            head = self._hc_head = tuple(_np(be.matrix(f"output_hc_{n}.weight")) for n in ("fn", "scale", "base"))
+        xs = _np(x)
+        fn, scale, base = head
+        h = ops.hc_head(xs.reshape(xs.shape[0], hp.hc, hp.n_embd), fn, scale.reshape(-1), base.reshape(-1),
+                        hp.rms_eps, hp.hc_eps)
+        return be.rmsnorm(_back(be, h), w, hp.rms_eps)
+
+    def _attention(self, be, lw, h, st):
+        from moe_service.engine import ds4_ops as ops
+
+        hp, d, il = self.hp, lw.ds4, lw.index
+        NH, D, T = hp.n_head, hp.head_dim, h.shape[0]
+        ratio = hp.compress_ratios[il]
+        plain, comp_t = self._tables(be.m.n_ctx)
+        cos, sin = comp_t if ratio else plain
+        pos = np.asarray(_np(st.positions), dtype=np.int64)
+        qa, kv = be.linear(lw, ("attn_q_a", "attn_kv"), h)
+        qr = be.rmsnorm(qa, lw.vecs["attn_q_a_norm"], hp.rms_eps)
+        (qb,) = be.linear(lw, ("attn_q_b",), qr)
+        q = ops.rope_last(ops.rms(_np(qb).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
+        kv = _np(be.rmsnorm(kv, lw.vecs["attn_kv_a_norm"], hp.rms_eps))
+        kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
+        comp_in = idx_in = None
+        if ratio:
+            ckv, csc = be.linear(lw, ("attn_compressor_kv", "attn_compressor_gate"), h)
+            comp_in = (_np(ckv), _np(csc) + d["attn_compressor_ape"][pos % ratio])
+            if ratio == 4:
+                ikv, isc, iq, iw = be.linear(lw, ("indexer_compressor_kv", "indexer_compressor_gate"), h) + \
+                    be.linear(lw, ("indexer.attn_q_b",), qr) + be.linear(lw, ("indexer.proj",), h)
+                idx_in = (_np(ikv), _np(isc) + d["indexer_compressor_ape"][pos % 4],
+                          ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
+                          _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
+        raw = _raw_cache(be, il)
+        out = np.empty((T, NH, D), np.float32)
+        for s, a, e, n0 in st.spans:
+            n = e - a
+            raw[s, n0:n0 + n] = kv[a:e].astype(np.float16)
+            p = pos[a:e]
+            lo = max(0, n0 - hp.window + 1)
+            keys = raw[s, lo:n0 + n].astype(np.float32)
+            j = np.arange(lo, n0 + n)
+            mask = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] < hp.window)
+            if ratio:
+                state = self._state(be, il)
+                comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:e], comp_in[1][a:e],
+                                      ratio, d["attn_compressor_norm"], cos, sin)
+                nb = (n0 + n) // ratio
+                visible = np.arange(nb)[None, :] < ((p + 1) // ratio)[:, None]
+                if ratio == 4:
+                    ik = self._compress(state, "iring_kv", "iring_sc", "icomp", s, n0, idx_in[0][a:e],
+                                        idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
+                    visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
+                                      hp.indexer_top_k)
+                keys = np.concatenate([keys, comp.astype(np.float32)])
+                mask = np.concatenate([mask, visible], axis=1)
+            qh = q[a:e].astype(np.float16).astype(np.float32)
+            out[a:e] = ops.attend_sinks(qh, keys, mask, d["attn_sinks"], 1.0 / np.sqrt(D))
+        o = ops.rope_last(out, pos, cos, sin, inverse=True)
+        G = hp.o_groups
+        og = o.reshape(T, G, NH * D // G)
+        oa = [be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0] for g in range(G)]
+        (y,) = be.linear(lw, ("attn_output_b",), be.concat(oa, axis=1))
+        return y
+
+    def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
+        """Append a span's compressor inputs for slot ``s`` (positions n0..) and compute the
+        blocks they complete; returns the slot's compressed rows [(n0 + n) // ratio, D']."""
+        from moe_service.engine import ds4_ops as ops
+
+        n = kv_new.shape[0]
+        R2 = 2 * ratio
+        p0 = max(0, n0 - R2)
+        ring_idx = np.arange(p0, n0) % R2
+        kv_all = np.concatenate([state[ring_kv][s, ring_idx], kv_new])  # positions p0 .. n0 + n - 1
+        sc_all = np.concatenate([state[ring_sc][s, ring_idx], sc_new])
+        overlap = ratio == 4
+        Dp = kv_all.shape[1] // (2 if overlap else 1)
+        comp = state[comp_key]
+        first, last = n0 // ratio, (n0 + n) // ratio  # blocks completed in this span
+        for b in range(first, last):
+            cur = slice(b * ratio - p0, (b + 1) * ratio - p0)
+            if overlap:
+                if b > 0:
+                    prev = slice((b - 1) * ratio - p0, b * ratio - p0)
+                    v = np.concatenate([kv_all[prev, :Dp], kv_all[cur, Dp:]])
+                    sc = np.concatenate([sc_all[prev, :Dp], sc_all[cur, Dp:]])
+                else:
+                    v, sc = kv_all[cur, Dp:], sc_all[cur, Dp:]
+            else:
+                v, sc = kv_all[cur], sc_all[cur]
+            row = ops.compress(v, sc, len(v), overlap=False)  # one block of len(v) tokens
+            row = ops.rms(row, self.hp.rms_eps) * norm_w
+            row = ops.rope_last(row[:, None, :], np.array([b * ratio]), cos, sin)[:, 0, :]
+            comp[s, b] = row[0].astype(np.float16)
+        keep = np.arange(max(p0, n0 + n - R2), n0 + n)
+        state[ring_kv][s, keep % R2] = kv_all[keep - p0]
+        state[ring_sc][s, keep % R2] = sc_all[keep - p0]
+        return comp[s, :last]
+
+    def _ffn(self, be, lw, h, st):
+        from moe_service.engine import ds4_ops as ops
+
+        hp, d, il = self.hp, lw.ds4, lw.index
+        probs = ops.sqrt_softplus(np.asarray(be.router_logits(lw, h), dtype=np.float32))
+        if il < hp.hash_layers:
+            ids, w = ops.route(probs, hp.n_expert_used, None, d["tid2eid"][st.tokens], hp.weights_norm,
+                               hp.weights_scale)
+        else:
+            k = be.m.routing.k if be.m.routing is not None else hp.n_expert_used
+            ids, w = ops.route(probs, k, _np(lw.router_bias), None, hp.weights_norm, hp.weights_scale)
+        y = be.moe(lw, h, np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32))
+        lim = hp.clamp_shexp[il]
+        act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
+        return y + be.glu_ffn(lw, h, ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"), act=act)
+
+
+def _np(x) -> np.ndarray:
+    """A backend array as numpy float32 (torch tensors are copied to the host)."""
+    if isinstance(x, np.ndarray):
+        return x
+    return x.detach().float().cpu().numpy()
+
+
+def _back(be, a: np.ndarray):
+    """numpy -> the backend's array type (torch on the TorchPath's device)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if type(be).__name__ == "CpuPath":
+        return a
+    import torch
+
+    return torch.from_numpy(a).to(be.m.device)
+
+
+def _raw_cache(be, il: int) -> np.ndarray:
+    """The layer's raw K = V rows as float16 numpy [S, n_ctx, D] (the seam's KV cache of
+    LayerKV(1, D, D, latent) viewed in place: uint16 bits on the CPU path, a host float16
+    tensor on the torch path's CPU device)."""
+    kc = be.m.kv.k[il]
+    if isinstance(kc, np.ndarray):
+        return kc.view(np.float16)[:, :, 0, :]
+    return kc.cpu().numpy()[:, :, 0, :]
+
+
+def _top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
+    """The lightning indexer's choice: bool [n, nb], the ``top_k`` visible compressed rows by
+    sum_heads relu(q . k) * w (q [n, Ni, Di] roped, w [n, Ni] scaled, k [nb, Di])."""
+    s = np.einsum("thd,nd->thn", q.astype(np.float64), k.astype(np.float64))
+    score = np.einsum("thn,th->tn", np.maximum(s, 0.0), w.astype(np.float64))
+    score = np.where(visible, score, -np.inf)
+    n_top = min(score.shape[1], top_k)
+    top = np.argsort(-score, axis=1, kind="stable")[:, :n_top]
+    sel = np.zeros_like(visible)
+    np.put_along_axis(sel, top, True, axis=1)
+    return sel
