@@ -286,6 +286,14 @@ class Deepseek4(Architecture):
         if hp.hash_layers > hp.n_layer:
             out.append((k("hash_layer_count"), f"{k('hash_layer_count')} = {hp.hash_layers} exceeds the "
                         f"{hp.n_layer} trunk layers"))
+        n_kv = md.get(k("attention.head_count_kv"))
+        if n_kv is not None and n_kv != 1:
+            out.append((k("attention.head_count_kv"), f"{k('attention.head_count_kv')} = {n_kv}, expected 1 "
+                        "(deepseek4 attends one shared K = V head)"))
+        lims = set(hp.clamp_exp[:hp.n_layer])
+        if len(lims) > 1:
+            out.append((k("swiglu_clamp_exp"), f"{k('swiglu_clamp_exp')} differs between layers ({sorted(lims)}); "
+                        "one routed-expert clamp for every layer is supported"))
         for key in ("expert_group_count",):
             g = md.get(k(key))
             if g not in (None, 0, 1):
