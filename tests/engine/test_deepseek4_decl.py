@@ -52,7 +52,7 @@ def test_synth_layout_is_the_architecture_s(tiny):
     # ratio 4 layers have the indexer, ratio 128 the compressor only, ratio 0 neither
     assert "blk.1.indexer.proj.weight" in cat.tensors and "blk.2.indexer.proj.weight" not in cat.tensors
     assert "blk.2.attn_compressor_kv.weight" in cat.tensors and "blk.0.attn_compressor_kv.weight" not in cat.tensors
-    assert a.kv_layers()[0].window == 128 and len(a.kv_layers()) == 5
+    assert a.kv_layers()[0].key_dim == 128 and len(a.kv_layers()) == 5
     # per token of context beyond the windows: 2 x (D/4 + Di/4) + 2 x D/128
     assert a.compressed_kv_values_per_token() == pytest.approx(2 * (128 / 4 + 64 / 4) + 2 * 128 / 128)
 

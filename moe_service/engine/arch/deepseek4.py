@@ -397,11 +397,13 @@ class Deepseek4(Architecture):
     # -- what the runner needs ------------------------------------------------------------------
 
     def kv_layers(self) -> list[LayerKV]:
-        """Per trunk layer: the raw window of one shared K = V row of D values (float16). The
-        compressed rows (1 per ``ratio`` tokens, D values; ratio-4 layers also Di indexer
-        values per 4 tokens) come on top: :meth:`compressed_kv_values_per_token`."""
+        """Per trunk layer: one shared K = V row of D values per token (float16), indexed by
+        absolute position (the block applies the sliding window itself, so ``window`` is left
+        0: a cache that kept only the window would break that indexing). The compressed rows
+        (1 per ``ratio`` tokens, D values; ratio-4 layers also Di indexer values per 4 tokens)
+        come on top: :meth:`compressed_kv_values_per_token`."""
         hp = self.hp
-        return [LayerKV(1, hp.head_dim, hp.head_dim, latent=True, window=hp.window)] * hp.n_layer
+        return [LayerKV(1, hp.head_dim, hp.head_dim, latent=True)] * hp.n_layer
 
     def compressed_kv_values_per_token(self) -> float:
         """Cache values per token of context over all trunk layers beyond the raw windows:
@@ -566,7 +568,7 @@ class Deepseek4(Architecture):
                 idx_in = (_np(ikv), _np(isc) + d["indexer_compressor_ape"][pos % 4],
                           ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
-        raw = _raw_cache(be, il)
+        raw = self._raw_cache(be, il)
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
@@ -597,6 +599,21 @@ class Deepseek4(Architecture):
         oa = [be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0] for g in range(G)]
         (y,) = be.linear(lw, ("attn_output_b",), be.concat(oa, axis=1))
         return y
+
+    def _raw_cache(self, be, il: int) -> np.ndarray:
+        """The layer's raw K = V rows as float16 numpy [S, n_ctx, D]: the seam's KV cache of
+        LayerKV(1, D, D, latent) viewed in place (uint16 bits on the CPU path, a float16 tensor
+        on the torch path's CPU device); on another torch device a host mirror of that shape
+        kept here (the attention over window + compressed rows runs on the host)."""
+        kc = be.m.kv.k[il]
+        if isinstance(kc, np.ndarray):
+            return kc.view(np.float16)[:, :, 0, :]
+        if kc.device.type == "cpu":
+            return kc.numpy()[:, :, 0, :]
+        host = self.__dict__.setdefault("_host_raw", {})
+        if il not in host:
+            host[il] = np.zeros((kc.shape[0], kc.shape[1], kc.shape[3]), np.float16)
+        return host[il]
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
         """Append a span's compressor inputs for slot ``s`` (positions n0..) and compute the
@@ -665,16 +682,6 @@ def _back(be, a: np.ndarray):
     import torch
 
     return torch.from_numpy(a).to(be.m.device)
-
-
-def _raw_cache(be, il: int) -> np.ndarray:
-    """The layer's raw K = V rows as float16 numpy [S, n_ctx, D] (the seam's KV cache of
-    LayerKV(1, D, D, latent) viewed in place: uint16 bits on the CPU path, a host float16
-    tensor on the torch path's CPU device)."""
-    kc = be.m.kv.k[il]
-    if isinstance(kc, np.ndarray):
-        return kc.view(np.float16)[:, :, 0, :]
-    return kc.cpu().numpy()[:, :, 0, :]
 
 
 def _top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
