@@ -155,10 +155,17 @@ def compress(kv: np.ndarray, score: np.ndarray, ratio: int, overlap: bool) -> np
 
 def attend_sinks(q: np.ndarray, k: np.ndarray, mask: np.ndarray, sinks: np.ndarray, scale: float) -> np.ndarray:
     """Softmax attention with one shared K = V head and a sink logit per head: q [T, NH, D],
-    k [N, D] (also the values), mask bool [T, N] (True = attend) -> [T, NH, D]."""
-    s = np.einsum("thd,nd->thn", q.astype(np.float64), k.astype(np.float64)) * scale
+    k [N, D] (also the values), mask bool [T, N] (True = attend) -> [T, NH, D] float32.
+
+    Float64 matmuls (BLAS dgemm): the result rounded to float32 does not depend on how many
+    queries a step holds (float32 kernels block differently per shape, and a 1e-6 change
+    can flip a later routing near-tie: batched and alone must agree)."""
+    T, NH, D = q.shape
+    k = np.ascontiguousarray(k, dtype=np.float64)
+    s = (np.asarray(q, dtype=np.float64).reshape(T * NH, D) @ k.T).reshape(T, NH, -1) * scale
     s = np.where(mask[:, None, :], s, -np.inf)
-    m = np.maximum(s.max(axis=-1, keepdims=True), sinks.astype(np.float64)[None, :, None])
+    sk = sinks.astype(np.float64)[None, :, None]
+    m = np.maximum(s.max(axis=-1, keepdims=True), sk)
     e = np.exp(s - m)
-    den = e.sum(axis=-1, keepdims=True) + np.exp(sinks.astype(np.float64)[None, :, None] - m)
-    return (np.einsum("thn,nd->thd", e / den, k.astype(np.float64))).astype(np.float32)
+    p = (e / (e.sum(axis=-1, keepdims=True) + np.exp(sk - m))).reshape(T * NH, -1)
+    return (p @ k).reshape(T, NH, D).astype(np.float32)

@@ -61,8 +61,13 @@ def _model(path, ops, dense, n_seq=1):
 
 @pytest.mark.parametrize("dense", ["quant", "torch"])
 def test_logits_and_greedy_chain_match_llama_cpp(dense, golden, ops):
+    from structlog.testing import capture_logs
+
     m, path = golden
-    model = _model(path, ops, dense)
+    with capture_logs() as logs:
+        model = _model(path, ops, dense)
+    (mtp,) = [e for e in logs if e["event"] == "mtp_not_used"]  # the MTP block: loaded, checked, not run
+    assert mtp["mtp_blocks"] == 1 and mtp["first_block"] == 5
     s = model.kv.alloc()
     logits = model.step([(s, m["prompt_ids"])])[0].numpy()
     chain = [int(np.argmax(logits))]

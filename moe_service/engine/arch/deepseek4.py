@@ -687,8 +687,11 @@ def _back(be, a: np.ndarray):
 def _top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
     """The lightning indexer's choice: bool [n, nb], the ``top_k`` visible compressed rows by
     sum_heads relu(q . k) * w (q [n, Ni, Di] roped, w [n, Ni] scaled, k [nb, Di])."""
-    s = np.einsum("thd,nd->thn", q.astype(np.float64), k.astype(np.float64))
-    score = np.einsum("thn,th->tn", np.maximum(s, 0.0), w.astype(np.float64))
+    # float64 (BLAS dgemm): the selection is discrete, so the score must not depend on how
+    # many rows a step has (float32 kernels block differently per shape and flip near-ties)
+    n, Ni, Di = q.shape
+    s = q.astype(np.float64).reshape(n * Ni, Di) @ k.astype(np.float64).T
+    score = (np.maximum(s, 0.0).reshape(n, Ni, -1) * w.astype(np.float64)[:, :, None]).sum(axis=1)
     score = np.where(visible, score, -np.inf)
     n_top = min(score.shape[1], top_k)
     top = np.argsort(-score, axis=1, kind="stable")[:, :n_top]
