@@ -53,8 +53,10 @@ SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gg
 EXPERT_TENSOR_RE = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate_up|gate|up|down)_exps\.weight$")
 EXPERT_KINDS = ("gate", "up", "down", "gate_up")
 
-SUPPORTED_GGML_TYPES: frozenset[int] = frozenset(FORMATS)
-"""ggml type ids the engine's kernels read (the format declarations, moe_service/engine/quant/formats.py). A tensor of another
+SUPPORTED_GGML_TYPES: frozenset[int] = frozenset(FORMATS) | {int(GGMLQuantizationType.I32)}
+"""ggml type ids the engine reads: the block formats its kernels compute on (the format
+declarations, moe_service/engine/quant/formats.py) and I32 index tables (deepseek4's
+ffn_gate_tid2eid, read as int32, never as a weight: arch.base.MATRIX_TYPES). A tensor of another
 known type is listed but reported as unsupported; pass ``supported_types`` to widen the set."""
 
 # GGUF metadata value types -> struct format (scalars) and numpy dtype (arrays of scalars).

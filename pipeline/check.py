@@ -83,18 +83,20 @@ def run_check(config: Settings) -> CheckResult:
     except ModelFileError:
         return CheckResult(verdict(path))
     report = verdict(model)
-    from moe_service.engine.arch import ARCHITECTURES, check_model
+    from moe_service.engine.arch import ARCHITECTURES, CHECK_ONLY, check_model
 
-    if model.params.arch not in ARCHITECTURES:  # named (with the supported list) whatever else is wrong
+    runnable = model.params.arch in ARCHITECTURES
+    if not runnable and model.params.arch not in CHECK_ONLY:  # named (with the supported list) whatever else is wrong
         report.problems.extend(check_model(model))
     if not report.ok:
         return CheckResult(report)
-    arch_problems = check_model(model)
+    arch_problems = check_model(model, runnable=False)
     if arch_problems:
         report.problems.extend(arch_problems)
         return CheckResult(report)
-    report.summary.append(f"architecture check: {model.params.arch} supported, hyperparameters and "
-                          f"{len(model.tensors)} tensors agree")
+    report.summary.append(f"architecture check: {model.params.arch} "
+                          f"{'supported' if runnable else 'declared (not run by this engine yet)'}, "
+                          f"hyperparameters and {len(model.tensors)} tensors agree")
     topology = Topology.read(root=config.numa.sysfs_root)
     try:
         gpu_node = dense_gpu_node(config, topology)

@@ -483,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "gpt-oss"],
+    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "deepseek4", "gpt-oss"],
                     help="regenerate only this part (demo-chain.json, qwen-dense.json; the deepseek2 models in "
-                         "manifest.json; gpt-oss.json and its logits and chat files)")
+                         "manifest.json; deepseek4.json; gpt-oss.json and its logits and chat files)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
@@ -506,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
         fx["versions"] = versions()
         (out / "demo-chain.json").write_text(json.dumps(fx, ensure_ascii=False, indent=1))
         print(f"demo chain: {fx['prompt_text']!r} -> {len(fx['greedy_ids'])} tokens")
+        return 0
+    if args.only == "deepseek4":  # its own manifest, deepseek4.json (tools/golden_deepseek4.py)
+        from tools.golden_deepseek4 import deepseek4_goldens
+
+        deepseek4_goldens(out, work, versions())
         return 0
     if args.only == "deepseek2":
         manifest = json.loads((out / "manifest.json").read_text())

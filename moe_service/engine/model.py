@@ -46,6 +46,7 @@ from moe_service.engine import arch as archs
 from moe_service.engine import attention, cpu_layers, torch_quant
 from moe_service.engine.arch.base import (
     ACT_SILU,
+    ACT_SWIGLU_CLAMP,
     GATING_SIGMOID,
     GATING_SOFTMAX_WEIGHT,
     LayerKV,
@@ -153,6 +154,7 @@ class Step:
     spans: list
     rope: Any
     route: Any
+    tokens: Any = None  # int64 [T] token ids (numpy; deepseek4's hash routing)
 
 
 @dataclass(frozen=True)
@@ -576,6 +578,8 @@ def torch_act(act, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(g) * u
     x = g.clamp(max=act.limit)
     y = u.clamp(min=-act.limit, max=act.limit)
+    if kind == ACT_SWIGLU_CLAMP:
+        return torch.nn.functional.silu(x) * y
     return x * torch.sigmoid(act.alpha * x) * (y + 1.0)
 
 
@@ -776,7 +780,7 @@ class Model:
                 pos.extend(range(n0, n0 + len(toks)))
                 t0 += len(toks)
             path, arch = self.path, self.arch
-            st = Step(path.positions(pos), spans, self._rope, self.route)
+            st = Step(path.positions(pos), spans, self._rope, self.route, np.asarray(tokens, dtype=np.int64))
             if self.offload is not None and len(tokens) >= self.offload.min_batch_tokens:
                 self.offload.start_step()  # the first MoE layer's slabs start moving during attention
             x = path.embed(np.asarray(tokens, dtype=np.int64))  # [T, H]

@@ -53,11 +53,12 @@ from moe_service.engine.quant import (
     view_u8,
 )
 
-__all__ = ["MoE", "ExpertWeights", "assign_items", "ACT_SILU", "ACT_SWIGLU_OAI",
+__all__ = ["MoE", "ExpertWeights", "assign_items", "ACT_SILU", "ACT_SWIGLU_OAI", "ACT_SWIGLU_CLAMP",
            "K_MOE_FIRST", "K_MOE_LAST", "run_moe_item", "group_pairs"]
 
 ACT_SILU = 0
 ACT_SWIGLU_OAI = 1  # gpt-oss: clamped SwiGLU with alpha, limit
+ACT_SWIGLU_CLAMP = 2  # deepseek4 (ggml_swiglu_clamp): silu(min(g, limit)) * clamp(u, -limit, limit)
 
 # Item kinds (the pool's executor hands kinds K_MOE_FIRST..K_MOE_LAST to run_moe_item).
 K_MOE_QX = 10  # (kind, which: 0 gate / 1 up partner, t_lo, t_hi)
@@ -124,6 +125,8 @@ def act_value(kind, g, u, alpha, limit):
         return g / (np.float32(1.0) + np.exp(-g)) * u
     x = min(g, limit)
     y = min(max(u, -limit), limit)
+    if kind == ACT_SWIGLU_CLAMP:
+        return x / (np.float32(1.0) + np.exp(-x)) * y
     return x / (np.float32(1.0) + np.exp(alpha * -x)) * (y + np.float32(1.0))
 
 

@@ -50,6 +50,7 @@ log = get_logger(__name__)
 KINDS = ("gate", "up", "down", "gate_up")
 ACT_SILU = 0  # moe.ACT_SILU
 ACT_SWIGLU_OAI = 1  # moe.ACT_SWIGLU_OAI
+ACT_SWIGLU_CLAMP = 2  # moe.ACT_SWIGLU_CLAMP (deepseek4)
 
 
 def expert_act(act: tuple, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -60,6 +61,8 @@ def expert_act(act: tuple, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if kind == ACT_SILU:
         return torch.nn.functional.silu(g) * u
     x = g.clamp(max=limit)
+    if kind == ACT_SWIGLU_CLAMP:
+        return torch.nn.functional.silu(x) * u.clamp(min=-limit, max=limit)
     return x * torch.sigmoid(alpha * x) * (u.clamp(min=-limit, max=limit) + 1.0)
 
 

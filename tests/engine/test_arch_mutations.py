@@ -30,7 +30,7 @@ from tests.conftest import REPO
 from tests.engine.arch_mutation_runner import patch, scalar_fields, set_metadata
 
 ARCH_PRESETS = {"llama": "tiny-llama", "qwen3moe": "tiny-qwen3moe", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
-                "deepseek2": "tiny-deepseek2"}
+                "deepseek2": "tiny-deepseek2", "deepseek4": "tiny-deepseek4"}
 MUTATIONS = {"x0": lambda v: 0 * v, "x64": lambda v: 64 * v, "-1": lambda v: v - 1, "x2": lambda v: 2 * v,
              "+1": lambda v: v + 1}
 RUNS_PER_KEY = 3  # engine runs per (architecture, key) among the accepted mutations, in MUTATIONS' order
@@ -53,8 +53,10 @@ def _mutations(path):
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("mutations")
     from moe_service.synth_deepseek2 import write_deepseek2
+    from moe_service.synth_deepseek4 import write_deepseek4
 
-    return {arch: (write_deepseek2 if arch == "deepseek2" else write_synthetic)(d / f"{arch}.gguf", preset, seed=5)
+    writers = {"deepseek2": write_deepseek2, "deepseek4": write_deepseek4}
+    return {arch: writers.get(arch, write_synthetic)(d / f"{arch}.gguf", preset, seed=5)
             for arch, preset in ARCH_PRESETS.items()}
 
 

@@ -85,6 +85,7 @@ from moe_service.engine.arch.base import (
     TensorSpec,
 )
 from moe_service.engine.arch.deepseek2 import Deepseek2
+from moe_service.engine.arch.deepseek4 import Deepseek4
 from moe_service.engine.arch.gpt_oss import GptOss
 from moe_service.engine.arch.llama import Llama
 from moe_service.engine.arch.qwen2 import Qwen2
@@ -111,8 +112,15 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     return cls
 
 
-for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2, GptOss):
+for _cls in (Llama, Qwen3Moe, Qwen2, Qwen3, Deepseek2, Deepseek4, GptOss):
     register(_cls)
+
+
+CHECK_ONLY: dict[str, type[Architecture]] = {}
+"""Architectures whose files are checked in full (hyperparameters, every tensor's shape and
+type) but which the engine does not run yet: :func:`check_model` names them as not runnable
+after their checks pass (``runnable=False`` leaves that out: ``moe-service check`` then goes
+on to the plan, and preflight's architecture check refuses the start)."""
 
 
 def supported() -> list[str]:
@@ -143,13 +151,26 @@ def for_model(catalog) -> Architecture:
                            tensor_ne={n: t.ne for n, t in catalog.tensors.items()})
 
 
-def check_model(catalog) -> list[Problem]:
+def check_model(catalog, runnable: bool = True) -> list[Problem]:
     """Everything the architecture finds wrong with a cataloged model, before any byte of it
     is loaded: an unsupported architecture, a hyperparameter missing / out of range /
     inconsistent, a tensor missing, of another shape than the header gives, or of a type
     the architecture does not read. Empty when the model can run. Never raises for a bad
     file."""
     path = catalog.shards[0].path if getattr(catalog, "shards", None) else catalog.path
+    name = catalog.params.arch
+    if name not in ARCHITECTURES and name in CHECK_ONLY:
+        try:
+            arch = CHECK_ONLY[name](catalog.metadata, path, arch=name,
+                                    tensor_ne={n: t.ne for n, t in catalog.tensors.items()})
+        except HParamError as e:
+            return [Problem("arch_hparam", str(e), Path(path))]
+        problems = arch.check_tensors(catalog) or arch.check_consistency(catalog)
+        if problems or not runnable:
+            return problems
+        return [Problem("architecture", f"{path}: architecture {name!r}: the header and tensors agree, but this "
+                        f"engine does not run {name} yet (its forward pass is not built; supported: "
+                        f"{', '.join(supported())})", Path(path))]
     try:
         arch = for_model(catalog)
     except HParamError as e:

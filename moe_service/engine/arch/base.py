@@ -36,8 +36,9 @@ from moe_service.gguf_model import SUPPORTED_GGML_TYPES, Problem
 # ---------------------------------------------------------------------------------------------
 # Tensor types an architecture may allow
 
-MATRIX_TYPES: frozenset[int] = SUPPORTED_GGML_TYPES
-"""Weights the quantized matmul kernels read in place (every type the catalog supports)."""
+MATRIX_TYPES: frozenset[int] = SUPPORTED_GGML_TYPES - {int(_T.I32)}
+"""Weights the quantized matmul kernels read in place (every type the catalog supports but
+the int32 index tables)."""
 VECTOR_TYPES: frozenset[int] = frozenset(int(t) for t in (_T.F32, _T.F16, _T.BF16))
 """Norm weights, biases, sinks, router matrices: dequantized to float32 once at load."""
 F32_ONLY: frozenset[int] = frozenset({int(_T.F32)})
@@ -231,6 +232,7 @@ class Routing:
 
 ACT_SILU = 0  # moe_service.engine.moe.ACT_SILU: silu(g) * u
 ACT_SWIGLU_OAI = 1  # moe.ACT_SWIGLU_OAI: min(g, limit) * sigmoid(alpha min(g, limit)) * (clamp(u, +-limit) + 1)
+ACT_SWIGLU_CLAMP = 2  # moe.ACT_SWIGLU_CLAMP: silu(min(g, limit)) * clamp(u, +-limit) (deepseek4)
 
 
 @dataclass(frozen=True)

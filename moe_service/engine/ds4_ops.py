@@ -1,0 +1,171 @@
+"""DeepSeek V4 (``deepseek4``) building blocks in numpy, as llama.cpp 0.3.36 computes them
+(src/models/deepseek4.cpp, src/llama-kv-cache-dsv4.cpp, ggml-cpu ops.cpp). Float32 in and
+out; no quantized activations (llama.cpp quantizes matmul activations to q8 for Q8_0/MXFP4
+weights: differences of that order are expected against it).
+
+These are the pieces :mod:`moe_service.engine.arch.deepseek4`'s forward pass is to be
+composed of; tests/engine/ds4_reference.py runs a whole model through them against
+llama.cpp's goldens. Shapes: T tokens, C hyper-connection streams, H hidden, M = (2 + C) C.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def rms(x: np.ndarray, eps: float) -> np.ndarray:
+    """ggml_rms_norm over the last axis (no weight)."""
+    x = x.astype(np.float32)
+    return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)).astype(np.float32)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+def sinkhorn(comb: np.ndarray, iters: int, eps: float) -> np.ndarray:
+    """comb [T, C(src), C(dst)] -> doubly-normalised mixing (build_hc_sinkhorn): softmax over
+    dst, + eps, column-normalise (divide by sum over src + eps), then ``iters - 1`` times
+    row-normalise (sum over dst + eps) and column-normalise."""
+    c = comb.astype(np.float64)
+    c = np.exp(c - c.max(axis=-1, keepdims=True))
+    c = c / c.sum(axis=-1, keepdims=True) + eps
+
+    def cols(c):
+        return c / (c.sum(axis=-2, keepdims=True) + eps)
+
+    def rows(c):
+        return c / (c.sum(axis=-1, keepdims=True) + eps)
+
+    c = cols(c)
+    for _ in range(1, iters):
+        c = cols(rows(c))
+    return c.astype(np.float32)
+
+
+def hc_pre(x: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, eps_rms: float, eps_hc: float,
+           iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Hyper-connection input mix (build_hc_pre). x [T, C, H]; fn [M, C*H] (the GGUF tensor
+    {C*H, M} as rows); scale [3]; base [M]. Returns (h [T, H], post [T, C], comb [T, C(src), C(dst)])."""
+    T, C, H = x.shape
+    mixes = rms(x.reshape(T, C * H), eps_rms) @ fn.T  # [T, M]
+    pre = sigmoid(mixes[:, :C] * scale[0] + base[:C]) + F32(eps_hc)
+    post = F32(2.0) * sigmoid(mixes[:, C:2 * C] * scale[1] + base[C:2 * C])
+    comb = (mixes[:, 2 * C:2 * C + C * C] * scale[2] + base[2 * C:2 * C + C * C]).reshape(T, C, C)
+    comb = sinkhorn(comb, iters, eps_hc)
+    h = np.einsum("tc,tch->th", pre, x).astype(np.float32)
+    return h, post, comb
+
+
+def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """Hyper-connection output (build_hc_post): x'[dst] = post[dst] y + sum_src comb[src, dst] x[src].
+    y [T, H], x [T, C, H] -> [T, C, H]."""
+    return (post[:, :, None] * y[:, None, :] + np.einsum("tsd,tsh->tdh", comb, x)).astype(np.float32)
+
+
+def hc_head(x: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, eps_rms: float,
+            eps_hc: float) -> np.ndarray:
+    """The final stream merge (build_hc_head): x [T, C, H], fn [C, C*H], scale [1], base [C] -> [T, H]."""
+    T, C, H = x.shape
+    mixes = rms(x.reshape(T, C * H), eps_rms) @ fn.T
+    pre = sigmoid(mixes * scale[0] + base) + F32(eps_hc)
+    return np.einsum("tc,tch->th", pre, x).astype(np.float32)
+
+
+def rope_last(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """ggml NORM rope on the LAST 2*cos.shape[1] dims of each head (rope_set_offset(D - R)):
+    adjacent pairs. x [T, heads, D]; cos/sin tables [n_ctx, R/2] (moe_service.engine.arch.rope);
+    ``inverse``: ggml_rope_ext_back (rotation by -theta)."""
+    x = x.astype(np.float32).copy()
+    R = 2 * cos.shape[1]
+    c = cos[pos][:, None, :]
+    s = sin[pos][:, None, :]
+    if inverse:
+        s = -s
+    a = x[..., -R::2].copy()
+    b = x[..., -R + 1::2].copy()
+    x[..., -R::2] = a * c - b * s
+    x[..., -R + 1::2] = a * s + b * c
+    return x
+
+
+def swiglu_clamp(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+    """ggml_swiglu_clamp: silu(min(g, limit)) * clamp(u, -limit, limit) (off when limit <= 1e-6)."""
+    if limit > 1e-6:
+        g = np.minimum(g, F32(limit))
+        u = np.clip(u, -F32(limit), F32(limit))
+    return (g / (1.0 + np.exp(-g.astype(np.float64))) * u).astype(np.float32)
+
+
+def sqrt_softplus(logits: np.ndarray) -> np.ndarray:
+    """expert_gating_func 4: sqrt(softplus(x)) (ggml softplus: log1p(exp(x)), x for x > 20)."""
+    x = logits.astype(np.float64)
+    sp = np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+    return np.sqrt(sp).astype(np.float32)
+
+
+def route(probs: np.ndarray, k: int, bias: np.ndarray | None, fixed_ids: np.ndarray | None, norm: bool,
+          scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids and weights [T, K] (build_moe_ffn): selection by probs + bias (or the given
+    ids: hash layers), weights = probs of the selected, normalised (sum clamped at 2^-14),
+    times scale (when != 0 and != 1). Ties go to the lower id."""
+    if fixed_ids is not None:
+        ids = fixed_ids.astype(np.int64)
+    else:
+        sel = probs if bias is None else probs + bias
+        ids = np.argsort(-sel, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(probs, ids, axis=1).astype(np.float32)
+    if norm:
+        w = (w / np.maximum(w.astype(np.float64).sum(axis=1, keepdims=True), 6.103515625e-5)).astype(np.float32)
+    if scale not in (0.0, 1.0):
+        w = w * F32(scale)
+    return ids.astype(np.int32), w
+
+
+def compress(kv: np.ndarray, score: np.ndarray, ratio: int, overlap: bool) -> np.ndarray:
+    """Compressed rows of every complete block (build_*_compressed_kv_from_state), before the
+    norm and rope. kv, score [T, c*D] (score includes ape[pos % ratio]) for positions 0..T-1
+    of one sequence; c = 2 with ``overlap`` (ratio 4: first D for the next block's use as its
+    previous block, last D for its own block). Returns [T // ratio, D]: per dim, softmax over
+    the block's tokens (and with overlap the previous block's, none before block 0) of the
+    score weighting kv."""
+    T = kv.shape[0]
+    nb = T // ratio
+    D = kv.shape[1] // (2 if overlap else 1)
+    out = np.empty((nb, D), np.float32)
+    for b in range(nb):
+        cur = slice(b * ratio, (b + 1) * ratio)
+        if overlap:
+            vals, scs = [kv[cur, D:]], [score[cur, D:]]
+            if b > 0:
+                prev = slice((b - 1) * ratio, b * ratio)
+                vals.insert(0, kv[prev, :D])
+                scs.insert(0, score[prev, :D])
+            v = np.concatenate(vals).astype(np.float64)
+            s = np.concatenate(scs).astype(np.float64)
+        else:
+            v, s = kv[cur].astype(np.float64), score[cur].astype(np.float64)
+        w = np.exp(s - s.max(axis=0, keepdims=True))
+        w /= w.sum(axis=0, keepdims=True)
+        out[b] = (w * v).sum(axis=0)
+    return out
+
+
+def attend_sinks(q: np.ndarray, k: np.ndarray, mask: np.ndarray, sinks: np.ndarray, scale: float) -> np.ndarray:
+    """Softmax attention with one shared K = V head and a sink logit per head: q [T, NH, D],
+    k [N, D] (also the values), mask bool [T, N] (True = attend) -> [T, NH, D] float32.
+
+    Float64 matmuls (BLAS dgemm): the result rounded to float32 does not depend on how many
+    queries a step holds (float32 kernels block differently per shape, and a 1e-6 change
+    can flip a later routing near-tie: batched and alone must agree)."""
+    T, NH, D = q.shape
+    k = np.ascontiguousarray(k, dtype=np.float64)
+    s = (np.asarray(q, dtype=np.float64).reshape(T * NH, D) @ k.T).reshape(T, NH, -1) * scale
+    s = np.where(mask[:, None, :], s, -np.inf)
+    sk = sinks.astype(np.float64)[None, :, None]
+    m = np.maximum(s.max(axis=-1, keepdims=True), sk)
+    e = np.exp(s - m)
+    p = (e / (e.sum(axis=-1, keepdims=True) + np.exp(sk - m))).reshape(T * NH, -1)
+    return (p @ k).reshape(T, NH, D).astype(np.float32)
