@@ -38,11 +38,21 @@ DIRECT_ALIGN_BYTES = 4096
 """Alignment of address, offset and length of every O_DIRECT read made here."""
 
 DIRECT_CALL_BYTES = 8 * 2**20
-"""Bytes one O_DIRECT read asks for. With max_sectors_kb 4096 (this project's VM disk; NVMe
-is often 128-512) the block layer cuts it into 2 or more requests that are in flight
-together: the call itself is the queue depth of one thread. Measured on the test VM's
-virtio disk (bench fastload, 3.1 GB file): 2 MiB calls x 4 threads 1.3 GB/s, 8 MiB x 4
-1.1-1.2, 32 MiB x 8 1.2; the disk, not the depth, is the limit there."""
+"""Bytes one O_DIRECT read asks for. The block layer cuts it into requests of at most
+max_sectors_kb (4096 on the test VM's virtio disk, often 128-1280 on NVMe) that are all in
+flight together: the call itself is a thread's queue depth (2 requests here, 8-64 on NVMe),
+so several outstanding reads per thread need no extra machinery.
+
+Queue depth, measured (3.1 GB file, cold, a shared 2-core VM whose other tenants kept 5-9
+cores' worth of load, so single figures vary by 2x; 3 rounds, GB/s):
+O_DIRECT 2 threads x 8 MiB 1.14 / 1.34 / 2.21, 4 x 8 MiB 0.97 / 1.19 / 1.25, 8 x 4 MiB
+1.19 / 1.28 / 1.85, 1 x 64 MiB 0.97 / 1.56 / 1.70, 4 x 2 MiB 1.17 / 1.18 / 1.58, each at
+0.05-0.12 CPU cores; buffered 2 threads in the same rounds 0.32-0.36 at 0.26-0.29 cores.
+Past 2-4 requests in flight this disk gives no more, whatever supplies the depth. So: plain
+preadv threads, each read large. io_uring was not taken: the maintained Python binding
+(liburing 2026.3.30, a Zig-built wheel) accepts only bytearray buffers, which are neither
+4 KiB aligned (O_DIRECT into one is EINVAL) nor the arena, so every byte would need a copy,
+and a large O_DIRECT preadv already has the depth io_uring would add."""
 
 
 class DirectRefused(OSError):
