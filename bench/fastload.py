@@ -21,9 +21,13 @@ loader, the parallel-read ceilings and llama.cpp, on the same file, warm page ca
     llamacpp      llama_model_load_from_file with load_mode NONE (use_mmap=False), CPU only,
                   through llama-cpp-python when installed; its time includes its own
                   metadata and vocabulary parsing (ours is reported separately: open_s)
+    llamacpp_direct  the same with load_mode DIRECT_IO (llama.cpp's own O_DIRECT loader)
     page cache    Cached of /proc/meminfo right before and right after each fastload run:
                   page_cache_<io>_bytes is the median growth (cold runs: what the load left
-                  in the page cache), page_cache_<io>_fraction that over the file's size
+                  in the page cache), page_cache_<io>_fraction that over the file's size;
+                  on a shared machine other processes' reads land there too, so
+                  file_cached_<io>_fraction also gives the model file's own pages in the
+                  cache after the load (mincore; cold runs start from ~0)
 
 GB/s are tensor bytes / seconds (10^9 bytes). ``runs_s.fastload_<io>_populate`` lists each run's
 populate time (thread-seconds): on a VM whose host reclaims freed guest memory, runs
@@ -143,6 +147,8 @@ def time_fastload(catalog, threads: int, io: str = "auto") -> tuple[float, dict]
     cached0 = fileio.meminfo().get("Cached", 0)
     arena, _, stats = fastload(catalog, layout, threads=threads, io=io, progress_interval_s=3600, progress_bar=False)
     cached1 = fileio.meminfo().get("Cached", 0)
+    sizes = [s.size_bytes for s in catalog.shards]
+    file_cached = sum(cached_fraction(s.path) * n for s, n in zip(catalog.shards, sizes, strict=True)) / sum(sizes)
     memory.free_arena(arena)
     dt = stats.seconds  # arena reservation to last byte (the validation before it is ~0.2 ms)
     return dt, {
@@ -159,6 +165,7 @@ def time_fastload(catalog, threads: int, io: str = "auto") -> tuple[float, dict]
         "anon_huge_bytes": stats.anon_huge_bytes,
         "concurrency": round(stats.concurrency, 2),
         "page_cache_growth_bytes": cached1 - cached0,
+        "file_cached_after_fraction": round(file_cached, 4),
     }
 
 
@@ -196,6 +203,7 @@ class LlamaCpp:
         import llama_cpp
 
         self.L = llama_cpp
+        self.has_direct = hasattr(llama_cpp, "LLAMA_LOAD_MODE_DIRECT_IO")
         self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
         llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
@@ -204,9 +212,11 @@ class LlamaCpp:
             f", llama.cpp {llama_version().decode()}" if llama_version else ""
         )
 
-    def time(self, path: Path) -> float:
+    def time(self, path: Path, direct: bool = False) -> float:
+        """Seconds of one llama_model_load_from_file: load_mode NONE (read(), no mmap), or
+        DIRECT_IO (``direct``: its O_DIRECT loader, where this llama.cpp has it)."""
         p = self.L.llama_model_default_params()
-        p.load_mode = self.L.LLAMA_LOAD_MODE_NONE
+        p.load_mode = self.L.LLAMA_LOAD_MODE_DIRECT_IO if direct else self.L.LLAMA_LOAD_MODE_NONE
         p.n_gpu_layers = 0
         t0 = time.perf_counter()
         model = self.L.llama_model_load_from_file(str(path).encode(), p)
@@ -221,7 +231,8 @@ class LlamaCpp:
 
 
 def _last(runs: dict) -> str:
-    return ", ".join(f"{k} {v[-1]:.3f}s" for k, v in runs.items() if isinstance(v, list) and v)
+    return ", ".join(f"{k} {v[-1]:.3f}s" for k, v in runs.items()
+                     if isinstance(v, list) and v and not k.startswith(("page_cache", "file_cached")))
 
 
 def _median(xs: list[float]) -> float | None:
@@ -286,6 +297,7 @@ def run_bench(
             runs[f"fastload_{io}"].append(dt)
             runs[f"fastload_{io}_populate"].append(info["populate_s"])  # thread-seconds: host-fault noise
             runs[f"page_cache_{io}"].append(info["page_cache_growth_bytes"])
+            runs[f"file_cached_{io}"].append(info["file_cached_after_fraction"])
             runs[f"info_{io}"] = info
         prep()
         runs["single_thread"].append(time_single_thread(catalog))
@@ -305,13 +317,16 @@ def run_bench(
         if peer is not None:
             prep()
             runs["llamacpp"].append(peer.time(model))
+            if peer.has_direct:
+                prep()
+                runs["llamacpp_direct"].append(peer.time(model, direct=True))
 
     def summarise(runs: dict, cache: str) -> dict:
         med = {k: _median(v) for k, v in runs.items() if isinstance(v, list)}
         auto = runs.get("auto_io", "buffered")
         out = {"cache": cache, "auto_io": auto}
         for k in ("fastload_buffered", "fastload_direct", "single_thread", "ceiling_buffered", "ceiling_direct",
-                  "ceiling_1t", "llamacpp"):
+                  "ceiling_1t", "llamacpp", "llamacpp_direct"):
             out[f"{k}_s"] = round(med[k], 4) if med.get(k) else None
             out[f"{k}_gbps"] = _gbps(nbytes, med.get(k))
             out[f"{k}_best_gbps"] = _gbps(nbytes, min(runs[k])) if runs.get(k) else None
@@ -326,6 +341,8 @@ def run_bench(
             f = out[f"fastload{io}_gbps"]
             c = out[f"ceiling{io}_gbps"]
             out[f"ratio{io}_vs_llamacpp"] = round(f / lc, 2) if f and lc else None
+            lcd = out["llamacpp_direct_gbps"]
+            out[f"ratio{io}_vs_llamacpp_direct"] = round(f / lcd, 2) if f and lcd else None
             out[f"ratio{io}_vs_ceiling"] = round(f / c, 3) if f and c else None
             out[f"ratio{io}_vs_best_ceiling"] = round(f / best_c, 3) if f and best_c else None
         f = out["fastload_gbps"]
@@ -341,21 +358,22 @@ def run_bench(
             grown = med.get(f"page_cache_{io}")
             out[f"page_cache_{io}_bytes"] = int(grown) if grown is not None else None
             out[f"page_cache_{io}_fraction"] = round(grown / file_bytes, 4) if grown is not None else None
+            out[f"file_cached_{io}_fraction"] = med.get(f"file_cached_{io}")
             out[f"fastload_{io}_detail"] = runs.get(f"info_{io}")
             out[f"ceiling_{io}_concurrency"] = runs.get(f"ceiling_{io}_concurrency")
         out["fastload_detail"] = runs.get(f"info_{auto}")
         out["ceiling_concurrency"] = runs.get(f"ceiling_{auto}_concurrency")
         out["ceiling_1t_concurrency"] = runs.get("ceiling_1t_concurrency")
         out["runs_s"] = {k: [round(x, 4) for x in v] for k, v in runs.items()
-                         if isinstance(v, list) and not k.startswith("page_cache")}
-        out["page_cache_runs_bytes"] = {k: v for k, v in runs.items() if k.startswith("page_cache")}
+                         if isinstance(v, list) and not k.startswith(("page_cache", "file_cached"))}
+        out["page_cache_runs"] = {k: v for k, v in runs.items() if k.startswith(("page_cache", "file_cached"))}
         return out
 
     def new_runs() -> dict:
-        runs: dict = {k: [] for k in ("single_thread", "ceiling_1t", "llamacpp")}
+        runs: dict = {k: [] for k in ("single_thread", "ceiling_1t", "llamacpp", "llamacpp_direct")}
         for io in IO:
             runs.update({f"fastload_{io}": [], f"fastload_{io}_populate": [], f"page_cache_{io}": [],
-                         f"ceiling_{io}": []})
+                         f"file_cached_{io}": [], f"ceiling_{io}": []})
         return runs
 
     log(
@@ -404,6 +422,7 @@ def format_table(r: dict) -> str:
         ("ceiling_1t", "pread ceiling, 1 thread"),
         ("single_thread", "single-thread naive"),
         ("llamacpp", "llama.cpp use_mmap=False"),
+        ("llamacpp_direct", "llama.cpp load_mode DIRECT_IO"),
     ):
         rows.append((name, _fmt(r.get(f"{k}_s")), _fmt(r.get(f"{k}_gbps")), _fmt(cold.get(f"{k}_s")),
                      _fmt(cold.get(f"{k}_gbps"))))
@@ -418,6 +437,7 @@ def format_table(r: dict) -> str:
         "ratio_direct_vs_best_ceiling",
         "ratio_buffered_vs_llamacpp",
         "ratio_direct_vs_llamacpp",
+        "ratio_direct_vs_llamacpp_direct",
         "ratio_vs_single_thread",
         "thread_speedup_ceiling",
         "ratio_vs_llamacpp_with_open",
@@ -429,7 +449,8 @@ def format_table(r: dict) -> str:
         lines.append(
             f"page cache growth during a {io} load (Cached, /proc/meminfo): warm {_mib(r.get(f'page_cache_{io}_bytes'))}"
             f", cold {_mib(cold.get(f'page_cache_{io}_bytes'))} ({_pct(cold.get(f'page_cache_{io}_fraction'))} "
-            "of the file)"
+            f"of the file); the file itself cached after a cold load (mincore): "
+            f"{_pct(cold.get(f'file_cached_{io}_fraction'))}"
         )
     lines.append(
         f"llama.cpp: {r.get('llamacpp')}; cold eviction: {cold.get('method') or cold.get('skipped', '-')}"

@@ -37,6 +37,7 @@ def test_one_short_run_has_every_field(model):
             assert res[key] is not None, key
         assert res["auto_io"] in ("buffered", "direct")
         assert res["page_cache_buffered_bytes"] is not None and res["page_cache_direct_fraction"] is not None
+        assert 0 <= res["file_cached_direct_fraction"] <= 1
     assert r["fastload_direct_detail"]["io"] == "direct" and r["fastload_direct_detail"]["pipelined"]
     assert r["fastload_buffered_detail"]["pipelined"] is False  # warm: interleaved, as before
     assert cold["fastload_buffered_detail"]["pipelined"] is True
