@@ -178,7 +178,8 @@ class FastloadConfig(_Table):
     prefetch: bool = Field(
         False,
         description="One read-ahead thread that asks the kernel (posix_fadvise WILLNEED) for the file "
-        "ranges a few chunks ahead of the load threads, so a cold file is read as one stream. "
+        "ranges a few chunks ahead of the load threads, so a cold file is read as one stream "
+        "(buffered reads only: direct reads bypass the page cache). "
         "Off: the kernel's own read-ahead did as well on the hosts measured; try it where "
         "read_ahead_kb is small (`moe-service bench fastload`).",
     )
