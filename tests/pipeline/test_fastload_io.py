@@ -298,11 +298,39 @@ def test_auto_picks_buffered_when_cached_or_small_and_direct_when_big_and_cold(m
     assert choose_io(model, "direct", pipeline="off").io == "direct"
 
 
-def test_sampled_cache_fraction_sees_a_read_file(model):
+def test_sampled_cache_fraction_sees_a_read_file_and_an_evicted_one(model):
     path = model.shards[0].path
     with open(path, "rb") as f:
         f.read()
     assert fileio.cached_fraction_sampled(path) > 0.98
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    from bench.fastload import cached_fraction
+
+    if cached_fraction(path) <= 0.02:  # tmpfs keeps its pages whatever we advise
+        assert fileio.cached_fraction_sampled(path) <= 0.05
+
+
+def test_stage_reads_the_io_settings(model):
+    from moe_service.config import load_config
+    from pipeline.context import PipelineContext
+    from pipeline.fastload import FastloadStage
+
+    ctx = PipelineContext(load_config(data={
+        "pipeline": {"stages": ["fastload"]},
+        "fastload": {"threads": 2, "chunk_bytes": 2 * MiB, "io": "direct", "direct_threads": 3,
+                     "populate_threads": 2},
+    }))
+    ctx.catalog, ctx.layout = model, plain_layout(model)
+    stage = FastloadStage()
+    stage.run(ctx)
+    try:
+        st = stage.stats
+        assert (st.io, st.pipelined, st.populate_threads) == ("direct", True, 2) and st.threads == 3
+        assert_extents_equal_file(ctx.arena, ctx.layout, model)
+    finally:
+        stage.close(ctx)
 
 
 def test_direct_load_leaves_no_page_cache_behind(model):
