@@ -35,8 +35,9 @@
                           of the readers (faulting and zeroing hide behind the I/O)
                 fill      reader threads take the chunks in the same order, wait until
                           theirs is populated (or populate it themselves when nobody has
-                          started it: the populate threads fell behind), and read it: buffered preads (threads,
-                          capped by CPUs: the copies from the cache cost CPU), or O_DIRECT
+                          started it: the populate threads fell behind), and read it:
+                          buffered preads (threads, capped by CPUs: the copies from the
+                          cache cost CPU), or O_DIRECT
                           reads of DIRECT_CALL_BYTES each straight into the arena
                           (direct_threads, not capped by CPUs: they sleep on the device;
                           spans that are not 4 KiB congruent go through a bounce buffer,
@@ -49,8 +50,8 @@ Both populate (ctypes) and preadv release the GIL, so Python threads run them in
 There is no staging buffer: the file's bytes go from the page cache (or, direct, from the
 device) into the arena once, so resident memory grows by the bytes loaded and no more.
 Bind-before-touch holds in every mode: all policies are set before the first populate, and
-direct reads only land in pages already populated under them. Replica regions are bound here (the
-arena is reserved whole) but left untouched: replication populates and fills them.
+direct reads only land in pages already populated under them. Replica regions are bound here
+(the arena is reserved whole) but left untouched: replication populates and fills them.
 """
 
 from __future__ import annotations
