@@ -196,10 +196,11 @@ def meminfo() -> dict[str, int]:
 _libc = None
 
 
-def cached_fraction_sampled(path: Path | str, samples: int = 1024) -> float:
-    """Estimated fraction of ``path``'s pages in the page cache: mincore(2) of ``samples``
-    pages spread evenly over the file (a 600 GB file costs the same ~1 ms as a small one).
-    1.0 for an empty file; 0.0 when the file cannot be mapped."""
+def cached_fraction_sampled(path: Path | str, windows: int = 64, window_pages: int = 32) -> float:
+    """Estimated fraction of ``path``'s pages in the page cache: mincore(2) over ``windows``
+    runs of ``window_pages`` pages spread evenly over the file (64 calls: about a
+    millisecond for a 600 GB file as for a small one). 1.0 for an empty file; 0.0 when the
+    file cannot be mapped."""
     global _libc
     import ctypes
 
@@ -211,19 +212,22 @@ def cached_fraction_sampled(path: Path | str, samples: int = 1024) -> float:
         _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = mmap.PAGESIZE
     n_pages = -(-size // page)
-    idx = np.unique(np.linspace(0, n_pages - 1, num=min(samples, n_pages)).astype(np.int64))
-    vec = np.zeros(1, dtype=np.uint8)
-    hits = 0
+    run = min(window_pages, n_pages)
+    starts = np.unique(np.linspace(0, n_pages - run, num=min(windows, n_pages)).astype(np.int64))
+    vec = np.zeros(run, dtype=np.uint8)
+    hits = seen = 0
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
             arr = np.frombuffer(mm, dtype=np.uint8)
             base = int(arr.__array_interface__["data"][0])
             try:
-                for i in idx.tolist():
-                    if _libc.mincore(ctypes.c_void_p(base + i * page), page, ctypes.c_void_p(vec.ctypes.data)) == 0:
-                        hits += int(vec[0] & 1)
+                for i in starts.tolist():
+                    n = min(run, n_pages - i)
+                    if _libc.mincore(ctypes.c_void_p(base + i * page), n * page, ctypes.c_void_p(vec.ctypes.data)) == 0:
+                        hits += int(np.count_nonzero(vec[:n] & 1))
+                        seen += n
             finally:
                 del arr
     except (OSError, ValueError):
         return 0.0
-    return hits / len(idx)
+    return hits / seen if seen else 0.0

@@ -286,10 +286,10 @@ def test_direct_falls_back_when_the_first_direct_read_is_refused(model, monkeypa
 
 def test_auto_picks_buffered_when_cached_or_small_and_direct_when_big_and_cold(model, monkeypatch):
     size = sum(s.size_bytes for s in model.shards)
-    monkeypatch.setattr(fileio, "cached_fraction_sampled", lambda path, samples=1024: 1.0)
+    monkeypatch.setattr(fileio, "cached_fraction_sampled", lambda path: 1.0)
     c = choose_io(model, "auto", available_bytes=size)
     assert (c.io, c.pipelined) == ("buffered", False) and "page cache" in c.reason
-    monkeypatch.setattr(fileio, "cached_fraction_sampled", lambda path, samples=1024: 0.0)
+    monkeypatch.setattr(fileio, "cached_fraction_sampled", lambda path: 0.0)
     c = choose_io(model, "auto", available_bytes=size, direct_above_free_fraction=0.5)
     assert (c.io, c.pipelined) == ("direct", True) and "larger than 0.5 x MemAvailable" in c.reason
     c = choose_io(model, "auto", available_bytes=4 * size, direct_above_free_fraction=0.5)
