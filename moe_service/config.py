@@ -194,9 +194,10 @@ class FastloadConfig(_Table):
     )
     direct_above_free_fraction: float = Field(
         0.5,
-        gt=0,
+        ge=0,
         description="io = auto reads a file that is not cached with direct I/O when it is larger "
-        "than this fraction of MemAvailable (/proc/meminfo) at the start of the load.",
+        "than this fraction of MemAvailable (/proc/meminfo) at the start of the load; 0: "
+        "whenever it is not cached (the fastest cold start; the next restart is cold too).",
     )
     pipeline: Literal["auto", "on", "off"] = Field(
         "auto",

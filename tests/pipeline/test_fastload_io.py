@@ -294,6 +294,7 @@ def test_auto_picks_buffered_when_cached_or_small_and_direct_when_big_and_cold(m
     assert (c.io, c.pipelined) == ("direct", True) and "larger than 0.5 x MemAvailable" in c.reason
     c = choose_io(model, "auto", available_bytes=4 * size, direct_above_free_fraction=0.5)
     assert (c.io, c.pipelined) == ("buffered", True)
+    assert choose_io(model, "auto", available_bytes=1000 * size, direct_above_free_fraction=0).io == "direct"
     assert choose_io(model, "buffered", pipeline="off").pipelined is False
     assert choose_io(model, "direct", pipeline="off").io == "direct"
 
