@@ -1,27 +1,41 @@
-"""``moe-service bench fastload``: fastload against a naive loader, the parallel-read
-ceiling and llama.cpp, on the same file, warm page cache and cold.
+"""``moe-service bench fastload``: fastload with buffered and direct reads against a naive
+loader, the parallel-read ceilings and llama.cpp, on the same file, warm page cache and cold.
 
 ::
 
-    fastload      pipeline.fastload.fastload(catalog, plain_layout(catalog), threads=N)
-                  (reserve + THP + populate + N-thread preadv), catalog already open;
-                  LoadStats.seconds: from the arena reservation to the last byte
+    fastload_buffered  pipeline.fastload.fastload(catalog, plain_layout(catalog), io='buffered')
+                  (reserve + THP + populate + N-thread preadv; interleaved when the file is
+                  cached, pipelined when it is not), catalog already open; LoadStats.seconds:
+                  from the arena reservation to the last byte
+    fastload_direct    the same with io='direct' (O_DIRECT reads, pipelined, direct_threads)
+    fastload      the mode fastload.io = auto picks for this file and this cache state (the
+                  service's default): auto_io in the report
     single_thread WeightStore.load_simple: one thread, one readinto per tensor into a fresh
                   numpy buffer (page faults during the reads), as a naive loader does
-    ceiling       pipeline.fastload.reread: the same N-thread preadv into an arena fastload
-                  already populated (no faults, no allocation): what the reads alone cost
-    ceiling_1t    the same with one thread: ceiling / ceiling_1t shows the threads really
-                  run in parallel (preadv and ctypes madvise release the GIL)
+    ceiling_buffered / ceiling_direct  pipeline.fastload.reread: the same reads (N preadv
+                  threads / O_DIRECT readers) into an arena fastload already populated (no
+                  faults, no allocation): what the reads alone cost; ``ceiling`` is the one of
+                  auto's mode, ``best ceiling`` the faster of the two
+    ceiling_1t    the buffered ceiling with one thread (warm): ceiling / ceiling_1t shows the
+                  threads really run in parallel (preadv and ctypes madvise release the GIL)
     llamacpp      llama_model_load_from_file with load_mode NONE (use_mmap=False), CPU only,
                   through llama-cpp-python when installed; its time includes its own
                   metadata and vocabulary parsing (ours is reported separately: open_s)
+    llamacpp_direct  the same with load_mode DIRECT_IO (llama.cpp's own O_DIRECT loader)
+    page cache    Cached of /proc/meminfo right before and right after each fastload run:
+                  page_cache_<io>_bytes is the median growth (cold runs: what the load left
+                  in the page cache), page_cache_<io>_fraction that over the file's size;
+                  on a shared machine other processes' reads land there too, so
+                  file_cached_<io>_fraction also gives the model file's own pages in the
+                  cache after the load (mincore; cold runs start from ~0)
 
-GB/s are tensor bytes / seconds (10^9 bytes). ``runs_s.fastload_populate`` lists each fastload
-run's populate time (thread-seconds): on a VM whose host reclaims freed guest memory, runs
+GB/s are tensor bytes / seconds (10^9 bytes). ``runs_s.fastload_<io>_populate`` lists each run's
+populate time (thread-seconds): on a VM whose host reclaims freed guest memory, runs
 where it is high paid host page faults, not fastload's own work (see prefault_free_memory). Every measurement is repeated and the median
 reported; the methods take turns within each repeat so none gets all the fresh memory.
 Cold runs evict the file from the page cache first (posix_fadvise DONTNEED, checked with
-mincore; /proc/sys/vm/drop_caches when that is not enough and we are root).
+mincore; /proc/sys/vm/drop_caches when that is not enough and we are root). On a VM, "cold"
+is the guest's page cache: the host may still hold the file.
 
     python -m bench.fastload --model F [--json] [--repeats 5] [--cold-repeats 1]
     python -m bench.fastload --make-synthetic F --size-gib 4.5     # moe_service.synth qwen3-30b-a3b
@@ -42,11 +56,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.peer import _CpuWindow, llama_cpp_unavailable_reason
-from moe_service import memory
+from moe_service import fileio, memory
 from moe_service.gguf_model import GGUFModel
 from moe_service.layout import plain_layout
 from moe_service.weights import WeightStore
-from pipeline.fastload import fastload, reread
+from pipeline.fastload import choose_io, fastload, reread
+
+IO = ("buffered", "direct")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -126,18 +142,30 @@ def prefault_free_memory(nbytes: int) -> None:
 # --- the loaders ----------------------------------------------------------------------------
 
 
-def time_fastload(catalog, threads: int) -> tuple[float, dict]:
+def time_fastload(catalog, threads: int, io: str = "auto") -> tuple[float, dict]:
     layout = plain_layout(catalog)
-    arena, _, stats = fastload(catalog, layout, threads=threads, progress_interval_s=3600, progress_bar=False)
+    cached0 = fileio.meminfo().get("Cached", 0)
+    arena, _, stats = fastload(catalog, layout, threads=threads, io=io, progress_interval_s=3600, progress_bar=False)
+    cached1 = fileio.meminfo().get("Cached", 0)
+    sizes = [s.size_bytes for s in catalog.shards]
+    file_cached = sum(cached_fraction(s.path) * n for s, n in zip(catalog.shards, sizes, strict=True)) / sum(sizes)
     memory.free_arena(arena)
     dt = stats.seconds  # arena reservation to last byte (the validation before it is ~0.2 ms)
     return dt, {
+        "io": stats.io,
+        "pipelined": stats.pipelined,
         "threads": stats.threads,
+        "populate_threads": stats.populate_threads,
         "populate": stats.populate,
         "populate_s": round(stats.populate_s, 4),
         "read_s": round(stats.read_s, 4),
+        "wait_s": round(stats.wait_s, 4),
+        "direct_bytes": stats.direct_bytes,
+        "direct_fallback": stats.direct_fallback,
         "anon_huge_bytes": stats.anon_huge_bytes,
         "concurrency": round(stats.concurrency, 2),
+        "page_cache_growth_bytes": cached1 - cached0,
+        "file_cached_after_fraction": round(file_cached, 4),
     }
 
 
@@ -155,12 +183,13 @@ class Ceiling:
     def __init__(self, catalog, threads: int):
         self.catalog, self.layout = catalog, plain_layout(catalog)
         self.arena, _, _ = fastload(
-            catalog, self.layout, threads=threads, progress_interval_s=3600, progress_bar=False
+            catalog, self.layout, threads=threads, io="direct", progress_interval_s=3600, progress_bar=False
         )
 
-    def time(self, threads: int):
-        """(seconds, concurrency: CPU seconds per wall second) of one re-read."""
-        st = reread(self.catalog, self.layout, self.arena, threads=threads)
+    def time(self, threads: int, io: str = "buffered"):
+        """(seconds, concurrency: CPU seconds per wall second) of one re-read (``io``
+        'buffered': ``threads`` preadv threads; 'direct': fastload's O_DIRECT readers)."""
+        st = reread(self.catalog, self.layout, self.arena, threads=threads, io=io)
         return st.seconds, round(st.concurrency, 2)
 
     def close(self) -> None:
@@ -174,6 +203,7 @@ class LlamaCpp:
         import llama_cpp
 
         self.L = llama_cpp
+        self.has_direct = hasattr(llama_cpp, "LLAMA_LOAD_MODE_DIRECT_IO")
         self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
         llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
@@ -182,9 +212,11 @@ class LlamaCpp:
             f", llama.cpp {llama_version().decode()}" if llama_version else ""
         )
 
-    def time(self, path: Path) -> float:
+    def time(self, path: Path, direct: bool = False) -> float:
+        """Seconds of one llama_model_load_from_file: load_mode NONE (read(), no mmap), or
+        DIRECT_IO (``direct``: its O_DIRECT loader, where this llama.cpp has it)."""
         p = self.L.llama_model_default_params()
-        p.load_mode = self.L.LLAMA_LOAD_MODE_NONE
+        p.load_mode = self.L.LLAMA_LOAD_MODE_DIRECT_IO if direct else self.L.LLAMA_LOAD_MODE_NONE
         p.n_gpu_layers = 0
         t0 = time.perf_counter()
         model = self.L.llama_model_load_from_file(str(path).encode(), p)
@@ -199,7 +231,8 @@ class LlamaCpp:
 
 
 def _last(runs: dict) -> str:
-    return ", ".join(f"{k} {v[-1]:.3f}s" for k, v in runs.items() if isinstance(v, list) and v)
+    return ", ".join(f"{k} {v[-1]:.3f}s" for k, v in runs.items()
+                     if isinstance(v, list) and v and not k.startswith(("page_cache", "file_cached")))
 
 
 def _median(xs: list[float]) -> float | None:
@@ -256,18 +289,25 @@ def run_bench(
                 result["cold_method"] = evict(paths)
 
         prep()
-        dt, info = time_fastload(catalog, threads)
-        runs["fastload"].append(dt)
-        runs["fastload_populate"].append(info["populate_s"])  # thread-seconds: shows host-fault noise
-        runs["fastload_info"] = info
+        runs["auto_io"] = choose_io(catalog, "auto").io  # what the service would do now
+        for io in IO:
+            if io != IO[0]:
+                prep()
+            dt, info = time_fastload(catalog, threads, io)
+            runs[f"fastload_{io}"].append(dt)
+            runs[f"fastload_{io}_populate"].append(info["populate_s"])  # thread-seconds: host-fault noise
+            runs[f"page_cache_{io}"].append(info["page_cache_growth_bytes"])
+            runs[f"file_cached_{io}"].append(info["file_cached_after_fraction"])
+            runs[f"info_{io}"] = info
         prep()
         runs["single_thread"].append(time_single_thread(catalog))
         ceiling = Ceiling(catalog, threads)
         try:
-            prep()
-            dt, conc = ceiling.time(threads)
-            runs["ceiling"].append(dt)
-            runs["ceiling_concurrency"] = conc
+            for io in IO:
+                prep()
+                dt, conc = ceiling.time(threads, io)
+                runs[f"ceiling_{io}"].append(dt)
+                runs[f"ceiling_{io}_concurrency"] = conc
             if not cold:
                 dt, conc = ceiling.time(1)
                 runs["ceiling_1t"].append(dt)
@@ -277,40 +317,64 @@ def run_bench(
         if peer is not None:
             prep()
             runs["llamacpp"].append(peer.time(model))
+            if peer.has_direct:
+                prep()
+                runs["llamacpp_direct"].append(peer.time(model, direct=True))
 
     def summarise(runs: dict, cache: str) -> dict:
         med = {k: _median(v) for k, v in runs.items() if isinstance(v, list)}
-        out = {"cache": cache}
-        for k in ("fastload", "single_thread", "ceiling", "ceiling_1t", "llamacpp"):
+        auto = runs.get("auto_io", "buffered")
+        out = {"cache": cache, "auto_io": auto}
+        for k in ("fastload_buffered", "fastload_direct", "single_thread", "ceiling_buffered", "ceiling_direct",
+                  "ceiling_1t", "llamacpp", "llamacpp_direct"):
             out[f"{k}_s"] = round(med[k], 4) if med.get(k) else None
             out[f"{k}_gbps"] = _gbps(nbytes, med.get(k))
             out[f"{k}_best_gbps"] = _gbps(nbytes, min(runs[k])) if runs.get(k) else None
-        f, c, c1, lc = out["fastload_gbps"], out["ceiling_gbps"], out["ceiling_1t_gbps"], out["llamacpp_gbps"]
-        out["ratio_vs_llamacpp"] = round(f / lc, 2) if f and lc else None
-        out["ratio_vs_ceiling"] = round(f / c, 3) if f and c else None
+        for k in ("", "_gbps", "_best_gbps"):
+            out[f"fastload{k or '_s'}"] = out[f"fastload_{auto}{k or '_s'}"]
+            out[f"ceiling{k or '_s'}"] = out[f"ceiling_{auto}{k or '_s'}"]
+        lc, c1 = out["llamacpp_gbps"], out["ceiling_1t_gbps"]
+        ceilings = [x for x in (out["ceiling_buffered_gbps"], out["ceiling_direct_gbps"], c1) if x]
+        best_c = max(ceilings) if ceilings else None
+        out["best_ceiling_gbps"] = best_c
+        for io in ("", "_buffered", "_direct"):
+            f = out[f"fastload{io}_gbps"]
+            c = out[f"ceiling{io}_gbps"]
+            out[f"ratio{io}_vs_llamacpp"] = round(f / lc, 2) if f and lc else None
+            lcd = out["llamacpp_direct_gbps"]
+            out[f"ratio{io}_vs_llamacpp_direct"] = round(f / lcd, 2) if f and lcd else None
+            out[f"ratio{io}_vs_ceiling"] = round(f / c, 3) if f and c else None
+            out[f"ratio{io}_vs_best_ceiling"] = round(f / best_c, 3) if f and best_c else None
+        f = out["fastload_gbps"]
         out["ratio_vs_single_thread"] = (
             round(f / out["single_thread_gbps"], 2) if f and out["single_thread_gbps"] else None
         )
+        c = out["ceiling_buffered_gbps"]
         out["thread_speedup_ceiling"] = round(c / c1, 2) if c and c1 else None
-        best_c = max(x for x in (c, c1) if x) if (c or c1) else None
-        out["ratio_vs_best_ceiling"] = round(f / best_c, 3) if f and best_c else None
         if out["llamacpp_s"]:
             out["ratio_vs_llamacpp_with_open"] = round(out["llamacpp_s"] / (out["fastload_s"] + open_s), 2)
-        out["fastload_detail"] = runs.get("fastload_info")
-        out["ceiling_concurrency"] = runs.get("ceiling_concurrency")
+        file_bytes = result["file_bytes"]
+        for io in IO:
+            grown = med.get(f"page_cache_{io}")
+            out[f"page_cache_{io}_bytes"] = int(grown) if grown is not None else None
+            out[f"page_cache_{io}_fraction"] = round(grown / file_bytes, 4) if grown is not None else None
+            out[f"file_cached_{io}_fraction"] = med.get(f"file_cached_{io}")
+            out[f"fastload_{io}_detail"] = runs.get(f"info_{io}")
+            out[f"ceiling_{io}_concurrency"] = runs.get(f"ceiling_{io}_concurrency")
+        out["fastload_detail"] = runs.get(f"info_{auto}")
+        out["ceiling_concurrency"] = runs.get(f"ceiling_{auto}_concurrency")
         out["ceiling_1t_concurrency"] = runs.get("ceiling_1t_concurrency")
-        out["runs_s"] = {k: [round(x, 4) for x in v] for k, v in runs.items() if isinstance(v, list)}
+        out["runs_s"] = {k: [round(x, 4) for x in v] for k, v in runs.items()
+                         if isinstance(v, list) and not k.startswith(("page_cache", "file_cached"))}
+        out["page_cache_runs"] = {k: v for k, v in runs.items() if k.startswith(("page_cache", "file_cached"))}
         return out
 
     def new_runs() -> dict:
-        return {
-            "fastload": [],
-            "fastload_populate": [],
-            "single_thread": [],
-            "ceiling": [],
-            "ceiling_1t": [],
-            "llamacpp": [],
-        }
+        runs: dict = {k: [] for k in ("single_thread", "ceiling_1t", "llamacpp", "llamacpp_direct")}
+        for io in IO:
+            runs.update({f"fastload_{io}": [], f"fastload_{io}_populate": [], f"page_cache_{io}": [],
+                         f"file_cached_{io}": [], f"ceiling_{io}": []})
+        return runs
 
     log(
         f"model {model}: {nbytes / 2**30:.2f} GiB of tensors in {len(paths)} file(s); catalog opened in {open_s:.3f} s"
@@ -344,36 +408,49 @@ def run_bench(
 def format_table(r: dict) -> str:
     """The result as an aligned text table (one row per loader, warm and cold columns)."""
     cold = r.get("cold") or {}
+
+    def label(io: str) -> str:
+        d = r.get(f"fastload_{io}_detail") or {}
+        return f"fastload {io} ({d.get('threads', '?')}+{d.get('populate_threads', 0)} threads)"
+
     rows = [("loader", "warm s", "warm GB/s", "cold s", "cold GB/s")]
-    for k, label in (
-        ("fastload", f"fastload ({(r.get('fastload_detail') or {}).get('threads', '?')} threads)"),
-        ("ceiling", "parallel pread ceiling"),
+    for k, name in (
+        ("fastload_buffered", label("buffered")),
+        ("fastload_direct", label("direct")),
+        ("ceiling_buffered", "parallel pread ceiling"),
+        ("ceiling_direct", "parallel O_DIRECT ceiling"),
         ("ceiling_1t", "pread ceiling, 1 thread"),
         ("single_thread", "single-thread naive"),
         ("llamacpp", "llama.cpp use_mmap=False"),
+        ("llamacpp_direct", "llama.cpp load_mode DIRECT_IO"),
     ):
-        rows.append(
-            (
-                label,
-                _fmt(r.get(f"{k}_s")),
-                _fmt(r.get(f"{k}_gbps")),
-                _fmt(cold.get(f"{k}_s")),
-                _fmt(cold.get(f"{k}_gbps")),
-            )
-        )
+        rows.append((name, _fmt(r.get(f"{k}_s")), _fmt(r.get(f"{k}_gbps")), _fmt(cold.get(f"{k}_s")),
+                     _fmt(cold.get(f"{k}_gbps"))))
     w = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows]
     lines.append("")
+    lines.append(f"fastload.io = auto picks: warm {r.get('auto_io')}, cold {cold.get('auto_io', '-')}")
     for key in (
-        "ratio_vs_llamacpp",
-        "ratio_vs_ceiling",
-        "ratio_vs_best_ceiling",
+        "ratio_buffered_vs_ceiling",
+        "ratio_direct_vs_ceiling",
+        "ratio_buffered_vs_best_ceiling",
+        "ratio_direct_vs_best_ceiling",
+        "ratio_buffered_vs_llamacpp",
+        "ratio_direct_vs_llamacpp",
+        "ratio_direct_vs_llamacpp_direct",
         "ratio_vs_single_thread",
         "thread_speedup_ceiling",
         "ratio_vs_llamacpp_with_open",
     ):
         lines.append(
             f"{key}: warm {_fmt(r.get(key))}" + (f", cold {_fmt(cold.get(key))}" if cold.get(key) else "")
+        )
+    for io in IO:
+        lines.append(
+            f"page cache growth during a {io} load (Cached, /proc/meminfo): warm {_mib(r.get(f'page_cache_{io}_bytes'))}"
+            f", cold {_mib(cold.get(f'page_cache_{io}_bytes'))} ({_pct(cold.get(f'page_cache_{io}_fraction'))} "
+            f"of the file); the file itself cached after a cold load (mincore): "
+            f"{_pct(cold.get(f'file_cached_{io}_fraction'))}"
         )
     lines.append(
         f"llama.cpp: {r.get('llamacpp')}; cold eviction: {cold.get('method') or cold.get('skipped', '-')}"
@@ -392,6 +469,14 @@ def format_table(r: dict) -> str:
         f"load average start {r['loadavg_start']}, end {r['loadavg_end']}; usable CPUs {r['cpus']}; THP {r['thp']}"
     )
     return "\n".join(lines)
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / 2**20:+.0f} MiB"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 def _fmt(v) -> str:

@@ -186,9 +186,46 @@ class FastloadConfig(_Table):
     prefetch: bool = Field(
         False,
         description="One read-ahead thread that asks the kernel (posix_fadvise WILLNEED) for the file "
-        "ranges a few chunks ahead of the load threads, so a cold file is read as one stream. "
+        "ranges a few chunks ahead of the load threads, so a cold file is read as one stream "
+        "(buffered reads only: direct reads bypass the page cache). "
         "Off: the kernel's own read-ahead did as well on the hosts measured; try it where "
         "read_ahead_kb is small (`moe-service bench fastload`).",
+    )
+    io: Literal["auto", "buffered", "direct"] = Field(
+        "auto",
+        description="How the model file is read. buffered: through the page cache (a second copy "
+        "of the model stays cached after the load); direct: O_DIRECT reads from the device "
+        "straight into the arena, no page cache copy (filesystems that refuse O_DIRECT, e.g. "
+        "tmpfs before Linux 6.6 or some network filesystems, are read buffered, logged once); "
+        "auto: buffered when the file is already in the page cache or smaller than "
+        "direct_above_free_fraction of MemAvailable, else direct.",
+    )
+    direct_above_free_fraction: float = Field(
+        0.5,
+        ge=0,
+        description="io = auto reads a file that is not cached with direct I/O when it is larger "
+        "than this fraction of MemAvailable (/proc/meminfo) at the start of the load; 0: "
+        "whenever it is not cached (the fastest cold start; the next restart is cold too).",
+    )
+    pipeline: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Populate chunks in separate threads ahead of the reader threads, so that "
+        "page faulting and zeroing hide behind the I/O. auto: on, except for buffered reads of "
+        "a file already in the page cache (there the load is copies, and populating and "
+        "filling each 2 MiB in the same thread keeps the zeroed page in the CPU cache).",
+    )
+    populate_threads: int = Field(
+        0,
+        ge=0,
+        description="Threads populating ahead of the readers in a pipelined load; 0: a quarter of "
+        "the usable CPUs, at least 1.",
+    )
+    direct_threads: int = Field(
+        4,
+        ge=1,
+        description="Reader threads of a direct (O_DIRECT) load, not capped by the CPUs: they sleep "
+        "on the device. Each read asks for 8 MiB, which the block layer cuts into several "
+        "requests in flight together.",
     )
 
 

@@ -43,10 +43,34 @@ SLAB_ALIGN_BYTES = 64
 
 PAGE_BYTES = 4096
 
+DIO_MIN_ALIGN_BYTES = 32
+"""Extents whose file offset is a multiple of this (GGUF's default alignment) are placed
+congruent to it modulo 4 KiB (:func:`dio_offset`)."""
+
 
 def align_up(n: int, alignment: int) -> int:
     """Round ``n`` up to a multiple of ``alignment`` (a power of two)."""
     return (n + alignment - 1) & ~(alignment - 1)
+
+
+def dio_offset(offset: int, file_offset: int) -> int:
+    """Where a file extent starting at ``file_offset`` goes in a region, at or after ``offset``:
+    the first offset with the same remainder modulo :data:`PAGE_BYTES` as ``file_offset``,
+    so that fastload's O_DIRECT reads (address and file offset on 4 KiB boundaries together)
+    land straight in the arena instead of going through a bounce buffer; regions start on
+    2 MiB boundaries, so a region offset keeps its remainder in the arena. Costs less than
+    4 KiB of padding per extent, and nothing between extents that follow each other in the
+    file (their spacing is the file's). The extent then starts on a cache line
+    (:data:`SLAB_ALIGN_BYTES`) when its file offset does, else on the file's own 32-byte
+    boundary (GGUF's default general.alignment: where llama.cpp computes on it through mmap).
+    A ``file_offset`` not 32-byte aligned gets ``align_up(offset, 64)`` (bounce buffer).
+    Used by :func:`plain_layout`; the NUMA plan (pipeline/plan.py) keeps every slab on a
+    cache line and its direct reads go through the bounce buffer (one memcpy per byte, what
+    a buffered read costs too), because the padding could add a page to a region sized
+    to whole hugetlb pages."""
+    if file_offset % DIO_MIN_ALIGN_BYTES:
+        return align_up(offset, SLAB_ALIGN_BYTES)
+    return offset + (file_offset - offset) % PAGE_BYTES
 
 
 def region_align_bytes(pages: str) -> int:
@@ -170,7 +194,9 @@ class Layout:
 
 
 def plain_layout(catalog, align_bytes: int = REGION_ALIGN_BYTES) -> Layout:
-    """The simplest layout: one ``local`` region holding every tensor once, in file order.
+    """The simplest layout: one ``local`` region holding every tensor once, in file order,
+    each at its file offset's remainder modulo 4 KiB (:func:`dio_offset`: direct I/O lands in
+    place; tensors that follow each other in the file keep the file's spacing).
 
     Used on hosts where placement does not matter (tests, tools, one-node hosts with the
     ``local`` policy). Expert tensors are stored whole, so each slab e sits at the tensor's
@@ -181,7 +207,7 @@ def plain_layout(catalog, align_bytes: int = REGION_ALIGN_BYTES) -> Layout:
     tensors: dict[str, list[int]] = {}
     off = 0
     for t in catalog.tensors.values():
-        off = align_up(off, SLAB_ALIGN_BYTES)
+        off = dio_offset(off, t.file_offset)
         region.extents.append(Extent(t.shard, t.file_offset, t.nbytes, off))
         tensors[t.name] = [off]
         off += t.nbytes

@@ -15,7 +15,13 @@
     prefetch  (optional, off by default) one thread walks the chunks in order a few chunks
               ahead of the workers, asking the kernel to read their file ranges (fadvise
               WILLNEED): a cold page cache fills as one stream while the workers work
-    workers   N threads (threads, capped by usable CPUs), each taking the next chunk and
+    io        buffered (through the page cache) or direct (O_DIRECT, no page cache copy), and
+              interleaved or pipelined (see below): fastload.io = auto picks buffered when the
+              file is already cached (sampled with mincore) or smaller than
+              direct_above_free_fraction of MemAvailable, else direct; pipelined unless the
+              load is buffered from a warm cache
+    workers   interleaved (a warm page cache: the load is memory copies, CPU bound):
+              N threads (threads, capped by usable CPUs), each taking the next chunk and
               going through it 2 MiB (one huge page) at a time:
                 populate  madvise(MADV_POPULATE_WRITE) (or touch one byte per 4 KiB page
                           where the kernel lacks it; never with hugetlb, where a short pool
@@ -24,12 +30,28 @@
                 fill      preadv from the shard file straight into it while the zeroed
                           page is still in cache, looping over short reads and the
                           0x7ffff000-byte per-call limit
+              pipelined (a cold cache or direct I/O: the load waits on the device):
+                populate  populate_threads threads populate whole chunks in order, ahead
+                          of the readers (faulting and zeroing hide behind the I/O)
+                fill      reader threads take the chunks in the same order, wait until
+                          theirs is populated (or populate it themselves when nobody has
+                          started it: the populate threads fell behind), and read it:
+                          buffered preads (threads, capped by CPUs: the copies from the
+                          cache cost CPU), or O_DIRECT
+                          reads of DIRECT_CALL_BYTES each straight into the arena
+                          (direct_threads, not capped by CPUs: they sleep on the device;
+                          spans that are not 4 KiB congruent go through a bounce buffer,
+                          see moe_service.fileio); a filesystem that refuses O_DIRECT
+                          (tmpfs before Linux 6.6, ramfs, some network filesystems) is read
+                          buffered, logged once (fastload_direct_fallback)
     progress  every progress_interval_s: log fastload_progress, STATUS "fastload 45% 6.1/13.5 GiB 3.2 GB/s"
 
 Both populate (ctypes) and preadv release the GIL, so Python threads run them in parallel.
-There is no staging buffer: the file's bytes go from the page cache into the arena once, so
-resident memory grows by the bytes loaded and no more. Replica regions are bound here (the
-arena is reserved whole) but left untouched: replication populates and fills them.
+There is no staging buffer: the file's bytes go from the page cache (or, direct, from the
+device) into the arena once, so resident memory grows by the bytes loaded and no more.
+Bind-before-touch holds in every mode: all policies are set before the first populate, and
+direct reads only land in pages already populated under them. Replica regions are bound here
+(the arena is reserved whole) but left untouched: replication populates and fills them.
 """
 
 from __future__ import annotations
@@ -46,7 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moe_service import memory, numa
+from moe_service import fileio, memory, numa
 from moe_service.config import WORK_CHUNK_BYTES
 from moe_service.errors import CapacityError, ConfigError, ModelFileError, NumaError, StageError
 from moe_service.layout import (
@@ -72,6 +94,71 @@ POPULATE_STEP_BYTES = 2 * 2**20
 just zeroed is still in cache when preadv overwrites it, so memory sees one write, not two."""
 
 
+IO_MODES = ("auto", "buffered", "direct")
+WARM_CACHED_FRACTION = 0.9
+"""A file with at least this fraction of its (sampled) pages in the page cache is warm: loaded
+buffered and interleaved whatever fastload.io and fastload.pipeline = auto would pick."""
+DIRECT_THREADS = 4
+SPAN_GAP_BYTES = 64 * 1024
+"""Direct reads of one chunk merge extents whose gap is the same in the file and the arena and
+at most this big (the GGUF's padding between tensors): one read instead of one per tensor."""
+
+
+@dataclass(frozen=True)
+class IoChoice:
+    """How a load reads: ``io`` 'buffered' or 'direct', ``pipelined`` (populate ahead of the
+    readers), ``cached_fraction`` of the files in the page cache when sampled (None: not
+    sampled), ``file_bytes``, and ``reason``: one sentence for the log."""
+
+    io: str
+    pipelined: bool
+    reason: str
+    cached_fraction: float | None = None
+    file_bytes: int = 0
+
+
+def choose_io(catalog, io: str = "auto", *, pipeline: str = "auto", direct_above_free_fraction: float = 0.5,
+              available_bytes: int | None = None) -> IoChoice:
+    """Resolve fastload.io (``auto`` / ``buffered`` / ``direct``) and fastload.pipeline
+    (``auto`` / ``on`` / ``off``) for ``catalog``'s files.
+
+    auto: buffered when the files are at least :data:`WARM_CACHED_FRACTION` cached (the copy
+    is already there: reading it costs memory bandwidth only), else direct when they are
+    larger than ``direct_above_free_fraction`` x MemAvailable (``available_bytes``; a
+    buffered read would leave a second copy of the model in the page cache, on top of the
+    arena, and evict everything else), else buffered (the cache it leaves makes the next
+    start warm). Pipelined: auto = unless buffered from a warm cache. Raises ConfigError for
+    an unknown value."""
+    if io not in IO_MODES:
+        raise ConfigError(f"fastload.io: must be one of {', '.join(IO_MODES)} (got {io!r})")
+    if pipeline not in ("auto", "on", "off"):
+        raise ConfigError(f"fastload.pipeline: must be one of auto, on, off (got {pipeline!r})")
+    file_bytes = sum(s.size_bytes for s in catalog.shards)
+    cached = None
+    if io == "auto" or pipeline == "auto":
+        sizes = [max(s.size_bytes, 1) for s in catalog.shards]
+        fracs = [fileio.cached_fraction_sampled(s.path) for s in catalog.shards]
+        cached = sum(f * n for f, n in zip(fracs, sizes, strict=True)) / sum(sizes)
+    if io == "auto":
+        if available_bytes is None:
+            available_bytes = fileio.meminfo().get("MemAvailable", 0)
+        if cached >= WARM_CACHED_FRACTION:
+            chosen, reason = "buffered", f"{100 * cached:.0f}% of the file is in the page cache"
+        elif file_bytes > direct_above_free_fraction * available_bytes:
+            chosen, reason = "direct", (f"the file ({file_bytes / GiB:.1f} GiB) is larger than "
+                                        f"{direct_above_free_fraction:g} x MemAvailable ({available_bytes / GiB:.1f} GiB)")
+        else:
+            chosen, reason = "buffered", (f"the file ({file_bytes / GiB:.1f} GiB) fits in "
+                                          f"{direct_above_free_fraction:g} x MemAvailable ({available_bytes / GiB:.1f} GiB)")
+    else:
+        chosen, reason = io, f"fastload.io = {io}"
+    if pipeline == "auto":
+        pipelined = chosen == "direct" or cached < WARM_CACHED_FRACTION
+    else:
+        pipelined = pipeline == "on"
+    return IoChoice(chosen, pipelined, reason, cached, file_bytes)
+
+
 @dataclass
 class LoadStats:
     """What a load did. ``seconds``: wall time from reservation to the last byte;
@@ -80,7 +167,11 @@ class LoadStats:
     for :func:`reread`); ``hugepages``: huge pages back the arena (THP advised and enabled,
     or hugetlb); ``pages``: fastload.pages ('thp', '4k', '2m', '1g'); ``anon_huge_bytes``:
     growth of this process's AnonHugePages during the load (THP-backed anonymous memory;
-    hugetlb pages are not counted there)."""
+    hugetlb pages are not counted there). ``io``: 'buffered' or 'direct' (what was asked;
+    ``direct_fallback`` says why some file was read buffered instead); ``pipelined``;
+    ``populate_threads``; ``wait_s``: reader thread-seconds spent waiting for a chunk to be
+    populated (above ~0: populate was the bottleneck); ``direct_bytes``: bytes read with
+    O_DIRECT."""
 
     bytes_loaded: int
     seconds: float
@@ -94,6 +185,12 @@ class LoadStats:
     read_calls: int = 0
     cpu_s: float = 0.0
     pages: str = "thp"
+    io: str = "buffered"
+    pipelined: bool = False
+    populate_threads: int = 0
+    wait_s: float = 0.0
+    direct_bytes: int = 0
+    direct_fallback: str | None = None
 
     @property
     def concurrency(self) -> float:
@@ -135,6 +232,24 @@ class _Chunk:
                     break
                 j += 1
             yield lo, hi, out
+
+    def spans(self, max_gap: int = SPAN_GAP_BYTES) -> list[tuple[int, int, int, int, int]]:
+        """(shard, file_offset, nbytes, arena_offset, payload_bytes) of the chunk's reads with
+        neighbours merged where the gap between them is the same in the file and in the arena
+        and at most ``max_gap`` (the gap bytes are the file's padding, written into the
+        arena's padding between the two extents: this chunk's bytes, nobody else's).
+        ``payload_bytes``: the extents' bytes alone."""
+        out: list[list[int]] = []
+        for shard, file_off, n, arena_off in self.reads:
+            if out:
+                sh, fo, nb, ao, _ = out[-1]
+                gap = arena_off - (ao + nb)
+                if sh == shard and 0 <= gap <= max_gap and file_off - (fo + nb) == gap:
+                    out[-1][2] += gap + n
+                    out[-1][4] += n
+                    continue
+            out.append([shard, file_off, n, arena_off, n])
+        return [tuple(r) for r in out]
 
     def file_ranges(self) -> list[tuple[int, int, int]]:
         """(shard, file_offset, nbytes) of the chunk's reads, contiguous ones merged."""
@@ -306,7 +421,9 @@ def populate_range(base: int, region: Region, lo: int, hi: int, layout: Layout, 
 
 
 class _Loader:
-    """The worker pool of one load (see the module docstring)."""
+    """The worker pools of one load (see the module docstring): interleaved (each worker
+    populates and fills its chunk 2 MiB at a time) or pipelined (populate workers ahead of
+    reader workers, buffered or direct reads)."""
 
     def __init__(
         self,
@@ -321,6 +438,9 @@ class _Loader:
         prefetch: bool = False,
         layout: Layout | None = None,
         page_kib: int = 0,
+        io: str = "buffered",
+        pipelined: bool = False,
+        populate_threads: int = 1,
     ):
         self.catalog = catalog
         self.layout = layout
@@ -333,14 +453,26 @@ class _Loader:
         self.populate = populate  # 'madvise', 'touch' or 'none' (memory already populated)
         self.max_read_bytes = max_read_bytes
         self.step_bytes = step_bytes
-        self.prefetch = prefetch
+        self.io = io
+        self.pipelined = pipelined or io == "direct"
+        self.prefetch = prefetch and io == "buffered"
+        self.populate_threads = populate_threads if self.pipelined and populate != "none" else 0
+        self.call_bytes = min(fileio.DIRECT_CALL_BYTES, max_read_bytes)
         self.next_chunk = itertools.count()
+        # pipelined, per chunk: 0 nobody has it, 1 being populated, 2 populated (ready to read)
+        self.state = [0] * len(chunks) if self.populate_threads else None
+        self.populate_cursor = 0
+        self.ready_cv = threading.Condition()
         self.taken = 0  # chunks handed to workers so far (the prefetcher stays a window ahead)
         self.taken_cv = threading.Condition()
         self.done_bytes = [0] * threads
-        self.populate_s = [0.0] * threads
+        self.populate_s = [0.0] * (threads + self.populate_threads)
         self.read_s = [0.0] * threads
+        self.wait_s = [0.0] * threads
         self.read_calls = [0] * threads
+        self.direct_bytes = [0] * threads
+        self.buffered_shards: set[int] = set()  # direct refused there: read buffered
+        self.direct_fallback: str | None = None
         self.errors: list[BaseException] = []
         self.stop = threading.Event()
         self.finished = threading.Event()
@@ -351,6 +483,11 @@ class _Loader:
         workers = [
             threading.Thread(target=self._work, args=(w,), name=f"fastload-{w}", daemon=True)
             for w in range(self.threads)
+        ]
+        workers += [
+            threading.Thread(target=self._populate_ahead, args=(self.threads + p,), name=f"fastload-populate-{p}",
+                             daemon=True)
+            for p in range(self.populate_threads)
         ]
         if self.prefetch:
             workers.append(threading.Thread(target=self._prefetch, name="fastload-prefetch", daemon=True))
@@ -363,18 +500,84 @@ class _Loader:
             self.stop.set()
             raise
         finally:
-            self.stop.set()  # the prefetcher may still be ahead: stop it
-            with self.taken_cv:
-                self.taken_cv.notify_all()
+            self.stop.set()  # the prefetcher and the populate workers may still be ahead: stop them
+            for cv in (self.taken_cv, self.ready_cv):
+                with cv:
+                    cv.notify_all()
             for t in workers:
                 t.join()
         if self.errors:
             raise self.errors[0]
 
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            self.errors.append(e)
+        self.stop.set()
+        with self.ready_cv:
+            self.ready_cv.notify_all()
+
+    def _claim_next(self) -> int | None:
+        """Pipelined: the first chunk nobody populates yet, now marked as being populated."""
+        with self.ready_cv:
+            i = self.populate_cursor
+            while i < len(self.chunks) and self.state[i]:
+                i += 1
+            self.populate_cursor = i
+            if i >= len(self.chunks):
+                return None
+            self.state[i] = 1
+            return i
+
+    def _mark_ready(self, i: int) -> None:
+        with self.ready_cv:
+            self.state[i] = 2
+            self.ready_cv.notify_all()
+
+    def _populate_ahead(self, slot: int) -> None:
+        """Pipelined: populate whole chunks in order and mark them ready for the readers."""
+        try:
+            while not self.stop.is_set():
+                i = self._claim_next()
+                if i is None:
+                    break
+                c = self.chunks[i]
+                t0 = time.perf_counter()
+                self._populate(c.region, c.start, c.end)
+                self.populate_s[slot] += time.perf_counter() - t0
+                self._mark_ready(i)
+        except BaseException as e:
+            self._fail(e)
+
+    def _ensure_ready(self, w: int, i: int) -> bool:
+        """Pipelined: make chunk ``i`` populated before reading it. Nobody has taken it yet
+        (the populate threads fell behind): populate it here, which keeps a slow populate
+        (a VM's host faults, few populate threads) from holding the readers up. Another
+        thread is at it: wait. False when the load stops first."""
+        if self.state is None:
+            return True
+        t0 = time.perf_counter()
+        with self.ready_cv:
+            mine = self.state[i] == 0
+            if mine:
+                self.state[i] = 1
+            else:
+                while self.state[i] != 2 and not self.stop.is_set():
+                    self.ready_cv.wait(0.5)
+        if mine:
+            c = self.chunks[i]
+            self._populate(c.region, c.start, c.end)
+            self.populate_s[w] += time.perf_counter() - t0
+            self._mark_ready(i)
+        else:
+            self.wait_s[w] += time.perf_counter() - t0
+        return self.state[i] == 2
+
     def _work(self, w: int) -> None:
         fds: dict[int, int] = {}
+        dfds: dict[int, int] = {}
         view = memoryview(self.arena)
         done = self.done_bytes
+        bounce = None
 
         def counter(nbytes: int) -> None:
             done[w] += nbytes
@@ -389,33 +592,90 @@ class _Loader:
                         self.taken = max(self.taken, i + 1)
                         self.taken_cv.notify_all()
                 c = self.chunks[i]
+                if self.pipelined:
+                    if not self._ensure_ready(w, i):
+                        break
+                    t0 = time.perf_counter()
+                    if self.io == "direct":
+                        if bounce is None:
+                            bounce = fileio.aligned_buffer(self.call_bytes)
+                        self._fill_direct(w, c, view, fds, dfds, bounce)
+                    else:
+                        self._fill_buffered(w, c.reads, view, fds, counter)
+                    self.read_s[w] += time.perf_counter() - t0
+                    continue
                 for lo, hi, reads in c.steps(self.step_bytes):
                     t0 = time.perf_counter()
                     self._populate(c.region, lo, hi)
                     t1 = time.perf_counter()
-                    for shard, file_off, n, arena_off in reads:
-                        self.read_calls[w] += memory.pread_full(
-                            self._fd(fds, shard),
-                            view[arena_off : arena_off + n],
-                            file_off,
-                            path=self.catalog.shards[shard].path,
-                            max_call_bytes=self.max_read_bytes,
-                            on_read=counter,
-                        )
+                    self._fill_buffered(w, reads, view, fds, counter)
                     self.populate_s[w] += t1 - t0
                     self.read_s[w] += time.perf_counter() - t1
         except BaseException as e:
-            with self._lock:
-                self.errors.append(e)
-            self.stop.set()
+            self._fail(e)
         finally:
             view.release()
-            for fd in fds.values():
+            for fd in itertools.chain(fds.values(), dfds.values()):
                 os.close(fd)
             with self._lock:
                 self._alive -= 1
                 if self._alive == 0:
                     self.finished.set()
+
+    def _fill_buffered(self, w: int, reads, view: memoryview, fds: dict[int, int], counter) -> None:
+        for shard, file_off, n, arena_off in reads:
+            self.read_calls[w] += memory.pread_full(
+                self._fd(fds, shard),
+                view[arena_off : arena_off + n],
+                file_off,
+                path=self.catalog.shards[shard].path,
+                max_call_bytes=self.max_read_bytes,
+                on_read=counter,
+            )
+
+    def _fill_direct(self, w: int, c: _Chunk, view: memoryview, fds: dict[int, int], dfds: dict[int, int],
+                     bounce: np.ndarray) -> None:
+        """Read chunk ``c`` with O_DIRECT, span by span (:meth:`_Chunk.spans`); a span whose
+        file refuses O_DIRECT is read buffered (gap bytes included: the same bytes)."""
+        for shard, file_off, n, arena_off, payload in c.spans():
+            fd = self._dfd(dfds, shard)
+            if fd is not None:
+                try:
+                    self.read_calls[w] += fileio.read_span_direct(
+                        fd, self.arena, view, arena_off, file_off, n, bounce,
+                        path=self.catalog.shards[shard].path, call_bytes=self.call_bytes,
+                    )
+                    self.direct_bytes[w] += payload
+                    self.done_bytes[w] += payload
+                    continue
+                except fileio.DirectRefused as e:
+                    self._refuse(shard, str(e))
+            self._fill_buffered(w, [(shard, file_off, n, arena_off)], view, fds, None)
+            self.done_bytes[w] += payload
+
+    def _dfd(self, dfds: dict[int, int], shard: int) -> int | None:
+        """This worker's O_DIRECT descriptor of ``shard``, or None where the filesystem refused it."""
+        if shard in self.buffered_shards:
+            return None
+        fd = dfds.get(shard)
+        if fd is None:
+            fd = fileio.open_direct(self.catalog.shards[shard].path)
+            if fd is None:
+                self._refuse(shard, f"{self.catalog.shards[shard].path}: open with O_DIRECT refused (EINVAL)")
+                return None
+            dfds[shard] = fd
+        return fd
+
+    def _refuse(self, shard: int, reason: str) -> None:
+        """Read ``shard`` buffered from now on; the first refusal of a load is logged."""
+        with self._lock:
+            self.buffered_shards.add(shard)
+            first = self.direct_fallback is None
+            if first:
+                self.direct_fallback = reason
+        if first:
+            log.warning("fastload_direct_fallback", stage="fastload", path=str(self.catalog.shards[shard].path),
+                        reason=reason, fallback="buffered reads (through the page cache)")
 
     def _prefetch(self) -> None:
         """One read-ahead stream over the chunks in order, ``threads + 1`` chunks ahead of the
@@ -523,6 +783,11 @@ def fastload(
     progress_bar: bool | None = None,
     populate_step_bytes: int = POPULATE_STEP_BYTES,
     prefetch: bool = False,
+    io: str = "auto",
+    pipeline: str = "auto",
+    populate_threads: int = 0,
+    direct_threads: int = DIRECT_THREADS,
+    direct_above_free_fraction: float = 0.5,
 ) -> tuple[np.ndarray, WeightStore, LoadStats]:
     """Load every primary region of ``layout`` from ``catalog``'s files into a new arena.
 
@@ -546,6 +811,10 @@ def fastload(
     (virtio disk, read_ahead_kb 8192) the kernel's own read-ahead did as well or better
     (98 MB file cold: 2.4 GB/s without, 1.4 with; 4.3 GiB: 1.9 both); it is meant for hosts
     with a small read_ahead_kb, to be measured there with ``bench fastload``.
+    ``io`` ('auto', 'buffered', 'direct') and ``pipeline`` ('auto', 'on', 'off'): see
+    :func:`choose_io`. Pipelined, ``populate_threads`` threads populate ahead (0: a quarter
+    of the usable CPUs, at least 1) and the readers are ``threads`` (capped by CPUs) for
+    buffered reads, ``direct_threads`` for O_DIRECT ones.
 
     Raises ModelFileError (a shard shorter than the layout needs, or the file ending during
     a read), CapacityError (address space refused, hugetlb pools too small for the arena, or
@@ -558,7 +827,14 @@ def fastload(
     page_bytes = hugetlb_page_bytes(layout, pages)
     chunks = plan_chunks(catalog, layout, chunk_bytes)
     total = sum(c.read_bytes for c in chunks)
-    n_threads = effective_threads(threads, len(chunks))
+    choice = choose_io(catalog, io, pipeline=pipeline, direct_above_free_fraction=direct_above_free_fraction)
+    if choice.pipelined and choice.io == "direct":
+        n_threads = max(1, min(direct_threads, len(chunks)))
+    else:
+        n_threads = effective_threads(threads, len(chunks))
+    n_populate = 0
+    if choice.pipelined:
+        n_populate = max(1, min(populate_threads or memory.usable_cpus() // 4, len(chunks)))
     mode = populate_mode(populate, pages)
 
     huge0 = memory.anon_huge_bytes()  # read outside the timed window: ~1 ms (it walks the page tables)
@@ -587,6 +863,10 @@ def fastload(
             populate=mode,
             pages=pages,
             thp=memory.thp_mode() if pages == "thp" else "off",
+            io=choice.io,
+            pipelined=choice.pipelined,
+            populate_threads=n_populate,
+            io_reason=choice.reason,
         )
         loader = _Loader(
             catalog,
@@ -599,6 +879,9 @@ def fastload(
             prefetch=prefetch,
             layout=layout,
             page_kib=page_bytes // 1024,
+            io=choice.io,
+            pipelined=choice.pipelined,
+            populate_threads=n_populate,
         )
         bar = _progress_bar(total, progress_bar)
         last = {"t": t_start, "bar": 0}
@@ -638,6 +921,12 @@ def fastload(
             cpu_s=_cpu_s() - cpu0,
             read_calls=sum(loader.read_calls),
             pages=pages,
+            io=choice.io,
+            pipelined=choice.pipelined,
+            populate_threads=n_populate,
+            wait_s=sum(loader.wait_s),
+            direct_bytes=sum(loader.direct_bytes),
+            direct_fallback=loader.direct_fallback,
         )
     except BaseException:
         memory.free_arena(arena)
@@ -654,6 +943,10 @@ def fastload(
         populate_s=round(stats.populate_s, 3),
         read_s=round(stats.read_s, 3),
         concurrency=round(stats.concurrency, 2),
+        io=choice.io,
+        pipelined=choice.pipelined,
+        wait_s=round(stats.wait_s, 3),
+        direct_bytes=stats.direct_bytes,
     )
     return arena, WeightStore(arena, layout, catalog), stats
 
@@ -666,12 +959,20 @@ def reread(
     threads: int = 16,
     chunk_bytes: int = WORK_CHUNK_BYTES,
     step_bytes: int = POPULATE_STEP_BYTES,
+    io: str = "buffered",
+    direct_threads: int = DIRECT_THREADS,
 ) -> LoadStats:
     """Read the model again into an arena that :func:`fastload` already filled: the same
-    parallel preads, with no reservation, no policy calls and no page faults. Its rate is
-    the parallel-read ceiling the benchmark compares fastload with."""
+    parallel preads (``io`` 'buffered': ``threads`` capped by CPUs; 'direct': O_DIRECT reads,
+    ``direct_threads`` readers), with no reservation, no policy calls and no page faults.
+    Its rate is the parallel-read ceiling the benchmark compares fastload with."""
+    if io not in ("buffered", "direct"):
+        raise ValueError(f"reread: io must be 'buffered' or 'direct' (got {io!r})")
     chunks = plan_chunks(catalog, layout, chunk_bytes)
-    n_threads = effective_threads(threads, len(chunks))
+    if io == "direct":
+        n_threads = max(1, min(direct_threads, len(chunks)))
+    else:
+        n_threads = effective_threads(threads, len(chunks))
     loader = _Loader(
         catalog,
         arena,
@@ -681,6 +982,7 @@ def reread(
         max_read_bytes=memory.PREAD_MAX_BYTES,
         step_bytes=step_bytes or chunk_bytes,
         layout=layout,
+        io=io,
     )
     cpu0 = _cpu_s()
     t0 = time.perf_counter()
@@ -696,6 +998,10 @@ def reread(
         read_s=sum(loader.read_s),
         read_calls=sum(loader.read_calls),
         cpu_s=_cpu_s() - cpu0,
+        io=io,
+        pipelined=io == "direct",
+        direct_bytes=sum(loader.direct_bytes),
+        direct_fallback=loader.direct_fallback,
     )
 
 
@@ -735,7 +1041,8 @@ class FastloadStage(Stage):
     """Reads the model into the arena the plan laid out (``ctx.catalog``, ``ctx.layout``;
     without a layout, one ``local`` region in file order) and sets ``ctx.arena`` and
     ``ctx.weights``. Settings: ``[fastload]`` threads, pages, populate, chunk_bytes,
-    max_read_bytes, progress_interval_s, prefetch."""
+    max_read_bytes, progress_interval_s, prefetch, io, pipeline, populate_threads,
+    direct_threads, direct_above_free_fraction."""
 
     name = "fastload"
     requires: tuple[str, ...] = ()
@@ -775,6 +1082,11 @@ class FastloadStage(Stage):
             on_progress=lambda done, total, gbps: _progress(ctx, done, total, gbps),
             should_stop=ctx.check_shutdown,
             prefetch=cfg.prefetch,
+            io=cfg.io,
+            pipeline=cfg.pipeline,
+            populate_threads=cfg.populate_threads,
+            direct_threads=cfg.direct_threads,
+            direct_above_free_fraction=cfg.direct_above_free_fraction,
         )
         try:
             _check_model_unchanged(ctx.catalog, "during the load")

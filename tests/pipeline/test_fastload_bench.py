@@ -1,5 +1,6 @@
 """The load benchmark's machinery (not its speed): page-cache eviction checked with mincore,
-and one short run producing every field the report promises."""
+and one short run producing every field the report promises (buffered and direct, warm and
+cold, their ceilings, the page cache each leaves behind)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,15 @@ def test_one_short_run_has_every_field(model):
     cold = r["cold"]
     assert cold["cache"] == "cold" and cold["method"] in ("fadvise", "drop_caches") and cold["fastload_gbps"]
     assert 1 <= r["fastload_detail"]["threads"] <= min(2, r["cpus"])  # also capped by the chunk count
-    assert "fastload (" in format_table(r)
+    for res in (r, cold):  # both modes, their ceilings and the page cache they leave behind
+        for key in ("fastload_buffered_gbps", "fastload_direct_gbps", "ceiling_buffered_gbps", "ceiling_direct_gbps",
+                    "ratio_direct_vs_ceiling", "ratio_buffered_vs_best_ceiling"):
+            assert res[key] is not None, key
+        assert res["auto_io"] in ("buffered", "direct")
+        assert res["page_cache_buffered_bytes"] is not None and res["page_cache_direct_fraction"] is not None
+        assert 0 <= res["file_cached_direct_fraction"] <= 1
+    assert r["fastload_direct_detail"]["io"] == "direct" and r["fastload_direct_detail"]["pipelined"]
+    assert r["fastload_buffered_detail"]["pipelined"] is False  # warm: interleaved, as before
+    assert cold["fastload_buffered_detail"]["pipelined"] is True
+    text = format_table(r)
+    assert "fastload buffered (" in text and "parallel O_DIRECT ceiling" in text and "page cache growth" in text
