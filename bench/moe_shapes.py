@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from moe_service.engine import quant as q
-from moe_service.engine.moe import MoE, ExpertWeights
+from moe_service.engine.moe import ExpertWeights, MoE
 from moe_service.engine.pool import WorkerPool
 from moe_service.memory import reserve_thp_arena
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                 rts = routings(shape, n_tok, args.steps + 1, n_built, rng)
                 times = {k: [] for k in moes}
                 cpu = {k: [] for k in moes}
-                for k, m in moes.items():  # warm (compile, scratch)
+                for m in moes.values():  # warm (compile, scratch)
                     m.forward(arena, x, rts[0], w, ex)
                 for i in range(1, len(rts)):
                     for k, m in moes.items():
