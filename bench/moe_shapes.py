@@ -1,19 +1,24 @@
 """The fused MoE step (moe.MoE.forward on the worker pool) on real expert shapes, side by side.
 
-Per shape (DeepSeek-V3: hidden 7168, experts of 2048, Q4_K, top-8; gpt-oss-120b: hidden
-2880, experts of 2880, MXFP4, top-4; Qwen3-30B-A3B: hidden 2048, experts of 768, top-8, Q4_K
-or Q8_0) and tokens per step T, the median time of one MoE step over random routings, the
-GB/s of expert bytes it streams (the distinct experts chosen, each read once) and, for
-T > 1, GMAC/s (2*T*K*H*I*3/2 multiply-adds: gate, up, down per (token, slot)). Several MoE
-configurations (``--variants``) are timed interleaved in one process so a busy machine
-affects them alike; the memory read bandwidth is measured in the same run.
+Per shape (v3: DeepSeek-V3 experts, hidden 7168, width 2048, Q4_K, top-8, 64 experts as
+ds2's bench file; oss: gpt-oss-120b, hidden 2880, 128 experts of 2880, MXFP4, top-4, clamped
+SwiGLU; qwen3-q4k / qwen3-q8: Qwen3-30B-A3B, hidden 2048, 128 experts of 768, top-8;
+smollm2-moe: the demo model's 8 experts of 192, Q4_1) and tokens per step T: the median
+wall time of one MoE step over random routings (``--stat min``: the least-disturbed step),
+the GB/s of expert bytes it streams (the distinct experts chosen, each read once), GMAC/s
+(T*K*3*H*I multiply-adds: gate, up, down per (token, slot)), the fastest step, and the
+median process CPU time of a step (all threads; with ``--threads 1`` the caller is the only
+worker, so time the OS gives to other processes does not count). Several MoE configurations
+(``--variants``) are timed interleaved step by step in one process, so a busy machine affects
+them alike; the memory read bandwidth is measured in the same run.
 
-The experts are random valid blocks (64 distinct rows tiled) in one huge-page arena, as
-the engine's weights; ``--experts`` of them (default: enough that a step's experts are
-not in the 32 MiB L3 from the previous step).
+The experts are random valid blocks (64 distinct rows tiled) in one huge-page arena, as the
+engine's weights; ``--built`` of them (default min(E, 16 + 2K)), the other expert ids alias
+them. At T=1 consecutive steps use disjoint experts, so a step's weights come from DRAM.
 
     PYTHONPATH=. python bench/moe_shapes.py --shape v3 --tokens 1,128 --threads 2
-    PYTHONPATH=. python bench/moe_shapes.py --shape qwen3-q4k,v3,oss --tokens 1 --steps 30
+    PYTHONPATH=. python bench/moe_shapes.py --shape v3,oss --tokens 1,16 --steps 60 \
+        --variants old=4:16:0,new=default       # max_item_bytes 0 vs the default, interleaved
 """
 
 from __future__ import annotations
