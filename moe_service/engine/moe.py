@@ -20,8 +20,12 @@ groups (distinct experts chosen in this step).
 Each expert's weights are streamed once per step however many tokens chose it (the
 kernels dot each weight row with the group's tokens 4 at a time). Every item writes a
 disjoint block of GU / Y / out, so no locks. Row chunks are sized so that the step has
-enough items for every worker (T=1, K=8 on 2 threads is 8 items per phase; on 96 threads
-each expert's rows are cut into up to I/16 chunks).
+enough items for every worker (on 96 threads each expert's rows are cut into up to I/16
+chunks) and so that no item streams more than ``max_item_bytes`` (4 MiB) of weights: few
+large experts (DeepSeek-V3: 16.5 MB of gate+up per expert) would otherwise make T=1 on 2
+threads 8 items of ~2 ms per phase, and a worker that the OS preempts (or that is just
+slower) holding one leaves the other spinning at the phase barrier. Chunk edges are
+multiples of 16 rows (whole kernel tiles).
 
 act: SiLU(g) * u (ggml's swiglu), or gpt-oss' clamped form g' = min(g, limit),
 u' = clamp(u, -limit, limit), out = g' * sigmoid(alpha g') * (u' + 1). Optional per-expert
@@ -376,10 +380,22 @@ def _same_node_copy(offs, nodes, e, want_node):
     return 0
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _chunk_edge(c, n_chunks, n_rows):
+    """First row of chunk c of n_chunks over n_rows rows: c * n_rows // n_chunks rounded down to
+    a multiple of 16 (whole 4-row kernel tiles: a chunk's odd tail rows would run as single-row
+    tiles, ~1/4 as fast at T >= 4), n_rows for c == n_chunks. Chunks stay non-empty while
+    n_rows / n_chunks >= 16 (min_chunk_rows >= 16); a smaller min_chunk_rows may give empty
+    chunks, which are harmless items that compute nothing."""
+    if c >= n_chunks:
+        return n_rows
+    return (c * n_rows // n_chunks) // 16 * 16
+
+
 @njit(nogil=True, cache=True)
 def plan_step(op, arena, x, ids, w, out, n_expert, g_off, g_nodes, u_off, u_nodes, d_off, d_nodes, fused,
               two_partners, node_index, n_nodes, n_workers, chunks_per_worker, min_chunk_rows, cost_gu, cost_d,
-              token_cost):
+              token_cost, max_item_bytes):
     """Build one MoE step's work items in numba (no per-step Python loops).
 
     Fills op's per-step addresses (arena, x, out, pairs, weights) and returns items int64
@@ -400,8 +416,14 @@ def plan_step(op, arena, x, ids, w, out, n_expert, g_off, g_nodes, u_off, u_node
     st(op, M_W, w.ctypes.data)
     n_groups = groups.shape[0]
     want = -(-(n_workers * chunks_per_worker) // max(1, n_groups))
-    ch_gu = max(1, min(want, i_w // min_chunk_rows))
-    ch_d = max(1, min(want, h // min_chunk_rows))
+    want_gu = want
+    want_d = want
+    if max_item_bytes > 0 and n_groups > 0:  # few large experts: cut each into items of bounded bytes
+        e0 = groups[0, 0]
+        want_gu = max(want, np.int64(-(-cost_gu[e0] // max_item_bytes)))
+        want_d = max(want, np.int64(-(-cost_d[e0] // max_item_bytes)))
+    ch_gu = max(1, min(want_gu, i_w // min_chunk_rows))
+    ch_d = max(1, min(want_d, h // min_chunk_rows))
     gu_copy, gu_node, _ = assign_chunks(groups, g_nodes, node_index, n_nodes, cost_gu, token_cost, ch_gu)
     d_copy, d_node, _ = assign_chunks(groups, d_nodes, node_index, n_nodes, cost_d, token_cost, ch_d)
     step_t = max(1, -(-n_tok // n_workers))
@@ -434,8 +456,8 @@ def plan_step(op, arena, x, ids, w, out, n_expert, g_off, g_nodes, u_off, u_node
             raw[j, 1] = e
             raw[j, 2] = groups[g, 1]
             raw[j, 3] = groups[g, 2]
-            raw[j, 4] = c * i_w // ch_gu
-            raw[j, 5] = (c + 1) * i_w // ch_gu
+            raw[j, 4] = _chunk_edge(c, ch_gu, i_w)
+            raw[j, 5] = _chunk_edge(c + 1, ch_gu, i_w)
             raw[j, 6] = g_off[e, cp]
             if fused:
                 raw[j, 7] = g_off[e, cp]
@@ -457,8 +479,8 @@ def plan_step(op, arena, x, ids, w, out, n_expert, g_off, g_nodes, u_off, u_node
             raw[j, 1] = e
             raw[j, 2] = groups[g, 1]
             raw[j, 3] = groups[g, 2]
-            raw[j, 4] = c * h // ch_d
-            raw[j, 5] = (c + 1) * h // ch_d
+            raw[j, 4] = _chunk_edge(c, ch_d, h)
+            raw[j, 5] = _chunk_edge(c + 1, ch_d, h)
             raw[j, 6] = d_off[e, d_copy[g, c]]
             key[j] = 3 * n_nodes + d_node[g, c]
             j += 1
@@ -575,6 +597,10 @@ def _check_ids(ids: np.ndarray, n_expert: int) -> None:
 class MoE:
     """The MoE FFN step over a WorkerPool (or single-threaded with fused=False).
 
+    chunks_per_worker: row chunks per worker and phase the plan aims for; min_chunk_rows: the
+    smallest chunk (rows); token_cost: extra cost of each further token of an expert group,
+    relative to streaming the expert (node balancing); max_item_bytes: the most weight bytes
+    one gate/up or down item streams (0: no limit), see the module docstring.
     act: ACT_SILU (default) or ACT_SWIGLU_OAI with ``alpha`` / ``limit`` (gpt-oss: 1.702, 7),
     used for expert sets that do not carry their own (the engine's ExpertSet carries the
     architecture's ``act``/``alpha``/``limit``, which win).
@@ -582,7 +608,8 @@ class MoE:
     """
 
     def __init__(self, pool=None, *, act: int = ACT_SILU, alpha: float = 1.702, limit: float = 7.0,
-                 chunks_per_worker: int = 4, min_chunk_rows: int = 16, token_cost: float = 0.25):
+                 chunks_per_worker: int = 4, min_chunk_rows: int = 16, token_cost: float = 0.25,
+                 max_item_bytes: int = 4 << 20):
         self.pool = pool
         self.act = int(act)
         self.alpha = float(alpha)
@@ -590,6 +617,7 @@ class MoE:
         self.chunks_per_worker = chunks_per_worker
         self.min_chunk_rows = min_chunk_rows
         self.token_cost = token_cost
+        self.max_item_bytes = int(max_item_bytes)
         self._scratch: dict[tuple, _Scratch] = {}
         self._lock = threading.Lock()  # the scratch buffers serve one step at a time
 
@@ -666,7 +694,7 @@ class MoE:
             sc.op, arena, x, ids, w, out, spec.n_expert, *spec.copies[g_kind], *spec.copies[u_kind],
             *spec.copies["down"], spec.fused, spec.partner_g != spec.partner_u, spec.node_index(pool.node_ids),
             pool.n_nodes, pool.n_workers, self.chunks_per_worker, self.min_chunk_rows, spec.cost_gu, spec.cost_d,
-            self.token_cost)
+            self.token_cost, self.max_item_bytes)
         pool.run_arrays(items, bounds, sc.op)
         del pair_tok, slot_pair  # op pointed at them: alive until the step has run
         return out

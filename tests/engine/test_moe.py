@@ -105,7 +105,7 @@ def test_plan_homes_chunks_on_their_copy_node():
     out = np.empty((2, 256), np.float32)
     items, bounds, _, _ = M.plan_step(op, arena, x, ids, w, out, 4, *spec.copies["gate"], *spec.copies["up"],
                                       *spec.copies["down"], False, False, np.array([0, 1], np.int64), 2, 2, 4, 16,
-                                      spec.cost_gu, spec.cost_d, 0.25)
+                                      spec.cost_gu, spec.cost_d, 0.25, 0)
     seen_nodes = set()
     for phase, kind, kind_name in ((1, M.K_MOE_GATEUP, "gate"), (3, M.K_MOE_DOWN, "down")):
         offs, nodes = spec.copies[kind_name]
@@ -119,6 +119,40 @@ def test_plan_homes_chunks_on_their_copy_node():
     assert seen_nodes == {0, 1}  # both nodes got work
     with P.WorkerPool({0: [CPUS[0]], 1: [CPUS[-1]]} if len(CPUS) > 1 else {0: CPUS}, pin_caller=False) as pool:
         y = M.MoE(pool).forward(arena, x, ids, w, ex)
+    np.testing.assert_array_equal(y, M.MoE(None).forward(arena, x, ids, w, ex, fused=False))
+
+
+def test_plan_bounds_item_bytes_of_large_experts():
+    """max_item_bytes cuts each expert's rows into items of about that many weight bytes (edges
+    on 16-row kernel tiles), where chunks_per_worker alone would make one item per expert, and
+    the step is still bit-identical to the reference path."""
+    rng = np.random.default_rng(12)
+    ex, arena = _experts(rng, q.GGML_Q8_0, q.GGML_Q8_0, n_expert=4, h=256, i_w=256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    ids = np.array([[0, 1, 2, 3]], np.int32)
+    w = np.full((1, 4), 0.25, np.float32)
+    spec = M._Spec.of(ex)
+    rb = q.row_bytes(q.GGML_Q8_0, 256)
+    limit = 32 << 10
+    for max_bytes, want_gu, want_d in ((0, 1, 1), (limit, 5, 3)):
+        op = np.zeros(M.OP_LEN, np.int64)
+        M.MoE(None)._fill_static(op, spec)
+        out = np.empty((1, 256), np.float32)
+        items, bounds, _, _ = M.plan_step(op, arena, x, ids, w, out, 4, *spec.copies["gate"], *spec.copies["up"],
+                                          *spec.copies["down"], False, False, np.array([0], np.int64), 1, 2, 1, 16,
+                                          spec.cost_gu, spec.cost_d, 0.25, max_bytes)
+        for kind, n_chunks, row_bytes in ((M.K_MOE_GATEUP, want_gu, 2 * rb), (M.K_MOE_DOWN, want_d, rb)):
+            its = items[items[:, 0] == kind]
+            assert len(its) == 4 * n_chunks
+            for e in range(4):
+                edges = sorted((int(a), int(b)) for a, b in its[its[:, 1] == e][:, 4:6])
+                assert edges[0][0] == 0 and edges[-1][1] == 256
+                assert all(a[1] == b[0] for a, b in zip(edges, edges[1:], strict=False))  # contiguous
+                assert all(lo % 16 == 0 for lo, _ in edges)
+                if max_bytes:
+                    assert all((hi - lo - 15) * row_bytes <= max_bytes for lo, hi in edges)
+    with P.WorkerPool({0: CPUS}, pin_caller=False) as pool:
+        y = M.MoE(pool, max_item_bytes=limit).forward(arena, x, ids, w, ex)
     np.testing.assert_array_equal(y, M.MoE(None).forward(arena, x, ids, w, ex, fused=False))
 
 
