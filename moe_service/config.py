@@ -197,11 +197,11 @@ class FastloadConfig(_Table):
         "of the model stays cached after the load); direct: O_DIRECT reads from the device "
         "straight into the arena, no page cache copy (filesystems that refuse O_DIRECT, e.g. "
         "tmpfs before Linux 6.6 or some network filesystems, are read buffered, logged once); "
-        "auto: buffered when the file is already in the page cache or smaller than "
-        "direct_above_free_fraction of MemAvailable, else direct.",
+        "auto: buffered when the file is already in the page cache (or smaller than "
+        "direct_above_free_fraction of MemAvailable), else direct.",
     )
     direct_above_free_fraction: float = Field(
-        0.5,
+        0.0,
         ge=0,
         description="io = auto reads a file that is not cached with direct I/O when it is larger "
         "than this fraction of MemAvailable (/proc/meminfo) at the start of the load; 0: "
