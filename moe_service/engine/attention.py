@@ -6,21 +6,42 @@ the attention kernels (how the work is split over cores, tiled and vectorised). 
 callers never see the cache's element format or the work split.
 
 Shapes: T tokens of this step (all sequences together), S sequence slots, C cache length,
-NH query heads, NKV KV heads, D key dim, Dv value dim.
+NH query heads, NKV KV heads, D key dim, Dv value dim, G = NH / NKV query heads per KV head.
 
 ``spans``: a list of (seq, a, e, n0): the step's tokens a..e-1 belong to sequence slot
 ``seq`` and sit at positions n0..n0+(e-a)-1 of its cache.
 
-Caches (one pair per layer, as the KV cache holds them): ``kc`` [S, C, NKV, D] and ``vc``
-[S, C, NKV, Dv], float16 values held as uint16 bits (numba has no float16 type). A latent
-(MLA) cache passes ``vc is kc``: V is then the first Dv dims of each K row, and
+Caches (one pair per layer, as the KV cache holds them, see moe_service.engine.kv):
+
+- float16 (``kv_type = f16``): ``kc`` uint16 [S, C, NKV, D] and ``vc`` uint16 [S, C, NKV, Dv],
+  float16 values held as their bits (numba has no float16 type);
+- q8_0 (``kv_type = q8_0``, llama.cpp's ``-ctk/-ctv q8_0``): ``kc`` uint8 [S, C, NKV, D/32*34],
+  each head row D/32 ggml Q8_0 blocks (float16 scale d, 32 int8 q; value = d * q);
+  ``vc`` likewise with Dv.
+
+A latent (MLA) cache passes ``vc is kc``: V is then the first Dv dims of each K row, and
 :func:`store` writes K only.
 
-Numerics (ggml's CPU non-flash path, which llama.cpp takes on these files): Q rounded to
-float16, K.Q summed in float32, scores = K.Q * scale, masked (causal, and the sliding window
-when ``window`` > 0), softmax with the maximum taken over the scores (and the head's sink
-logit when ``sinks`` is given), exponentials summed in float64, scaled by float32(1/sum),
-probabilities rounded to float16, then P.V in float32.
+How the work runs (:func:`attend`): tasks of (sequence, KV head, query tile, key range) on the
+engine's persistent worker pool (pool.K_CALL items calling this module's compiled task
+function through its address). A task gathers its tile's query rows of every head of the KV
+head's group (R = rows x G), rounds them to float16, and streams the cache once in key tiles
+of ``BK`` rows: each K tile is widened to float32 once and dotted with all R query rows
+(vectorised over the head dim), each V tile once and accumulated into all R rows. When a
+step has too few tasks for the workers (decode: one query row per sequence), the key range
+is split (flash-decoding) and a second phase merges the partial results.
+
+Numerics (online softmax, as flash attention; ggml's CPU flash-attention path is the same
+algorithm): Q rounded to float16, K.Q summed in float32 (vector lanes, so the summation order
+differs from a scalar loop), scores = K.Q * scale, masked (causal, and the sliding window
+when ``window`` > 0). Per query row a running maximum m (float32), a running sum l of
+exp(score - m) (float64) and the float32 accumulator of exp(score - m) * V; when a key tile
+raises m both are scaled by exp(m_old - m_new). The head's sink logit (``sinks``) joins m and
+l at the end and contributes no value. out = acc * float32(1 / l). Against the former
+two-pass path (global maximum, probabilities rounded to float16 before P.V) the difference is
+the float16 rounding of P (relative 2^-11 per probability) plus float32 summation order; the
+tests bound it against a float64 evaluation (tests/engine/test_attention.py) and the goldens
+(tests/engine/test_golden.py) are unchanged within their documented tolerances.
 
 Sliding window (llama.cpp ``LLAMA_SWA_TYPE_STANDARD``): a query at position p sees keys
 at positions j with p - window < j <= p. Sinks (gpt-oss ``attn_sinks``): one logit per
@@ -29,12 +50,45 @@ query head that joins the softmax's denominator and contributes no value.
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import threading
 
+import numpy as np
+from numba import carray, cfunc, njit, types
+
+from moe_service.engine import pool as _pool
+from moe_service.engine import quant as _q
 from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
+# The dot products and the P.V accumulation may be reordered into vector lanes and fused
+# (reassoc, contract); no nnan/ninf: masked scores are -inf.
+_JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": {"reassoc", "contract", "nsz"}}
+
+FMT_F16 = 0
+FMT_Q8_0 = 1
+Q8_0_BLOCK = 32  # values per block
+Q8_0_BYTES = 34  # float16 scale + 32 int8
+
+_view_u16 = _q._addr_view(types.uint16)
+_view_f64 = _q._addr_view(types.float64)
+
+# op array (int64) of one attend call: addresses, then dims. Offsets:
+O_Q, O_KC, O_VC, O_OUT, O_TASKS, O_PML, O_PACC, O_SINKS = range(8)
+O_NH, O_D, O_NKV, O_DV, O_GROUP, O_BK = range(8, 14)
+O_KFMT, O_K_SEQ, O_K_POS, O_K_HEAD = range(14, 18)  # strides in cache elements (u16 or bytes)
+O_VFMT, O_V_SEQ, O_V_POS, O_V_HEAD = range(18, 22)
+O_SCALE, O_WINDOW, O_HAS_SINKS, O_RMAX, O_NTOK = range(22, 27)
+OP_LEN = 28
+
+# task rows (int64 [n, TASK_W]): seq, t_lo, t_hi (query rows of q), p0 (cache position of
+# t_lo), g (KV head), k_lo, k_hi (key positions this task reads), part (-1: final result to
+# out; else the partial-result slot).
+TASK_W = 8
+
+
+# ---------------------------------------------------------------------------------------
+# Storing
+# ---------------------------------------------------------------------------------------
 
 
 @njit(**_JIT)
@@ -47,71 +101,390 @@ def _store_span(k, kc, seq, n0, a, e):
 
 
 @njit(**_JIT)
-def _attend_span(q, kc, vc, seq, a, e, n0, scale, window, sinks, has_sinks, out):
-    """Queries a..e-1 of one sequence over its cache rows 0..n0+(e-a)-1 (module docstring)."""
-    nh, d = q.shape[1], q.shape[2]
-    nkv = kc.shape[2]
-    dv = out.shape[2]
-    group = nh // nkv
-    L_max = n0 + (e - a)
-    scores = np.empty(L_max, np.float32)
-    qh = np.empty(d, np.float32)
-    acc_v = np.empty(dv, np.float32)
+def quantize_row_q8_0(x, dst, off):
+    """ggml's quantize_row_q8_0_ref: per block of 32, amax = max|x|, d = amax / 127,
+    q = roundf(x / d) (as x * (1/d)), stored as float16(d) then 32 int8 at dst[off...].
+    x: float32 [n] (n a multiple of 32); dst: uint8 [*]."""
+    nb = x.shape[0] // Q8_0_BLOCK
+    for b in range(nb):
+        amax = np.float32(0.0)
+        for i in range(Q8_0_BLOCK):
+            v = abs(x[b * Q8_0_BLOCK + i])
+            if v > amax:
+                amax = v
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        hb = _f32_to_f16_bits(d)
+        o = off + b * Q8_0_BYTES
+        dst[o] = np.uint8(hb & 0xFF)
+        dst[o + 1] = np.uint8(hb >> 8)
+        for i in range(Q8_0_BLOCK):
+            v = x[b * Q8_0_BLOCK + i] * inv
+            r = np.float32(np.floor(abs(v) + np.float32(0.5)))  # roundf: half away from zero
+            qv = np.int64(r) if v >= 0 else -np.int64(r)
+            dst[o + 2 + i] = np.uint8(qv & 0xFF)
+
+
+@njit(**_JIT)
+def _store_span_q8_0(k, kc, seq, n0, a, e):
+    """Q8_0 rows: kc uint8 [S, C, NKV, D/32*34] <- k float32 [T, NKV, D]."""
+    flat = kc.reshape(-1)
+    nkv, rb = kc.shape[2], kc.shape[3]
+    row = np.empty(k.shape[2], np.float32)
     for t in range(a, e):
-        p = n0 + t - a
-        lo = 0
-        if window > 0 and p - window + 1 > 0:
-            lo = p - window + 1
-        for h in range(nh):
-            g = h // group
-            for i in range(d):
-                qh[i] = _f16_bits_to_f32(_f32_to_f16_bits(q[t, h, i]))
-            mx = np.float32(-np.inf)
-            for j in range(lo, p + 1):
-                acc = np.float32(0.0)
-                for i in range(d):
-                    acc += qh[i] * _f16_bits_to_f32(kc[seq, j, g, i])
-                sc = acc * scale
-                scores[j] = sc
-                if sc > mx:
-                    mx = sc
-            if has_sinks and sinks[h] > mx:
-                mx = sinks[h]
-            total = 0.0
-            for j in range(lo, p + 1):
-                ex = np.exp(scores[j] - mx)
-                scores[j] = ex
-                total += np.float64(ex)
-            if has_sinks:
-                total += np.float64(np.exp(sinks[h] - mx))
-            inv = np.float32(1.0 / total)
-            for i in range(dv):
-                acc_v[i] = 0.0
-            for j in range(lo, p + 1):
-                pj = _f16_bits_to_f32(_f32_to_f16_bits(scores[j] * inv))
-                for i in range(dv):
-                    acc_v[i] += pj * _f16_bits_to_f32(vc[seq, j, g, i])
-            for i in range(dv):
-                out[t, h, i] = acc_v[i]
+        for h in range(k.shape[1]):
+            for i in range(k.shape[2]):
+                row[i] = k[t, h, i]
+            base = ((seq * kc.shape[1] + n0 + t - a) * nkv + h) * rb
+            quantize_row_q8_0(row, flat, base)
 
 
-_NO_SINKS = np.zeros(1, np.float32)
+def cache_format(c: np.ndarray) -> int:
+    """FMT_F16 for a uint16 cache, FMT_Q8_0 for a uint8 one; ValueError otherwise."""
+    if c.dtype == np.uint16:
+        return FMT_F16
+    if c.dtype == np.uint8:
+        return FMT_Q8_0
+    raise ValueError(f"attention: cache dtype {c.dtype} is neither float16 bits (uint16) nor q8_0 bytes (uint8)")
+
+
+def cache_head_dim(c: np.ndarray) -> int:
+    """Values per head row of a cache of either format."""
+    return c.shape[3] if c.dtype == np.uint16 else c.shape[3] // Q8_0_BYTES * Q8_0_BLOCK
 
 
 def store(kc: np.ndarray, vc: np.ndarray, k: np.ndarray, v: np.ndarray | None, spans) -> None:
-    """Append the step's new keys and values to the layer's caches.
+    """Append the step's new keys and values to the layer's caches (in their format).
 
     k: float32 [T, NKV, D]; v: float32 [T, NKV, Dv], or None when ``vc is kc`` (latent
     cache: the value is the key's first Dv dims). Raises ValueError when v is missing for a
-    separate value cache.
+    separate value cache, or a span would write past the cache.
     """
     if v is None and vc is not kc:
         raise ValueError("attention.store: v is None but the value cache is separate from the key cache")
     k = np.ascontiguousarray(k, dtype=np.float32)
+    vv = None if vc is kc else np.ascontiguousarray(v, dtype=np.float32)
     for seq, a, e, n0 in spans:
-        _store_span(k, kc, seq, n0, a, e)
-        if vc is not kc:
-            _store_span(np.ascontiguousarray(v, dtype=np.float32), vc, seq, n0, a, e)
+        if n0 + (e - a) > kc.shape[1] or not 0 <= seq < kc.shape[0]:
+            raise ValueError(f"attention.store: sequence {seq} rows {n0}..{n0 + e - a} outside the cache {kc.shape}")
+        for src, c in ((k, kc),) if vv is None else ((k, kc), (vv, vc)):
+            if c.dtype == np.uint16:
+                _store_span(src, c, seq, n0, a, e)
+            else:
+                _store_span_q8_0(src, c, seq, n0, a, e)
+
+
+# ---------------------------------------------------------------------------------------
+# The task kernel
+# ---------------------------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
+    """dst[r, :n_dim] = float32 of the cache row at element ``base + r * stride`` (r < n_rows).
+    f16: elements are uint16; q8_0: elements are bytes, a row is n_dim/32 blocks."""
+    if fmt == FMT_F16:
+        src = _view_u16(addr, 1)
+        for r in range(n_rows):
+            o = base + r * stride
+            for i in range(n_dim):
+                dst[r, i] = _f16_bits_to_f32(src[o + i])
+    else:
+        src8 = _q.view_u8(addr, 1)
+        srci = _q.view_i8(addr, 1)
+        for r in range(n_rows):
+            o = base + r * stride
+            for b in range(n_dim // Q8_0_BLOCK):
+                ob = o + b * Q8_0_BYTES
+                d = _f16_bits_to_f32(np.uint16(src8[ob]) | (np.uint16(src8[ob + 1]) << np.uint16(8)))
+                for i in range(Q8_0_BLOCK):
+                    dst[r, b * Q8_0_BLOCK + i] = d * np.float32(srci[ob + 2 + i])
+
+
+@njit(**_JIT_VEC)
+def _dot(a, ra, b, rb, n):
+    acc = np.float32(0.0)
+    for i in range(n):
+        acc += a[ra, i] * b[rb, i]
+    return acc
+
+
+@njit(**_JIT_VEC)
+def _axpy(acc, r, p, v, jj, n):
+    for i in range(n):
+        acc[r, i] += p * v[jj, i]
+
+
+@njit(**_JIT_VEC)
+def _scale_row(acc, r, f, n):
+    for i in range(n):
+        acc[r, i] *= f
+
+
+@njit(**_JIT_VEC)
+def run_task(op, tasks, ti, pml, pacc):
+    """Task ``ti``: its query rows of every head of KV head g over keys k_lo..k_hi-1 (masked
+    per row: causal and window), online softmax; the normalised result into out (part < 0)
+    or (m, l, acc) into partial slot ``part`` of pml float64 [*, RMAX, 2] / pacc float32
+    [*, RMAX, Dv] (flat)."""
+    nh, d, nkv, dv, group, bk = op[O_NH], op[O_D], op[O_NKV], op[O_DV], op[O_GROUP], op[O_BK]
+    ntok = op[O_NTOK]
+    tb = ti * TASK_W
+    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
+    g, k_lo, k_hi, part = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6], tasks[tb + 7]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    window = op[O_WINDOW]
+    nq = t_hi - t_lo
+    R = nq * group
+    q = _q.view_f32(op[O_Q], ntok * nh * d)
+    qb = np.empty((R, d), np.float32)
+    for tt in range(nq):
+        for hh in range(group):
+            qo = ((t_lo + tt) * nh + g * group + hh) * d
+            for i in range(d):
+                qb[tt * group + hh, i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    m = np.full(R, -np.inf, np.float32)
+    lsum = np.zeros(R, np.float64)
+    acc = np.zeros((R, dv), np.float32)
+    kt = np.empty((bk, d), np.float32)
+    vt = np.empty((bk, dv), np.float32)
+    s = np.empty(bk, np.float32)
+    p_last = p0 + nq - 1
+    j_end = min(k_hi, p_last + 1)
+    j_start = k_lo
+    if window > 0:
+        j_start = max(k_lo, p0 - window + 1)
+    kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
+    vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    for j0 in range(j_start, j_end, bk):
+        nb = min(bk, j_end - j0)
+        _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+        _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(group):
+                r = tt * group + hh
+                mx = m[r]
+                for j in range(jlo - j0, jhi - j0):
+                    sc = _dot(qb, r, kt, j, d) * scale
+                    s[j] = sc
+                    if sc > mx:
+                        mx = sc
+                if mx > m[r]:
+                    if m[r] > -np.inf:
+                        f = np.exp(m[r] - mx)
+                        lsum[r] *= np.float64(f)
+                        _scale_row(acc, r, f, dv)
+                    m[r] = mx
+                ps = 0.0
+                for j in range(jlo - j0, jhi - j0):
+                    pj = np.exp(s[j] - mx)
+                    ps += np.float64(pj)
+                    _axpy(acc, r, pj, vt, j, dv)
+                lsum[r] += ps
+    if part < 0:
+        out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+        sinks = _q.view_f32(op[O_SINKS], nh)
+        for tt in range(nq):
+            for hh in range(group):
+                r = tt * group + hh
+                h = g * group + hh
+                _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, r, m[r], lsum[r], dv,
+                            op[O_HAS_SINKS] != 0, sinks[h])
+    else:
+        rmax = op[O_RMAX]
+        for r in range(R):
+            pml[(part * rmax + r) * 2] = m[r]
+            pml[(part * rmax + r) * 2 + 1] = lsum[r]
+            o = (part * rmax + r) * dv
+            for i in range(dv):
+                pacc[o + i] = acc[r, i]
+
+
+@njit(**_JIT_VEC)
+def _finish_row(out, o, acc, r, m, lsum, dv, has_sink, sink):
+    """out[o:o+dv] = acc[r] / l, the sink logit joining the maximum and the sum first."""
+    f = np.float32(1.0)
+    if has_sink:
+        mx = max(m, sink)
+        f = np.exp(m - mx) if m > -np.inf else np.float32(0.0)
+        lsum = lsum * np.float64(f) + np.float64(np.exp(sink - mx))
+    inv = np.float32(1.0 / lsum) * f if lsum > 0 else np.float32(0.0)
+    for i in range(dv):
+        out[o + i] = acc[r, i] * inv
+
+
+@njit(**_JIT_VEC)
+def run_merge(op, tasks, first, n_parts, pml, pacc):
+    """Combine the partial results of tasks first..first+n_parts-1 (same rows and head,
+    consecutive key ranges) into out: M = max m_c, l = sum l_c exp(m_c - M), acc likewise."""
+    nh, dv, group, rmax, ntok = op[O_NH], op[O_DV], op[O_GROUP], op[O_RMAX], op[O_NTOK]
+    tb = first * TASK_W
+    t_lo, t_hi, g = tasks[tb + 1], tasks[tb + 2], tasks[tb + 4]
+    nq = t_hi - t_lo
+    out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+    sinks = _q.view_f32(op[O_SINKS], nh)
+    acc = np.zeros((1, dv), np.float32)
+    for tt in range(nq):
+        for hh in range(group):
+            r = tt * group + hh
+            mx = np.float32(-np.inf)
+            for c in range(n_parts):
+                part = tasks[(first + c) * TASK_W + 7]
+                mc = np.float32(pml[(part * rmax + r) * 2])
+                if mc > mx:
+                    mx = mc
+            lsum = 0.0
+            for i in range(dv):
+                acc[0, i] = 0.0
+            for c in range(n_parts):
+                part = tasks[(first + c) * TASK_W + 7]
+                mc = np.float32(pml[(part * rmax + r) * 2])
+                if mc == -np.inf:
+                    continue
+                f = np.exp(mc - mx)
+                lsum += pml[(part * rmax + r) * 2 + 1] * np.float64(f)
+                o = (part * rmax + r) * dv
+                for i in range(dv):
+                    acc[0, i] += pacc[o + i] * f
+            h = g * group + hh
+            _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, 0, mx, lsum, dv, op[O_HAS_SINKS] != 0, sinks[h])
+
+
+# Item fields: (K_CALL, fn address, kind, a, b): kind 0 = task a; kind 1 = merge of tasks
+# a..a+b-1.
+def _item(items_ptr, i, op_ptr):
+    """A K_CALL item (compiled as a cfunc of pool.CALL_ITEM_SIG by item_address)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, OP_LEN)
+    b = i * _pool.ITEM_W
+    tasks = _q.view_i64(op[O_TASKS], 1)
+    pml = _view_f64(op[O_PML], 1)
+    pacc = _q.view_f32(op[O_PACC], 1)
+    if it[b + 2] == 0:
+        run_task(op, tasks, it[b + 3], pml, pacc)
+    else:
+        run_merge(op, tasks, it[b + 3], it[b + 4], pml, pacc)
+
+
+_ITEM_CFUNC = None
+_ITEM_LOCK = threading.Lock()
+
+
+def item_address() -> int:
+    """Address of the compiled item function (pool.K_CALL), compiled or loaded once."""
+    global _ITEM_CFUNC
+    with _ITEM_LOCK:
+        if _ITEM_CFUNC is None:
+            _ITEM_CFUNC = cfunc(_pool.CALL_ITEM_SIG, nopython=True, cache=True)(_item)
+        return _ITEM_CFUNC.address
+
+
+@njit(**_JIT)
+def _run_serial(op, tasks, n_tasks, pml, pacc):
+    """Every task on the calling thread (none split): small steps skip the pool dispatch."""
+    for ti in range(n_tasks):
+        run_task(op, tasks, ti, pml, pacc)
+
+
+# ---------------------------------------------------------------------------------------
+# Planning and the public call
+# ---------------------------------------------------------------------------------------
+
+QUERY_ROWS = 64
+"""Query rows (query tokens x heads of one KV head) per prefill task: the tile that shares
+each K and V tile read (64 rows x 128 dims of float32 accumulators = 32 KiB)."""
+MIN_SPLIT_KEYS = 256
+"""Fewest keys per part when a decode task's key range is split over workers."""
+SERIAL_WORK = 8192
+"""Below this many (query row x key) products the step runs on the calling thread."""
+
+
+def key_tile(d: int, dv: int) -> int:
+    """Keys per tile: K and V tiles of float32 together within ~32 KiB (L1d)."""
+    return int(max(16, min(128, 8192 // max(1, d + dv) // 16 * 16)))
+
+
+def plan_tasks(spans, group: int, n_workers: int, window: int = 0) -> tuple[np.ndarray, list[tuple[int, int]], int]:
+    """Tasks int64 [n, TASK_W] sorted by cost (largest first), merges [(first, n_parts)] and the
+    number of partial slots. A span's queries are cut into tiles of QUERY_ROWS // group tokens;
+    when the step has fewer tasks than 2 x workers, long key ranges are split into parts."""
+    tq = max(1, QUERY_ROWS // group)
+    base = []
+    for seq, a, e, n0 in spans:
+        for t0 in range(a, e, tq):
+            t1 = min(e, t0 + tq)
+            p0 = n0 + t0 - a
+            k_hi = p0 + (t1 - t0)
+            k_lo = max(0, p0 - window + 1) if window > 0 else 0
+            base.append((seq, t0, t1, p0, k_lo, k_hi))
+    tasks: list[tuple] = []
+    merges: list[tuple[int, int]] = []
+    n_parts = 0
+    want = 2 * n_workers
+    heads = len(base)  # x NKV, added by the caller
+    for seq, t0, t1, p0, k_lo, k_hi in base:
+        cost = (t1 - t0) * (k_hi - k_lo)
+        split = 1
+        if n_workers > 1 and heads < want:
+            split = max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, -(-want // max(1, heads))))
+        tasks.append((cost, seq, t0, t1, p0, k_lo, k_hi, split))
+    tasks.sort(key=lambda x: -x[0])
+    return tasks, merges, n_parts
+
+
+class _Plan:
+    __slots__ = ("items", "bounds", "tasks", "pml", "pacc", "n_tasks", "serial")
+
+
+def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int) -> _Plan:
+    base, _, _ = plan_tasks(spans, group, n_workers, window)
+    rows: list[tuple] = []
+    merges: list[tuple[int, int]] = []
+    split_rows: list[tuple] = []
+    n_parts = 0
+    for cost, seq, t0, t1, p0, k_lo, k_hi, split in base:
+        for g in range(nkv):
+            if split <= 1:
+                rows.append((seq, t0, t1, p0, g, k_lo, k_hi, -1))
+            else:
+                first = len(split_rows)
+                n = k_hi - k_lo
+                for c in range(split):
+                    a = k_lo + n * c // split
+                    b = k_lo + n * (c + 1) // split
+                    split_rows.append((seq, t0, t1, p0, g, a, b, n_parts))
+                    n_parts += 1
+                merges.append((first, split))
+    pl = _Plan()
+    n_direct = len(rows)
+    all_rows = rows + split_rows
+    pl.tasks = np.ascontiguousarray(np.array(all_rows, dtype=np.int64).reshape(-1, TASK_W))
+    pl.n_tasks = len(all_rows)
+    pl.serial = not split_rows and (n_workers <= 1 or sum((r[2] - r[1]) * group * (r[6] - r[5]) for r in rows)
+                                    < SERIAL_WORK)
+    pl.pml = np.zeros(max(1, n_parts * rmax * 2), np.float64)
+    pl.pacc = np.zeros(max(1, n_parts * rmax * dv), np.float32)
+    if pl.serial:
+        pl.items = pl.bounds = None
+        return pl
+    fn = item_address()
+    it0 = [(_pool.K_CALL, fn, 0, i) for i in range(pl.n_tasks)]
+    # split parts first (they gate the merge phase), then whole tasks largest first
+    phase0 = it0[n_direct:] + it0[:n_direct]
+    phase1 = [(_pool.K_CALL, fn, 1, n_direct + first, n) for first, n in merges]
+    job = _pool.Job.build([[phase0], [phase1]] if phase1 else [[phase0]], np.zeros(1, np.int64))
+    pl.items, pl.bounds = job.items, job.bounds
+    return pl
+
+
+_NO_SINKS = np.zeros(1, np.float32)
 
 
 def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: float, out: np.ndarray, *,
@@ -119,20 +492,52 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     """Causal attention of every span's new queries over its sequence's cache (already
     holding the new keys), written to ``out``.
 
-    ops: the CPU kernel backend (moe_service.engine.ops.CpuOps; its worker pool may run the
-    work); q: float32 [T, NH, D]; out: float32 [T, NH, Dv]; NH a multiple of NKV (query head
-    h reads KV head h // (NH / NKV)); scale: float (usually 1/sqrt(D)); window: 0 for full
-    causal attention, else the sliding window in tokens; sinks: float32 [NH] or None.
-    Raises ValueError for inconsistent shapes (never reads outside the caches).
+    ops: the CPU kernel backend (moe_service.engine.ops.CpuOps, whose worker ``pool`` runs the
+    tasks; None or an object without a pool: the calling thread runs them); q: float32
+    [T, NH, D]; out: float32 [T, NH, Dv]; NH a multiple of NKV (query head h reads KV head
+    h // (NH / NKV)); scale: float (usually 1/sqrt(D)); window: 0 for full causal attention,
+    else the sliding window in tokens; sinks: float32 [NH] or None. Caches in either format
+    (module docstring). Raises ValueError for inconsistent shapes or a span outside the
+    cache (never reads outside the caches).
     """
     nh, d = q.shape[1], q.shape[2]
+    kfmt, vfmt = cache_format(kc), cache_format(vc)
     nkv = kc.shape[2]
-    if nkv == 0 or nh % nkv or kc.shape[3] != d or vc.shape[2] != nkv or out.shape[2] > vc.shape[3] or out.shape[1] != nh:
+    dk, dvc = cache_head_dim(kc), cache_head_dim(vc)
+    dv = out.shape[2]
+    if (nkv == 0 or nh % nkv or dk != d or vc.shape[2] != nkv or dv > dvc or out.shape[1] != nh
+            or out.shape[0] != q.shape[0] or vc.shape[:2] != kc.shape[:2]
+            or (kfmt == FMT_Q8_0 and d % Q8_0_BLOCK) or (vfmt == FMT_Q8_0 and dv % Q8_0_BLOCK)):
         raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} do not agree")
     if sinks is not None and sinks.shape[0] != nh:
         raise ValueError(f"attention: {sinks.shape[0]} sinks for {nh} heads")
-    s = np.ascontiguousarray(sinks, dtype=np.float32) if sinks is not None else _NO_SINKS
+    T = q.shape[0]
     for seq, a, e, n0 in spans:
-        if n0 + (e - a) > kc.shape[1]:
-            raise ValueError(f"attention: sequence {seq} needs {n0 + (e - a)} cache rows of {kc.shape[1]}")
-        _attend_span(q, kc, vc, seq, a, e, n0, np.float32(scale), int(window), s, sinks is not None, out)
+        if n0 + (e - a) > kc.shape[1] or not 0 <= seq < kc.shape[0] or not 0 <= a < e <= T or n0 < 0:
+            raise ValueError(f"attention: span {(seq, a, e, n0)} is outside q ({T} rows) or the cache {kc.shape}")
+    if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+        raise ValueError("attention: the caches must be C-contiguous")
+    group = nh // nkv
+    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    o32 = out if (out.dtype == np.float32 and out.flags.c_contiguous) else np.empty(out.shape, np.float32)
+    s = np.ascontiguousarray(sinks, dtype=np.float32) if sinks is not None else _NO_SINKS
+    pool = getattr(ops, "pool", None)
+    n_workers = pool.n_workers if pool is not None else 1
+    rmax = max(1, QUERY_ROWS // group) * group
+    pl = _build(spans, nkv, group, dv, n_workers, int(window), rmax)
+    op = np.zeros(OP_LEN, np.int64)
+    krow, vrow = kc.shape[3], vc.shape[3]
+    op[O_Q], op[O_KC], op[O_VC], op[O_OUT] = q32.ctypes.data, kc.ctypes.data, vc.ctypes.data, o32.ctypes.data
+    op[O_TASKS], op[O_PML], op[O_PACC], op[O_SINKS] = (pl.tasks.ctypes.data, pl.pml.ctypes.data,
+                                                       pl.pacc.ctypes.data, s.ctypes.data)
+    op[O_NH], op[O_D], op[O_NKV], op[O_DV], op[O_GROUP], op[O_BK] = nh, d, nkv, dv, group, key_tile(d, dv)
+    op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD] = kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow
+    op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD] = vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow
+    op[O_SCALE] = int(np.array([scale], np.float32).view(np.int32)[0])
+    op[O_WINDOW], op[O_HAS_SINKS], op[O_RMAX], op[O_NTOK] = int(window), int(sinks is not None), rmax, T
+    if pl.serial:
+        _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc)
+    else:
+        pool.run_arrays(pl.items, pl.bounds, op)
+    if o32 is not out:
+        out[...] = o32
