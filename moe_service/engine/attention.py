@@ -179,16 +179,23 @@ def store(kc: np.ndarray, vc: np.ndarray, k: np.ndarray, v: np.ndarray | None, s
 # ---------------------------------------------------------------------------------------
 
 
-@njit(nogil=True, cache=True, inline="always")
+# The hot helpers index flat arrays through quant.ld/st (no wraparound of negative indices):
+# numba's checked indexing with run-time trip counts keeps LLVM from vectorising the loops
+# (measured 8x slower per key).
+
+
+@njit(**_JIT_VEC)
 def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
-    """dst[r, :n_dim] = float32 of the cache row at element ``base + r * stride`` (r < n_rows).
-    f16: elements are uint16; q8_0: elements are bytes, a row is n_dim/32 blocks."""
+    """dst[r * n_dim + i] = float32 of element i of the cache row at ``base + r * stride``
+    (r < n_rows). f16: elements are uint16; q8_0: elements are bytes, a row is n_dim/32
+    blocks. dst: float32 [>= n_rows * n_dim] (flat)."""
     if fmt == FMT_F16:
         src = _view_u16(addr, 1)
         for r in range(n_rows):
             o = base + r * stride
+            od = r * n_dim
             for i in range(n_dim):
-                dst[r, i] = _f16_bits_to_f32(src[o + i])
+                _q.st(dst, od + i, _f16_bits_to_f32(_q.ld(src, o + i)))
     else:
         src8 = _q.view_u8(addr, 1)
         srci = _q.view_i8(addr, 1)
@@ -196,29 +203,72 @@ def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
             o = base + r * stride
             for b in range(n_dim // Q8_0_BLOCK):
                 ob = o + b * Q8_0_BYTES
-                d = _f16_bits_to_f32(np.uint16(src8[ob]) | (np.uint16(src8[ob + 1]) << np.uint16(8)))
+                d = _f16_bits_to_f32(np.uint16(_q.ld(src8, ob)) | (np.uint16(_q.ld(src8, ob + 1)) << np.uint16(8)))
+                od = r * n_dim + b * Q8_0_BLOCK
                 for i in range(Q8_0_BLOCK):
-                    dst[r, b * Q8_0_BLOCK + i] = d * np.float32(srci[ob + 2 + i])
+                    _q.st(dst, od + i, d * np.float32(_q.ld(srci, ob + 2 + i)))
 
 
 @njit(**_JIT_VEC)
-def _dot(a, ra, b, rb, n):
-    acc = np.float32(0.0)
-    for i in range(n):
-        acc += a[ra, i] * b[rb, i]
-    return acc
+def _scores(qb, qo, kt, s, ja, jb, d, scale):
+    """s[j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
+    vector lanes); returns the largest."""
+    mx = np.float32(-np.inf)
+    for j in range(ja, jb):
+        acc = np.float32(0.0)
+        ko = j * d
+        for i in range(d):
+            acc += _q.ld(qb, qo + i) * _q.ld(kt, ko + i)
+        v = acc * scale
+        _q.st(s, j, v)
+        mx = max(mx, v)
+    return mx
+
+
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
 
 
 @njit(**_JIT_VEC)
-def _axpy(acc, r, p, v, jj, n):
-    for i in range(n):
-        acc[r, i] += p * v[jj, i]
+def _exp_shifted(s, ja, jb, mx):
+    """s[j] = exp(s[j] - mx) for j in ja..jb-1 (every s[j] <= mx), returns their sum in float64.
+
+    Cephes' expf (range reduction by ln2 in two parts, degree-5 polynomial, 2^n from the
+    exponent bits; ~1 ulp), written as a plain loop so it runs in vector lanes (libm's expf
+    is one call per element). Arguments below -87.3 give exp(-87.3) ~ 1e-38 instead of 0."""
+    total = 0.0
+    for j in range(ja, jb):
+        x = max(_q.ld(s, j) - mx, np.float32(-87.3))
+        n = np.floor(x * _LOG2E + np.float32(0.5))
+        r = x - n * _LN2_HI - n * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        e = p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+        _q.st(s, j, e)
+        total += np.float64(e)
+    return total
 
 
 @njit(**_JIT_VEC)
-def _scale_row(acc, r, f, n):
+def _pv(acc, ao, s, vt, ja, jb, dv):
+    """acc[ao:ao+dv] += sum_j s[j] * vt[j*dv:(j+1)*dv] for j in ja..jb-1."""
+    for j in range(ja, jb):
+        pj = _q.ld(s, j)
+        vo = j * dv
+        for i in range(dv):
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+
+
+@njit(**_JIT_VEC)
+def _scale_row(acc, ao, f, n):
     for i in range(n):
-        acc[r, i] *= f
+        _q.st(acc, ao + i, _q.ld(acc, ao + i) * f)
 
 
 @njit(**_JIT_VEC)
@@ -237,17 +287,17 @@ def run_task(op, tasks, ti, pml, pacc):
     nq = t_hi - t_lo
     R = nq * group
     q = _q.view_f32(op[O_Q], ntok * nh * d)
-    qb = np.empty((R, d), np.float32)
+    qb = np.empty(R * d, np.float32)
     for tt in range(nq):
         for hh in range(group):
             qo = ((t_lo + tt) * nh + g * group + hh) * d
             for i in range(d):
-                qb[tt * group + hh, i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+                qb[(tt * group + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
     m = np.full(R, -np.inf, np.float32)
     lsum = np.zeros(R, np.float64)
-    acc = np.zeros((R, dv), np.float32)
-    kt = np.empty((bk, d), np.float32)
-    vt = np.empty((bk, dv), np.float32)
+    acc = np.zeros(R * dv, np.float32)
+    kt = np.empty(bk * d, np.float32)
+    vt = np.empty(bk * dv, np.float32)
     s = np.empty(bk, np.float32)
     p_last = p0 + nq - 1
     j_end = min(k_hi, p_last + 1)
@@ -268,26 +318,18 @@ def run_task(op, tasks, ti, pml, pacc):
             jhi = min(j0 + nb, p + 1)
             if jhi <= jlo:
                 continue
+            ja, jb = jlo - j0, jhi - j0
             for hh in range(group):
                 r = tt * group + hh
-                mx = m[r]
-                for j in range(jlo - j0, jhi - j0):
-                    sc = _dot(qb, r, kt, j, d) * scale
-                    s[j] = sc
-                    if sc > mx:
-                        mx = sc
+                mx = max(m[r], _scores(qb, r * d, kt, s, ja, jb, d, scale))
                 if mx > m[r]:
                     if m[r] > -np.inf:
                         f = np.exp(m[r] - mx)
                         lsum[r] *= np.float64(f)
-                        _scale_row(acc, r, f, dv)
+                        _scale_row(acc, r * dv, f, dv)
                     m[r] = mx
-                ps = 0.0
-                for j in range(jlo - j0, jhi - j0):
-                    pj = np.exp(s[j] - mx)
-                    ps += np.float64(pj)
-                    _axpy(acc, r, pj, vt, j, dv)
-                lsum[r] += ps
+                lsum[r] += _exp_shifted(s, ja, jb, mx)
+                _pv(acc, r * dv, s, vt, ja, jb, dv)
     if part < 0:
         out = _q.view_f32(op[O_OUT], ntok * nh * dv)
         sinks = _q.view_f32(op[O_SINKS], nh)
@@ -295,7 +337,7 @@ def run_task(op, tasks, ti, pml, pacc):
             for hh in range(group):
                 r = tt * group + hh
                 h = g * group + hh
-                _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, r, m[r], lsum[r], dv,
+                _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, r * dv, m[r], lsum[r], dv,
                             op[O_HAS_SINKS] != 0, sinks[h])
     else:
         rmax = op[O_RMAX]
@@ -304,11 +346,11 @@ def run_task(op, tasks, ti, pml, pacc):
             pml[(part * rmax + r) * 2 + 1] = lsum[r]
             o = (part * rmax + r) * dv
             for i in range(dv):
-                pacc[o + i] = acc[r, i]
+                pacc[o + i] = acc[r * dv + i]
 
 
 @njit(**_JIT_VEC)
-def _finish_row(out, o, acc, r, m, lsum, dv, has_sink, sink):
+def _finish_row(out, o, acc, ao, m, lsum, dv, has_sink, sink):
     """out[o:o+dv] = acc[r] / l, the sink logit joining the maximum and the sum first."""
     f = np.float32(1.0)
     if has_sink:
@@ -317,7 +359,7 @@ def _finish_row(out, o, acc, r, m, lsum, dv, has_sink, sink):
         lsum = lsum * np.float64(f) + np.float64(np.exp(sink - mx))
     inv = np.float32(1.0 / lsum) * f if lsum > 0 else np.float32(0.0)
     for i in range(dv):
-        out[o + i] = acc[r, i] * inv
+        _q.st(out, o + i, _q.ld(acc, ao + i) * inv)
 
 
 @njit(**_JIT_VEC)
@@ -330,7 +372,7 @@ def run_merge(op, tasks, first, n_parts, pml, pacc):
     nq = t_hi - t_lo
     out = _q.view_f32(op[O_OUT], ntok * nh * dv)
     sinks = _q.view_f32(op[O_SINKS], nh)
-    acc = np.zeros((1, dv), np.float32)
+    acc = np.zeros(dv, np.float32)
     for tt in range(nq):
         for hh in range(group):
             r = tt * group + hh
@@ -342,7 +384,7 @@ def run_merge(op, tasks, first, n_parts, pml, pacc):
                     mx = mc
             lsum = 0.0
             for i in range(dv):
-                acc[0, i] = 0.0
+                acc[i] = 0.0
             for c in range(n_parts):
                 part = tasks[(first + c) * TASK_W + 7]
                 mc = np.float32(pml[(part * rmax + r) * 2])
@@ -352,7 +394,7 @@ def run_merge(op, tasks, first, n_parts, pml, pacc):
                 lsum += pml[(part * rmax + r) * 2 + 1] * np.float64(f)
                 o = (part * rmax + r) * dv
                 for i in range(dv):
-                    acc[0, i] += pacc[o + i] * f
+                    _q.st(acc, i, _q.ld(acc, i) + _q.ld(pacc, o + i) * f)
             h = g * group + hh
             _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, 0, mx, lsum, dv, op[O_HAS_SINKS] != 0, sinks[h])
 
