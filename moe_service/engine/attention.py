@@ -212,9 +212,32 @@ def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
 @njit(**_JIT_VEC)
 def _scores(qb, qo, kt, s, ja, jb, d, scale):
     """s[j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
-    vector lanes); returns the largest."""
+    vector lanes, four keys per pass over q); returns the largest."""
     mx = np.float32(-np.inf)
-    for j in range(ja, jb):
+    j = ja
+    while j + 4 <= jb:
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        k0 = j * d
+        for i in range(d):
+            qi = _q.ld(qb, qo + i)
+            a0 += qi * _q.ld(kt, k0 + i)
+            a1 += qi * _q.ld(kt, k0 + d + i)
+            a2 += qi * _q.ld(kt, k0 + 2 * d + i)
+            a3 += qi * _q.ld(kt, k0 + 3 * d + i)
+        a0 *= scale
+        a1 *= scale
+        a2 *= scale
+        a3 *= scale
+        _q.st(s, j, a0)
+        _q.st(s, j + 1, a1)
+        _q.st(s, j + 2, a2)
+        _q.st(s, j + 3, a3)
+        mx = max(mx, max(max(a0, a1), max(a2, a3)))
+        j += 4
+    while j < jb:
         acc = np.float32(0.0)
         ko = j * d
         for i in range(d):
@@ -222,6 +245,7 @@ def _scores(qb, qo, kt, s, ja, jb, d, scale):
         v = acc * scale
         _q.st(s, j, v)
         mx = max(mx, v)
+        j += 1
     return mx
 
 
@@ -257,12 +281,26 @@ def _exp_shifted(s, ja, jb, mx):
 
 @njit(**_JIT_VEC)
 def _pv(acc, ao, s, vt, ja, jb, dv):
-    """acc[ao:ao+dv] += sum_j s[j] * vt[j*dv:(j+1)*dv] for j in ja..jb-1."""
-    for j in range(ja, jb):
+    """acc[ao:ao+dv] += sum_j s[j] * vt[j*dv:(j+1)*dv] for j in ja..jb-1 (four keys per pass
+    over the accumulator)."""
+    j = ja
+    while j + 4 <= jb:
+        p0 = _q.ld(s, j)
+        p1 = _q.ld(s, j + 1)
+        p2 = _q.ld(s, j + 2)
+        p3 = _q.ld(s, j + 3)
+        v0 = j * dv
+        for i in range(dv):
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + (p0 * _q.ld(vt, v0 + i) + p1 * _q.ld(vt, v0 + dv + i)
+                                                     + p2 * _q.ld(vt, v0 + 2 * dv + i)
+                                                     + p3 * _q.ld(vt, v0 + 3 * dv + i)))
+        j += 4
+    while j < jb:
         pj = _q.ld(s, j)
         vo = j * dv
         for i in range(dv):
             _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+        j += 1
 
 
 @njit(**_JIT_VEC)
