@@ -210,8 +210,8 @@ def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
 
 
 @njit(**_JIT_VEC)
-def _scores(qb, qo, kt, s, ja, jb, d, scale):
-    """s[j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
+def _scores(qb, qo, kt, s, so, ja, jb, d, scale):
+    """s[so + j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
     vector lanes, four keys per pass over q); returns the largest."""
     mx = np.float32(-np.inf)
     j = ja
@@ -231,10 +231,10 @@ def _scores(qb, qo, kt, s, ja, jb, d, scale):
         a1 *= scale
         a2 *= scale
         a3 *= scale
-        _q.st(s, j, a0)
-        _q.st(s, j + 1, a1)
-        _q.st(s, j + 2, a2)
-        _q.st(s, j + 3, a3)
+        _q.st(s, so + j, a0)
+        _q.st(s, so + j + 1, a1)
+        _q.st(s, so + j + 2, a2)
+        _q.st(s, so + j + 3, a3)
         mx = max(mx, max(max(a0, a1), max(a2, a3)))
         j += 4
     while j < jb:
@@ -243,7 +243,7 @@ def _scores(qb, qo, kt, s, ja, jb, d, scale):
         for i in range(d):
             acc += _q.ld(qb, qo + i) * _q.ld(kt, ko + i)
         v = acc * scale
-        _q.st(s, j, v)
+        _q.st(s, so + j, v)
         mx = max(mx, v)
         j += 1
     return mx
@@ -359,7 +359,7 @@ def run_task(op, tasks, ti, pml, pacc):
             ja, jb = jlo - j0, jhi - j0
             for hh in range(group):
                 r = tt * group + hh
-                mx = max(m[r], _scores(qb, r * d, kt, s, ja, jb, d, scale))
+                mx = max(m[r], _scores(qb, r * d, kt, s, 0, ja, jb, d, scale))
                 if mx > m[r]:
                     if m[r] > -np.inf:
                         f = np.exp(m[r] - mx)
@@ -385,6 +385,117 @@ def run_task(op, tasks, ti, pml, pacc):
             o = (part * rmax + r) * dv
             for i in range(dv):
                 pacc[o + i] = acc[r * dv + i]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _pv_exact(acc, ao, p, po, vt, ja, jb, dv):
+    """acc[ao:ao+dv] += p[po + j] * vt[j] for j in ja..jb-1 in key order, one multiply and
+    one add per element (no fused multiply-add): the scalar reference's rounding, in vector
+    lanes over the value dims."""
+    for j in range(ja, jb):
+        pj = _q.ld(p, po + j)
+        vo = j * dv
+        for i in range(dv):
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+
+
+@njit(**_JIT_VEC)
+def _normalise_f16(sc, a, b, inv):
+    """sc[j] = float16(sc[j] * inv) (as float32) for j in a..b-1."""
+    for j in range(a, b):
+        _q.st(sc, j, _f16_bits_to_f32(_f32_to_f16_bits(_q.ld(sc, j) * inv)))
+
+
+@njit(**_JIT_VEC)
+def run_task_exact(op, tasks, ti):
+    """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
+    every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
+    a scratch [R, L] while streaming K once, then per row the maximum, the float64 sum of the
+    exponentials and the float16-rounded probabilities, then P.V streaming V once."""
+    nh, d, dv, group, bk = op[O_NH], op[O_D], op[O_DV], op[O_GROUP], op[O_BK]
+    ntok = op[O_NTOK]
+    tb = ti * TASK_W
+    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
+    g, h_lo, h_hi = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    window = op[O_WINDOW]
+    nq = t_hi - t_lo
+    gh = h_hi - h_lo
+    R = nq * gh
+    q = _q.view_f32(op[O_Q], ntok * nh * d)
+    qb = np.empty(R * d, np.float32)
+    for tt in range(nq):
+        for hh in range(gh):
+            qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
+            for i in range(d):
+                qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    j_end = p0 + nq
+    j_start = 0
+    if window > 0:
+        j_start = max(0, p0 - window + 1)
+    L = j_end - j_start
+    sc = np.empty(R * L, np.float32)
+    mrow = np.full(R, -np.inf, np.float32)
+    acc = np.zeros(R * dv, np.float32)
+    kt = np.empty(bk * max(d, dv), np.float32)
+    kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
+    vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    for j0 in range(j_start, j_end, bk):
+        nb = min(bk, j_end - j0)
+        _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(gh):
+                r = tt * gh + hh
+                mx = _scores(qb, r * d, kt, sc, r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+                if mx > mrow[r]:
+                    mrow[r] = mx
+    sinks = _q.view_f32(op[O_SINKS], nh)
+    has_sinks = op[O_HAS_SINKS] != 0
+    for tt in range(nq):
+        p = p0 + tt
+        lo = j_start
+        if window > 0 and p - window + 1 > lo:
+            lo = p - window + 1
+        for hh in range(gh):
+            r = tt * gh + hh
+            mx = mrow[r]
+            h = g * group + h_lo + hh
+            if has_sinks and sinks[h] > mx:
+                mx = sinks[h]
+            a = r * L + lo - j_start
+            b = r * L + p + 1 - j_start
+            total = _exp_shifted(sc, a, b, mx)
+            if has_sinks:
+                total += np.float64(np.exp(sinks[h] - mx))
+            _normalise_f16(sc, a, b, np.float32(1.0 / total))
+    for j0 in range(j_start, j_end, bk):
+        nb = min(bk, j_end - j0)
+        _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, kt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(gh):
+                r = tt * gh + hh
+                _pv_exact(acc, r * dv, sc, r * L + j0 - j_start, kt, jlo - j0, jhi - j0, dv)
+    out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+    for tt in range(nq):
+        for hh in range(gh):
+            r = tt * gh + hh
+            o = ((t_lo + tt) * nh + g * group + h_lo + hh) * dv
+            for i in range(dv):
+                _q.st(out, o + i, acc[r * dv + i])
 
 
 @njit(**_JIT_VEC)
@@ -437,8 +548,8 @@ def run_merge(op, tasks, first, n_parts, pml, pacc):
             _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, 0, mx, lsum, dv, op[O_HAS_SINKS] != 0, sinks[h])
 
 
-# Item fields: (K_CALL, fn address, kind, a, b): kind 0 = task a; kind 1 = merge of tasks
-# a..a+b-1.
+# Item fields: (K_CALL, fn address, kind, a, b): kind 0 = online task a; kind 1 = merge of
+# online tasks a..a+b-1; kind 2 = exact (two-pass) task a.
 def _item(items_ptr, i, op_ptr):
     """A K_CALL item (compiled as a cfunc of pool.CALL_ITEM_SIG by item_address)."""
     it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
@@ -447,7 +558,10 @@ def _item(items_ptr, i, op_ptr):
     tasks = _q.view_i64(op[O_TASKS], 1)
     pml = _view_f64(op[O_PML], 1)
     pacc = _q.view_f32(op[O_PACC], 1)
-    if it[b + 2] == 0:
+    kind = it[b + 2]
+    if kind == 2:
+        run_task_exact(op, tasks, it[b + 3])
+    elif kind == 0:
         run_task(op, tasks, it[b + 3], pml, pacc)
     else:
         run_merge(op, tasks, it[b + 3], it[b + 4], pml, pacc)
@@ -467,10 +581,13 @@ def item_address() -> int:
 
 
 @njit(**_JIT)
-def _run_serial(op, tasks, n_tasks, pml, pacc):
+def _run_serial(op, tasks, n_tasks, pml, pacc, exact):
     """Every task on the calling thread (none split): small steps skip the pool dispatch."""
     for ti in range(n_tasks):
-        run_task(op, tasks, ti, pml, pacc)
+        if exact:
+            run_task_exact(op, tasks, ti)
+        else:
+            run_task(op, tasks, ti, pml, pacc)
 
 
 # ---------------------------------------------------------------------------------------
@@ -491,47 +608,61 @@ def key_tile(d: int, dv: int) -> int:
     return int(max(16, min(128, 8192 // max(1, d + dv) // 16 * 16)))
 
 
-def plan_tasks(spans, group: int, n_workers: int, window: int = 0) -> tuple[np.ndarray, list[tuple[int, int]], int]:
-    """Tasks int64 [n, TASK_W] sorted by cost (largest first), merges [(first, n_parts)] and the
-    number of partial slots. A span's queries are cut into tiles of QUERY_ROWS // group tokens;
-    when the step has fewer tasks than 2 x workers, long key ranges are split into parts."""
-    tq = max(1, QUERY_ROWS // group)
+SCORE_BUDGET = 1 << 18
+"""Most float32 scores one exact task holds (1 MiB): long prefills get shorter query tiles."""
+
+
+def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, exact: bool = True):
+    """The step's tasks, largest first: (cost, seq, t0, t1, p0, k_lo, k_hi, split).
+
+    A span's queries are cut into tiles of QUERY_ROWS // group tokens (exact: also at most
+    SCORE_BUDGET scores per task); when the step has fewer than 2 x workers tiles per KV
+    head, ``split`` > 1 says how many parts to cut each one into (exact: parts of the
+    group's heads; online: parts of the key range, at least MIN_SPLIT_KEYS keys each)."""
     base = []
     for seq, a, e, n0 in spans:
+        depth = n0 + (e - a)
+        k_lo0 = max(0, n0 - window + 1) if window > 0 else 0
+        tq = max(1, QUERY_ROWS // group)
+        if exact:
+            tq = max(1, min(tq, SCORE_BUDGET // (group * max(1, depth - k_lo0))))
         for t0 in range(a, e, tq):
             t1 = min(e, t0 + tq)
             p0 = n0 + t0 - a
             k_hi = p0 + (t1 - t0)
             k_lo = max(0, p0 - window + 1) if window > 0 else 0
             base.append((seq, t0, t1, p0, k_lo, k_hi))
-    tasks: list[tuple] = []
-    merges: list[tuple[int, int]] = []
-    n_parts = 0
     want = 2 * n_workers
-    heads = len(base)  # x NKV, added by the caller
+    tasks = []
     for seq, t0, t1, p0, k_lo, k_hi in base:
         cost = (t1 - t0) * (k_hi - k_lo)
         split = 1
-        if n_workers > 1 and heads < want:
-            split = max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, -(-want // max(1, heads))))
+        if n_workers > 1 and len(base) < want:
+            need = -(-want // len(base))
+            split = min(group, need) if exact else max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, need))
         tasks.append((cost, seq, t0, t1, p0, k_lo, k_hi, split))
     tasks.sort(key=lambda x: -x[0])
-    return tasks, merges, n_parts
+    return tasks
 
 
 class _Plan:
     __slots__ = ("items", "bounds", "tasks", "pml", "pacc", "n_tasks", "serial")
 
 
-def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int) -> _Plan:
-    base, _, _ = plan_tasks(spans, group, n_workers, window)
+def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int, exact: bool) -> _Plan:
+    base = plan_tasks(spans, group, n_workers, window, exact=exact)
     rows: list[tuple] = []
     merges: list[tuple[int, int]] = []
     split_rows: list[tuple] = []
     n_parts = 0
+    work = 0
     for cost, seq, t0, t1, p0, k_lo, k_hi, split in base:
+        work += cost * group * nkv
         for g in range(nkv):
-            if split <= 1:
+            if exact:
+                for c in range(split):
+                    rows.append((seq, t0, t1, p0, g, group * c // split, group * (c + 1) // split, 0))
+            elif split <= 1:
                 rows.append((seq, t0, t1, p0, g, k_lo, k_hi, -1))
             else:
                 first = len(split_rows)
@@ -547,15 +678,15 @@ def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rm
     all_rows = rows + split_rows
     pl.tasks = np.ascontiguousarray(np.array(all_rows, dtype=np.int64).reshape(-1, TASK_W))
     pl.n_tasks = len(all_rows)
-    pl.serial = not split_rows and (n_workers <= 1 or sum((r[2] - r[1]) * group * (r[6] - r[5]) for r in rows)
-                                    < SERIAL_WORK)
+    pl.serial = not split_rows and (n_workers <= 1 or work < SERIAL_WORK)
     pl.pml = np.zeros(max(1, n_parts * rmax * 2), np.float64)
     pl.pacc = np.zeros(max(1, n_parts * rmax * dv), np.float32)
     if pl.serial:
         pl.items = pl.bounds = None
         return pl
     fn = item_address()
-    it0 = [(_pool.K_CALL, fn, 0, i) for i in range(pl.n_tasks)]
+    kind = 2 if exact else 0
+    it0 = [(_pool.K_CALL, fn, kind, i) for i in range(pl.n_tasks)]
     # split parts first (they gate the merge phase), then whole tasks largest first
     phase0 = it0[n_direct:] + it0[:n_direct]
     phase1 = [(_pool.K_CALL, fn, 1, n_direct + first, n) for first, n in merges]
@@ -568,7 +699,7 @@ _NO_SINKS = np.zeros(1, np.float32)
 
 
 def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: float, out: np.ndarray, *,
-           window: int = 0, sinks: np.ndarray | None = None) -> None:
+           window: int = 0, sinks: np.ndarray | None = None, online: bool = False) -> None:
     """Causal attention of every span's new queries over its sequence's cache (already
     holding the new keys), written to ``out``.
 
@@ -576,8 +707,9 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     tasks; None or an object without a pool: the calling thread runs them); q: float32
     [T, NH, D]; out: float32 [T, NH, Dv]; NH a multiple of NKV (query head h reads KV head
     h // (NH / NKV)); scale: float (usually 1/sqrt(D)); window: 0 for full causal attention,
-    else the sliding window in tokens; sinks: float32 [NH] or None. Caches in either format
-    (module docstring). Raises ValueError for inconsistent shapes or a span outside the
+    else the sliding window in tokens; sinks: float32 [NH] or None; online: the one-pass
+    online softmax (flash attention; decode splits key ranges over the workers) instead of the
+    default two-pass contract (module docstring). Caches in either format. Raises ValueError for inconsistent shapes or a span outside the
     cache (never reads outside the caches).
     """
     nh, d = q.shape[1], q.shape[2]
@@ -604,7 +736,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     pool = getattr(ops, "pool", None)
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
-    pl = _build(spans, nkv, group, dv, n_workers, int(window), rmax)
+    pl = _build(spans, nkv, group, dv, n_workers, int(window), rmax, not online)
     op = np.zeros(OP_LEN, np.int64)
     krow, vrow = kc.shape[3], vc.shape[3]
     op[O_Q], op[O_KC], op[O_VC], op[O_OUT] = q32.ctypes.data, kc.ctypes.data, vc.ctypes.data, o32.ctypes.data
@@ -616,7 +748,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     op[O_SCALE] = int(np.array([scale], np.float32).view(np.int32)[0])
     op[O_WINDOW], op[O_HAS_SINKS], op[O_RMAX], op[O_NTOK] = int(window), int(sinks is not None), rmax, T
     if pl.serial:
-        _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc)
+        _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc, not online)
     else:
         pool.run_arrays(pl.items, pl.bounds, op)
     if o32 is not out:
