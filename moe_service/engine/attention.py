@@ -315,7 +315,7 @@ def run_task(op, tasks, ti, pml, pacc):
     per row: causal and window), online softmax; the normalised result into out (part < 0)
     or (m, l, acc) into partial slot ``part`` of pml float64 [*, RMAX, 2] / pacc float32
     [*, RMAX, Dv] (flat)."""
-    nh, d, nkv, dv, group, bk = op[O_NH], op[O_D], op[O_NKV], op[O_DV], op[O_GROUP], op[O_BK]
+    nh, d, dv, group, bk = op[O_NH], op[O_D], op[O_DV], op[O_GROUP], op[O_BK]
     ntok = op[O_NTOK]
     tb = ti * TASK_W
     seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_service.engine import attention, cpu_layers, torch_quant
+from moe_service.engine import attention, cpu_layers, kv, torch_quant
 from moe_service.errors import ModelFileError
 from moe_service.log import get_logger
 
@@ -129,43 +129,9 @@ def _dequantize(weights, name: str) -> np.ndarray:
 # KV cache
 
 
-class KVCache:
-    """Sequence slots of the float16 KV cache and each slot's length.
-
-    ``k``/``v``: one array per layer, [S, C, NKV, D] float16 values, stored by the dense path
-    (torch float16 tensors on the device, or uint16 bit arrays for the numba glue). Slots are
-    taken with :meth:`alloc` and returned with :meth:`free`; rows beyond a slot's length are
-    garbage, never read.
-    """
-
-    def __init__(self, n_seq: int, n_ctx: int, k: list, v: list):
-        self.k, self.v = k, v
-        self.length = [0] * n_seq
-        self.n_ctx = n_ctx
-        self._free = list(range(n_seq - 1, -1, -1))
-        self._lock = threading.Lock()
-
-    def alloc(self) -> int:
-        """A free sequence slot (empty). Raises RuntimeError when all are in use."""
-        with self._lock:
-            if not self._free:
-                raise RuntimeError("no free sequence slot in the KV cache")
-            s = self._free.pop()
-        self.length[s] = 0
-        return s
-
-    def free(self, s: int) -> None:
-        with self._lock:
-            if s not in self._free:
-                self._free.append(s)
-        self.length[s] = 0
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    def bytes(self) -> int:
-        return sum(int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else t.nbytes for t in self.k + self.v)
+# The KV cache lives in moe_service.engine.kv (planned memory, formats, rows for the prefix
+# cache); the name stays importable from here.
+KVCache = kv.KVCache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,10 +154,9 @@ class CpuPath:
     def rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return cos, sin
 
-    def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
-        kv = cpu_layers.KVCacheF16(n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v)
-        self.scratch = (kv.kf, kv.vf, kv.scores)
-        return kv.k, kv.v
+    def kv_cache(self, layers, n_seq: int, n_ctx: int) -> KVCache:
+        m = self.m
+        return kv.KVCache.allocate(layers, n_seq, n_ctx, kv_type=m.kv_type, node=m.kv_node)
 
     def positions(self, pos: list[int]) -> np.ndarray:
         return np.asarray(pos, dtype=np.int64)
@@ -291,11 +256,13 @@ class TorchPath:
     def rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(cos).to(self.m.device), torch.from_numpy(sin).to(self.m.device)
 
-    def kv_storage(self, n_layer, n_seq, n_ctx, n_kv, head_dim, head_dim_v) -> tuple[list, list]:
+    def kv_cache(self, layers, n_seq: int, n_ctx: int) -> KVCache:
         dev = self.m.device
-        k = [torch.zeros((n_seq, n_ctx, n_kv, head_dim), dtype=torch.float16, device=dev) for _ in range(n_layer)]
-        v = [torch.zeros((n_seq, n_ctx, n_kv, head_dim_v), dtype=torch.float16, device=dev) for _ in range(n_layer)]
-        return k, v
+        if self.m.kv_type != "f16":
+            raise ValueError(f"engine.kv_type = {self.m.kv_type} runs on the CPU path only (dense = 'quant')")
+        k = [torch.zeros((n_seq, n_ctx, ly.n_head_kv, ly.key_dim), dtype=torch.float16, device=dev) for ly in layers]
+        v = [torch.zeros((n_seq, n_ctx, ly.n_head_kv, ly.value_dim), dtype=torch.float16, device=dev) for ly in layers]
+        return KVCache(n_seq, n_ctx, k, v, layers)
 
     def positions(self, pos: list[int]) -> torch.Tensor:
         return torch.as_tensor(pos, dtype=torch.long, device=self.m.device)
@@ -419,7 +386,8 @@ class Model:
     dequantized to ``device``, glue as torch ops); ``n_seq``: sequence slots; ``n_ctx``: tokens
     per sequence. ``dense_dtype``: dtype of the dequantized dense matrices with ``dense =
     "torch"`` (float32 default: the same values as the CPU path's weights; bfloat16 halves the
-    GPU memory at ~0.4% relative error per matmul). ``offload``: an
+    GPU memory at ~0.4% relative error per matmul). ``kv_type``: "f16" or "q8_0" (CPU path);
+    ``kv_node``: NUMA node the KV cache is bound to (None: first touch) (engine/kv.py). ``offload``: an
     moe_service.engine.offload.ExpertOffload; with ``dense = "torch"``, batches of at least
     its ``min_batch_tokens`` tokens compute their routed experts through it (on the GPU)
     instead of ``ops.moe``. Choosing ``device``/``dense`` from the config:
@@ -431,7 +399,7 @@ class Model:
 
     def __init__(
         self, catalog, weights, ops, *, device: str = "cpu", dense: str = "quant", n_seq: int = 4, n_ctx: int = 4096,
-        dense_dtype: torch.dtype = torch.float32, offload=None,
+        dense_dtype: torch.dtype = torch.float32, offload=None, kv_type: str = "f16", kv_node: int | None = None,
     ):
         p = catalog.params
         if p.arch not in ARCHS:
@@ -456,8 +424,8 @@ class Model:
         self.output_norm = self.path.vec("output_norm.weight")
         if dense == "torch":
             self.output_dense = self._to_device(self.output.name)
-        k, v = self.path.kv_storage(p.n_layer, n_seq, self.n_ctx, p.n_head_kv, p.head_dim, p.head_dim_v)
-        self.kv = KVCache(n_seq, self.n_ctx, k, v)
+        self.kv_type, self.kv_node = kv_type, kv_node
+        self.kv = self.path.kv_cache(kv.layers_from_params(p), n_seq, self.n_ctx)
         self._rope_cache = self.path.rope_tables(*self._rope_tables())
         self._lock = threading.Lock()
 

@@ -85,7 +85,7 @@ def _run(pool, *, nh, nkv, d, dv, spans, n_ctx, fmt="f16", window=0, sinks=False
     kc = _cache(n_seq, n_ctx, nkv, d, fmt)
     vc = kc if latent else _cache(n_seq, n_ctx, nkv, dv, fmt)
     # fill every sequence's history 0..n0-1 first (earlier steps), then this step's rows
-    for seq, a, e, n0 in spans:
+    for seq, _a, _e, n0 in spans:
         if n0:
             k = rng.standard_normal((n0, nkv, d)).astype(np.float32)
             v = None if latent else rng.standard_normal((n0, nkv, dv)).astype(np.float32)
