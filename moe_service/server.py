@@ -535,7 +535,8 @@ async def _generate(service: Service, request: Request, *, chat: bool):
 
 def _usage(ev: Event) -> dict[str, int]:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
 
 
 def _finished(service: Service, greq: GenerationRequest, ev: Event, endpoint: str, stream: bool) -> None:
