@@ -354,7 +354,7 @@ def _merge(events: list[Event]) -> Event:
     last = events[-1]
     return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
                  finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-                 completion_tokens=last.completion_tokens, error=last.error)
+                 completion_tokens=last.completion_tokens, error=last.error, cached_tokens=last.cached_tokens)
 
 
 def _sse(obj: Any) -> str:
