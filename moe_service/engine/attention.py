@@ -22,26 +22,39 @@ Caches (one pair per layer, as the KV cache holds them, see moe_service.engine.k
 A latent (MLA) cache passes ``vc is kc``: V is then the first Dv dims of each K row, and
 :func:`store` writes K only.
 
-How the work runs (:func:`attend`): tasks of (sequence, KV head, query tile, key range) on the
-engine's persistent worker pool (pool.K_CALL items calling this module's compiled task
-function through its address). A task gathers its tile's query rows of every head of the KV
-head's group (R = rows x G), rounds them to float16, and streams the cache once in key tiles
-of ``BK`` rows: each K tile is widened to float32 once and dotted with all R query rows
-(vectorised over the head dim), each V tile once and accumulated into all R rows. When a
-step has too few tasks for the workers (decode: one query row per sequence), the key range
-is split (flash-decoding) and a second phase merges the partial results.
+How the work runs (:func:`attend`): tasks of (sequence, KV head, query tile[, part]) on the
+engine's persistent worker pool (pool.K_CALL items calling this module's compiled item
+function through its address, so editing this file never recompiles the pool's kernels).
+A task gathers its tile's query rows of the heads of one KV head's group (R = tokens x
+heads), rounds them to float16, and streams the cache in key tiles of ``BK`` rows (K and V
+tiles of float32 about one L1d): each K tile is widened from the float16 (or Q8_0) cache once
+and dotted with all R query rows, four keys per pass over a query row, in vector lanes over
+the head dim; each V tile is widened once and accumulated into all R rows. Small steps run
+on the calling thread (no dispatch). When a step has fewer tasks than 2 x workers (decode:
+one query row per sequence), tasks are split: by the group's heads in the default mode, by
+key range (flash-decoding, with a merge phase) in the online mode.
 
-Numerics (online softmax, as flash attention; ggml's CPU flash-attention path is the same
-algorithm): Q rounded to float16, K.Q summed in float32 (vector lanes, so the summation order
-differs from a scalar loop), scores = K.Q * scale, masked (causal, and the sliding window
-when ``window`` > 0). Per query row a running maximum m (float32), a running sum l of
-exp(score - m) (float64) and the float32 accumulator of exp(score - m) * V; when a key tile
-raises m both are scaled by exp(m_old - m_new). The head's sink logit (``sinks``) joins m and
-l at the end and contributes no value. out = acc * float32(1 / l). Against the former
-two-pass path (global maximum, probabilities rounded to float16 before P.V) the difference is
-the float16 rounding of P (relative 2^-11 per probability) plus float32 summation order; the
-tests bound it against a float64 evaluation (tests/engine/test_attention.py) and the goldens
-(tests/engine/test_golden.py) are unchanged within their documented tolerances.
+Numerics, default (``online=False``; ggml's CPU non-flash path, which llama.cpp takes on
+these files; the former single-threaded kernel, kept as cpu_layers.attention, states it in
+scalar code): Q rounded to float16, K.Q summed in float32, scores = K.Q * scale, masked
+(causal, and the sliding window when ``window`` > 0), softmax with the maximum taken over the
+scores (and the head's sink logit when ``sinks`` is given), exponentials (Cephes' expf
+polynomial, ~1 ulp) summed in float64, scaled by float32(1/sum), probabilities rounded to
+float16, then P.V in float32 in key order without fused multiply-adds. A task keeps its rows'
+scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) between the
+pass over K and the pass over V. The only freedom taken against the scalar kernel is the
+summation order inside a dot product (vector lanes), which moves a probability across a
+float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
+float16 ulp of one probability (tests/engine/test_attention.py); the goldens are unchanged.
+
+Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
+per row a running maximum m (float32), a running float64 sum l of exp(score - m) and a
+float32 accumulator of exp(score - m) * V, both rescaled by exp(m_old - m_new) when a key
+tile raises m; the sink joins m and l at the end; out = acc * float32(1 / l); probabilities
+are not rounded to float16. Kept as an option, not the default: on the goldens it moved
+tiny-llama-mxfp4 (a routing near-tie) to 4.24 against its bound of 4.0. It was ~20% faster
+per (query row, key) on one thread (demo shapes, depth 4096: 11.5 vs 14.1 ns, loaded
+machine), and its key-range split keeps every worker busy for one latent KV head.
 
 Sliding window (llama.cpp ``LLAMA_SWA_TYPE_STANDARD``): a query at position p sees keys
 at positions j with p - window < j <= p. Sinks (gpt-oss ``attn_sinks``): one logit per
