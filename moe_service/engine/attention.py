@@ -30,9 +30,11 @@ heads), rounds them to float16, and streams the cache in key tiles of ``BK`` row
 tiles of float32 about one L1d): each K tile is widened from the float16 (or Q8_0) cache once
 and dotted with all R query rows, four keys per pass over a query row, in vector lanes over
 the head dim; each V tile is widened once and accumulated into all R rows. Small steps run
-on the calling thread (no dispatch). When a step has fewer tasks than 2 x workers (decode:
-one query row per sequence), tasks are split: by the group's heads in the default mode, by
-key range (flash-decoding, with a merge phase) in the online mode.
+on the calling thread (no dispatch). When a step has too few tasks for the workers (decode:
+one query row per sequence), tasks are split: in the default mode by the group's heads, only
+below one task per worker (a part re-reads its KV head's whole range; one latent KV head on
+many workers is the case it serves); in the online mode by key range (flash-decoding, with a
+merge phase), below two tasks per worker.
 
 Numerics, default (``online=False``; ggml's CPU non-flash path, which llama.cpp takes on
 these files; the former single-threaded kernel, kept as cpu_layers.attention, states it in
@@ -625,13 +627,14 @@ SCORE_BUDGET = 1 << 18
 """Most float32 scores one exact task holds (1 MiB): long prefills get shorter query tiles."""
 
 
-def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, exact: bool = True):
+def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, exact: bool = True, n_kv: int = 1):
     """The step's tasks, largest first: (cost, seq, t0, t1, p0, k_lo, k_hi, split).
 
     A span's queries are cut into tiles of QUERY_ROWS // group tokens (exact: also at most
-    SCORE_BUDGET scores per task); when the step has fewer than 2 x workers tiles per KV
-    head, ``split`` > 1 says how many parts to cut each one into (exact: parts of the
-    group's heads; online: parts of the key range, at least MIN_SPLIT_KEYS keys each)."""
+    SCORE_BUDGET scores per task). ``split`` > 1 says how many parts to cut a tile of each of
+    the ``n_kv`` KV heads into: exact, parts of the group's heads, when the step has fewer
+    tasks than workers; online, parts of the key range (at least MIN_SPLIT_KEYS keys each),
+    when it has fewer than 2 x workers."""
     base = []
     for seq, a, e, n0 in spans:
         depth = n0 + (e - a)
@@ -645,14 +648,17 @@ def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, exact: boo
             k_hi = p0 + (t1 - t0)
             k_lo = max(0, p0 - window + 1) if window > 0 else 0
             base.append((seq, t0, t1, p0, k_lo, k_hi))
-    want = 2 * n_workers
     tasks = []
     for seq, t0, t1, p0, k_lo, k_hi in base:
         cost = (t1 - t0) * (k_hi - k_lo)
         split = 1
-        if n_workers > 1 and len(base) < want:
-            need = -(-want // len(base))
-            split = min(group, need) if exact else max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, need))
+        if exact:
+            # a head part re-reads and re-widens the whole K and V range: split only when the
+            # step has fewer tasks than workers, and no more than that needs
+            if n_workers > 1 and len(base) * n_kv < n_workers:
+                split = min(group, -(-n_workers // (len(base) * n_kv)))
+        elif n_workers > 1 and len(base) * n_kv < 2 * n_workers:
+            split = max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, -(-2 * n_workers // (len(base) * n_kv))))
         tasks.append((cost, seq, t0, t1, p0, k_lo, k_hi, split))
     tasks.sort(key=lambda x: -x[0])
     return tasks
@@ -663,7 +669,7 @@ class _Plan:
 
 
 def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int, exact: bool) -> _Plan:
-    base = plan_tasks(spans, group, n_workers, window, exact=exact)
+    base = plan_tasks(spans, group, n_workers, window, exact=exact, n_kv=nkv)
     rows: list[tuple] = []
     merges: list[tuple[int, int]] = []
     split_rows: list[tuple] = []

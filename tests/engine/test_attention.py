@@ -220,3 +220,12 @@ def test_bad_shapes_are_refused():
                          np.zeros((1, 3, 64), np.float32))
     with pytest.raises(ValueError, match="v is None"):
         attention.store(kc, kc.copy(), np.zeros((1, 2, 64), np.float32), None, [(0, 0, 1, 0)])
+
+
+@pytest.mark.parametrize("online", MODES)
+def test_single_latent_decode_is_split_over_workers(pool, online):
+    """One decoding sequence with one latent KV head: fewer tasks than workers, so the
+    planner splits (heads in the default mode, key ranges in the online mode)."""
+    base = attention.plan_tasks([(0, 0, 1, 2999)], 16, max(2, pool.n_workers), exact=not online, n_kv=1)
+    assert base[0][-1] > 1
+    _run(pool, nh=16, nkv=1, d=576, dv=512, spans=[(0, 0, 1, 2999)], n_ctx=3000, latent=True, online=online)

@@ -70,3 +70,34 @@ def test_alloc_prefers_a_slot():
     assert c.alloc() == 0
     c.free(2)
     assert c.alloc(prefer=lambda s: 0) == 1  # ties: lowest free slot
+
+
+def test_q8_0_cache_through_the_model(tmp_path):
+    """A 2-layer model with engine.kv_type = q8_0: prefill and decode run, and the last-prompt
+    logits stay close to the float16 cache's (Q8_0 keeps ~8 bits per value)."""
+    import torch
+
+    from moe_service.engine.model import Model
+    from moe_service.engine.ops import CpuOps
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.synth import write_synthetic
+    from moe_service.weights import WeightStore
+
+    torch.set_num_threads(1)
+    cat = GGUFModel.open(write_synthetic(tmp_path / "t.gguf", "tiny-qwen3moe", expert_type="Q8_0", seed=2))
+    ws = WeightStore.load_simple(cat)
+    ops = CpuOps(threads=0)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(2, 8000, 90)]
+        out = {}
+        for kv_type in ("f16", "q8_0"):
+            m = Model(cat, ws, ops, n_seq=1, n_ctx=128, kv_type=kv_type)
+            assert m.kv.k[0].dtype == (np.uint16 if kv_type == "f16" else np.uint8)
+            s = m.kv.alloc()
+            out[kv_type] = m.step([(s, prompt)])[0].numpy()
+            nxt = m.step([(s, [int(np.argmax(out[kv_type]))])])[0].numpy()
+            assert np.isfinite(nxt).all()
+        a, b = out["f16"], out["q8_0"]
+        assert np.corrcoef(a, b)[0, 1] > 0.99 and np.abs(a - b).max() < 0.1 * np.abs(a).max()
+    finally:
+        ops.close()
