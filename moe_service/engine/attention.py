@@ -618,6 +618,11 @@ SERIAL_WORK = 8192
 """Below this many (query row x key) products the step runs on the calling thread."""
 
 
+def _f32_bits(x: float) -> int:
+    """The float32 bits of ``x`` as an int (stored in the op array, read back as float32)."""
+    return int(np.float32(x).view(np.int32))
+
+
 def key_tile(d: int, dv: int) -> int:
     """Keys per tile: K and V tiles of float32 together within ~32 KiB (L1d)."""
     return int(max(16, min(128, 8192 // max(1, d + dv) // 16 * 16)))
@@ -714,7 +719,82 @@ def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rm
     return pl
 
 
+@njit(**_JIT)
+def _plan_exact(spans, group, nkv, n_workers, window, qrows, budget):
+    """plan_tasks + _build for the default mode in one compiled call (the per-layer Python
+    cost of a decode step matters): tasks int64 [m, TASK_W] (largest first) and the step's
+    (query row x key) work. spans: int64 [n, 4]."""
+    n_sp = spans.shape[0]
+    tqs = np.empty(n_sp, np.int64)
+    ntile = 0
+    for i in range(n_sp):
+        a, e, n0 = spans[i, 1], spans[i, 2], spans[i, 3]
+        k_lo0 = max(0, n0 - window + 1) if window > 0 else 0
+        tq = max(1, qrows // group)
+        tq = max(1, min(tq, budget // (group * max(1, n0 + e - a - k_lo0))))
+        tqs[i] = tq
+        ntile += (e - a + tq - 1) // tq
+    split = 1
+    if n_workers > 1 and ntile * nkv < n_workers:
+        split = min(group, (n_workers + ntile * nkv - 1) // (ntile * nkv))
+    m = ntile * nkv * split
+    tasks = np.empty((m, TASK_W), np.int64)
+    cost = np.empty(m, np.int64)
+    k = 0
+    work = 0
+    for i in range(n_sp):
+        seq, a, e, n0 = spans[i, 0], spans[i, 1], spans[i, 2], spans[i, 3]
+        tq = tqs[i]
+        for t0 in range(a, e, tq):
+            t1 = min(e, t0 + tq)
+            p0 = n0 + t0 - a
+            k_hi = p0 + (t1 - t0)
+            k_lo = max(0, p0 - window + 1) if window > 0 else 0
+            c = (t1 - t0) * (k_hi - k_lo)
+            work += c * group * nkv
+            for g in range(nkv):
+                for cc in range(split):
+                    h_lo = group * cc // split
+                    h_hi = group * (cc + 1) // split
+                    tasks[k, 0] = seq
+                    tasks[k, 1] = t0
+                    tasks[k, 2] = t1
+                    tasks[k, 3] = p0
+                    tasks[k, 4] = g
+                    tasks[k, 5] = h_lo
+                    tasks[k, 6] = h_hi
+                    tasks[k, 7] = 0
+                    cost[k] = c * (h_hi - h_lo)
+                    k += 1
+    order = np.argsort(-cost, kind="mergesort")
+    return tasks[order], work
+
+
+@njit(**_JIT)
+def _first_bad_span(sp, n_tok, n_seq, n_ctx):
+    """Index of the first span (seq, a, e, n0) outside q's rows or the cache, else -1."""
+    for i in range(sp.shape[0]):
+        seq, a, e, n0 = sp[i, 0], sp[i, 1], sp[i, 2], sp[i, 3]
+        if seq < 0 or seq >= n_seq or a < 0 or e <= a or e > n_tok or n0 < 0 or n0 + e - a > n_ctx:
+            return i
+    return -1
+
+
+@njit(**_JIT)
+def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks):
+    op[O_Q] = q.ctypes.data
+    op[O_KC] = kc.ctypes.data
+    op[O_VC] = vc.ctypes.data
+    op[O_OUT] = out.ctypes.data
+    op[O_TASKS] = tasks.ctypes.data
+    op[O_PML] = pml.ctypes.data
+    op[O_PACC] = pacc.ctypes.data
+    op[O_SINKS] = sinks.ctypes.data
+
+
 _NO_SINKS = np.zeros(1, np.float32)
+_NO_PML = np.zeros(1, np.float64)
+_NO_PACC = np.zeros(1, np.float32)
 
 
 def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: float, out: np.ndarray, *,
@@ -728,8 +808,8 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     h // (NH / NKV)); scale: float (usually 1/sqrt(D)); window: 0 for full causal attention,
     else the sliding window in tokens; sinks: float32 [NH] or None; online: the one-pass
     online softmax (flash attention; decode splits key ranges over the workers) instead of the
-    default two-pass contract (module docstring). Caches in either format. Raises ValueError for inconsistent shapes or a span outside the
-    cache (never reads outside the caches).
+    default two-pass contract (module docstring). Caches in either format. Raises ValueError
+    for inconsistent shapes or a span outside the cache (never reads outside the caches).
     """
     nh, d = q.shape[1], q.shape[2]
     kfmt, vfmt = cache_format(kc), cache_format(vc)
@@ -743,9 +823,11 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     if sinks is not None and sinks.shape[0] != nh:
         raise ValueError(f"attention: {sinks.shape[0]} sinks for {nh} heads")
     T = q.shape[0]
-    for seq, a, e, n0 in spans:
-        if n0 + (e - a) > kc.shape[1] or not 0 <= seq < kc.shape[0] or not 0 <= a < e <= T or n0 < 0:
-            raise ValueError(f"attention: span {(seq, a, e, n0)} is outside q ({T} rows) or the cache {kc.shape}")
+    sp = np.asarray(spans, dtype=np.int64).reshape(-1, 4)
+    i = _first_bad_span(sp, T, kc.shape[0], kc.shape[1])
+    if i >= 0:
+        raise ValueError(f"attention: span {tuple(int(x) for x in sp[i])} is outside q ({T} rows) or the cache "
+                         f"{kc.shape}")
     if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
         raise ValueError("attention: the caches must be C-contiguous")
     group = nh // nkv
@@ -755,20 +837,31 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     pool = getattr(ops, "pool", None)
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
-    pl = _build(spans, nkv, group, dv, n_workers, int(window), rmax, not online)
-    op = np.zeros(OP_LEN, np.int64)
-    krow, vrow = kc.shape[3], vc.shape[3]
-    op[O_Q], op[O_KC], op[O_VC], op[O_OUT] = q32.ctypes.data, kc.ctypes.data, vc.ctypes.data, o32.ctypes.data
-    op[O_TASKS], op[O_PML], op[O_PACC], op[O_SINKS] = (pl.tasks.ctypes.data, pl.pml.ctypes.data,
-                                                       pl.pacc.ctypes.data, s.ctypes.data)
-    op[O_NH], op[O_D], op[O_NKV], op[O_DV], op[O_GROUP], op[O_BK] = nh, d, nkv, dv, group, key_tile(d, dv)
-    op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD] = kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow
-    op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD] = vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow
-    op[O_SCALE] = int(np.array([scale], np.float32).view(np.int32)[0])
-    op[O_WINDOW], op[O_HAS_SINKS], op[O_RMAX], op[O_NTOK] = int(window), int(sinks is not None), rmax, T
-    if pl.serial:
-        _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc, not online)
+    window = int(window)
+    if online:
+        pl = _build(spans, nkv, group, dv, n_workers, window, rmax, False)
+        tasks, pml, pacc, serial, n_tasks = pl.tasks, pl.pml, pl.pacc, pl.serial, pl.n_tasks
     else:
+        tasks, work = _plan_exact(sp, group, nkv, n_workers, window, QUERY_ROWS, SCORE_BUDGET)
+        pml, pacc, n_tasks = _NO_PML, _NO_PACC, tasks.shape[0]
+        serial = n_workers <= 1 or work < SERIAL_WORK
+    op = np.empty(OP_LEN, np.int64)
+    krow, vrow = kc.shape[3], vc.shape[3]
+    _fill_addresses(op, q32, kc, vc, o32, tasks, pml, pacc, s)
+    op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
+                           kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
+                           vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
+                           _f32_bits(scale), window, int(sinks is not None), rmax, T)
+    if serial:
+        _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
+    elif online:
         pool.run_arrays(pl.items, pl.bounds, op)
+    else:
+        items = np.zeros((n_tasks, _pool.ITEM_W), np.int64)
+        items[:, 0] = _pool.K_CALL
+        items[:, 1] = item_address()
+        items[:, 2] = 2
+        items[:, 3] = np.arange(n_tasks)
+        pool.run_arrays(items, np.array([[[0, n_tasks]]], np.int64), op)
     if o32 is not out:
         out[...] = o32
