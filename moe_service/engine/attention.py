@@ -407,11 +407,25 @@ def _pv_exact(acc, ao, p, po, vt, ja, jb, dv):
     """acc[ao:ao+dv] += p[po + j] * vt[j] for j in ja..jb-1 in key order, one multiply and
     one add per element (no fused multiply-add): the scalar reference's rounding, in vector
     lanes over the value dims."""
-    for j in range(ja, jb):
+    j = ja
+    while j + 4 <= jb:  # four keys per pass over the accumulator, the additions still in key order
+        p0 = _q.ld(p, po + j)
+        p1 = _q.ld(p, po + j + 1)
+        p2 = _q.ld(p, po + j + 2)
+        p3 = _q.ld(p, po + j + 3)
+        v0 = j * dv
+        for i in range(dv):
+            a = _q.ld(acc, ao + i) + p0 * _q.ld(vt, v0 + i)
+            a = a + p1 * _q.ld(vt, v0 + dv + i)
+            a = a + p2 * _q.ld(vt, v0 + 2 * dv + i)
+            _q.st(acc, ao + i, a + p3 * _q.ld(vt, v0 + 3 * dv + i))
+        j += 4
+    while j < jb:
         pj = _q.ld(p, po + j)
         vo = j * dv
         for i in range(dv):
             _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+        j += 1
 
 
 @njit(**_JIT_VEC)
