@@ -93,7 +93,9 @@ O_NH, O_D, O_NKV, O_DV, O_GROUP, O_BK = range(8, 14)
 O_KFMT, O_K_SEQ, O_K_POS, O_K_HEAD = range(14, 18)  # strides in cache elements (u16 or bytes)
 O_VFMT, O_V_SEQ, O_V_POS, O_V_HEAD = range(18, 22)
 O_SCALE, O_WINDOW, O_HAS_SINKS, O_RMAX, O_NTOK = range(22, 27)
-OP_LEN = 28
+O_SC, O_META = 27, 28  # exact split decode: scores buffer (float32), group table (int64 [*, META_W])
+OP_LEN = 30
+META_W = 8  # sc offset, L, j_start, h_lo, h_hi, first part task, n parts, partial-acc offset
 
 # task rows (int64 [n, TASK_W]): seq, t_lo, t_hi (query rows of q), p0 (cache position of
 # t_lo), g (KV head), k_lo, k_hi (key positions this task reads), part (-1: final result to
@@ -528,6 +530,133 @@ def run_task_exact(op, tasks, ti):
 
 
 @njit(**_JIT_VEC)
+def _part_rows(op, tasks, ti, meta):
+    """(seq, t_lo, nq, p0, g, heads part gh, h_lo, key range, meta row) of split part ``ti``."""
+    tb = ti * TASK_W
+    mi = tasks[tb + 7]
+    mb = mi * META_W
+    return (tasks[tb], tasks[tb + 1], tasks[tb + 2] - tasks[tb + 1], tasks[tb + 3], tasks[tb + 4],
+            meta[mb + 4] - meta[mb + 3], meta[mb + 3], tasks[tb + 5], tasks[tb + 6], mb)
+
+
+@njit(**_JIT_VEC)
+def run_part_k(op, tasks, ti, meta, sc):
+    """Exact split, phase 0: the scores of keys kp_lo..kp_hi-1 for the group's rows into the
+    group's scores buffer (as run_task_exact's first pass, over one key range)."""
+    seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
+    nh, d, group, bk = op[O_NH], op[O_D], op[O_GROUP], op[O_BK]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    window = op[O_WINDOW]
+    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
+    q = _q.view_f32(op[O_Q], op[O_NTOK] * nh * d)
+    qb = np.empty(nq * gh * d, np.float32)
+    for tt in range(nq):
+        for hh in range(gh):
+            qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
+            for i in range(d):
+                qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    kt = np.empty(bk * d, np.float32)
+    kseq, kpos, khead = op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        _load_rows(op[O_KC], op[O_KFMT], seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(gh):
+                r = tt * gh + hh
+                _scores(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+
+
+@njit(**_JIT_VEC)
+def run_norm(op, tasks, meta, mi, sc):
+    """Exact split, phase 1: per row of group ``mi`` the maximum over all its keys (and the
+    sink), the float64 sum of the exponentials in key order, float16 probabilities in place."""
+    mb = mi * META_W
+    ti = meta[mb + 5]
+    tb = ti * TASK_W
+    nq, p0, g = tasks[tb + 2] - tasks[tb + 1], tasks[tb + 3], tasks[tb + 4]
+    sc_off, L, j_start, h_lo, gh = meta[mb], meta[mb + 1], meta[mb + 2], meta[mb + 3], meta[mb + 4] - meta[mb + 3]
+    nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
+    sinks = _q.view_f32(op[O_SINKS], nh)
+    has_sinks = op[O_HAS_SINKS] != 0
+    for tt in range(nq):
+        p = p0 + tt
+        lo = j_start
+        if window > 0 and p - window + 1 > lo:
+            lo = p - window + 1
+        for hh in range(gh):
+            r = tt * gh + hh
+            a = sc_off + r * L + lo - j_start
+            b = sc_off + r * L + p + 1 - j_start
+            mx = np.float32(-np.inf)
+            for j in range(a, b):
+                mx = max(mx, _q.ld(sc, j))
+            h = g * group + h_lo + hh
+            if has_sinks and sinks[h] > mx:
+                mx = sinks[h]
+            total = _exp_shifted(sc, a, b, mx)
+            if has_sinks:
+                total += np.float64(np.exp(sinks[h] - mx))
+            _normalise_f16(sc, a, b, np.float32(1.0 / total))
+
+
+@njit(**_JIT_VEC)
+def run_part_v(op, tasks, ti, meta, sc, pacc):
+    """Exact split, phase 2: P.V over keys kp_lo..kp_hi-1 into this part's partial rows."""
+    seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
+    dv, bk, window = op[O_DV], op[O_BK], op[O_WINDOW]
+    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
+    R = nq * gh
+    ao = (meta[mb + 7] + (ti - meta[mb + 5]) * R) * dv  # meta[7]: the group's first partial row
+    for i in range(R * dv):
+        pacc[ao + i] = 0.0
+    vt = np.empty(bk * dv, np.float32)
+    vseq, vpos, vhead = op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        _load_rows(op[O_VC], op[O_VFMT], seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(gh):
+                r = tt * gh + hh
+                _pv_exact(pacc, ao + r * dv, sc, sc_off + r * L + j0 - j_start, vt, jlo - j0, jhi - j0, dv)
+
+
+@njit(**_JIT_VEC)
+def run_combine(op, tasks, meta, mi, pacc):
+    """Exact split, phase 3: out = the parts' partial P.V summed in part (key) order."""
+    mb = mi * META_W
+    ti = meta[mb + 5]
+    tb = ti * TASK_W
+    t_lo, nq, g = tasks[tb + 1], tasks[tb + 2] - tasks[tb + 1], tasks[tb + 4]
+    h_lo, gh, n_parts, acc0 = meta[mb + 3], meta[mb + 4] - meta[mb + 3], meta[mb + 6], meta[mb + 7]
+    nh, dv, group = op[O_NH], op[O_DV], op[O_GROUP]
+    R = nq * gh
+    out = _q.view_f32(op[O_OUT], op[O_NTOK] * nh * dv)
+    for tt in range(nq):
+        for hh in range(gh):
+            r = tt * gh + hh
+            o = ((t_lo + tt) * nh + g * group + h_lo + hh) * dv
+            for i in range(dv):
+                a = _q.ld(pacc, (acc0 + r) * dv + i)
+                for c in range(1, n_parts):
+                    a += _q.ld(pacc, (acc0 + c * R + r) * dv + i)
+                _q.st(out, o + i, a)
+
+
+@njit(**_JIT_VEC)
 def _finish_row(out, o, acc, ao, m, lsum, dv, has_sink, sink):
     """out[o:o+dv] = acc[r] / l, the sink logit joining the maximum and the sum first."""
     f = np.float32(1.0)
@@ -578,7 +707,8 @@ def run_merge(op, tasks, first, n_parts, pml, pacc):
 
 
 # Item fields: (K_CALL, fn address, kind, a, b): kind 0 = online task a; kind 1 = merge of
-# online tasks a..a+b-1; kind 2 = exact (two-pass) task a.
+# online tasks a..a+b-1; kind 2 = exact (two-pass) task a; kinds 3-6 = the exact split
+# decode's phases (K part a, normalise group a, V part a, combine group a).
 def _item(items_ptr, i, op_ptr):
     """A K_CALL item (compiled as a cfunc of pool.CALL_ITEM_SIG by item_address)."""
     it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
@@ -590,6 +720,17 @@ def _item(items_ptr, i, op_ptr):
     kind = it[b + 2]
     if kind == 2:
         run_task_exact(op, tasks, it[b + 3])
+    elif kind >= 3:
+        meta = _q.view_i64(op[O_META], 1)
+        sc = _q.view_f32(op[O_SC], 1)
+        if kind == 3:
+            run_part_k(op, tasks, it[b + 3], meta, sc)
+        elif kind == 4:
+            run_norm(op, tasks, meta, it[b + 3], sc)
+        elif kind == 5:
+            run_part_v(op, tasks, it[b + 3], meta, sc, pacc)
+        else:
+            run_combine(op, tasks, meta, it[b + 3], pacc)
     elif kind == 0:
         run_task(op, tasks, it[b + 3], pml, pacc)
     else:
@@ -646,21 +787,16 @@ SCORE_BUDGET = 1 << 18
 """Most float32 scores one exact task holds (1 MiB): long prefills get shorter query tiles."""
 
 
-def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, exact: bool = True, n_kv: int = 1):
-    """The step's tasks, largest first: (cost, seq, t0, t1, p0, k_lo, k_hi, split).
+def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, n_kv: int = 1):
+    """The online mode's tiles, largest first: (cost, seq, t0, t1, p0, k_lo, k_hi, split).
 
-    A span's queries are cut into tiles of QUERY_ROWS // group tokens (exact: also at most
-    SCORE_BUDGET scores per task). ``split`` > 1 says how many parts to cut a tile of each of
-    the ``n_kv`` KV heads into: exact, parts of the group's heads, when the step has fewer
-    tasks than workers; online, parts of the key range (at least MIN_SPLIT_KEYS keys each),
-    when it has fewer than 2 x workers."""
+    A span's queries are cut into tiles of QUERY_ROWS // group tokens; when the step has
+    fewer than 2 x workers tiles over the ``n_kv`` KV heads, ``split`` > 1 says how many key
+    ranges (at least MIN_SPLIT_KEYS keys each) to cut each tile into. (The default mode plans
+    in compiled code: :func:`_plan_exact`.)"""
     base = []
     for seq, a, e, n0 in spans:
-        depth = n0 + (e - a)
-        k_lo0 = max(0, n0 - window + 1) if window > 0 else 0
         tq = max(1, QUERY_ROWS // group)
-        if exact:
-            tq = max(1, min(tq, SCORE_BUDGET // (group * max(1, depth - k_lo0))))
         for t0 in range(a, e, tq):
             t1 = min(e, t0 + tq)
             p0 = n0 + t0 - a
@@ -671,12 +807,7 @@ def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, exact: boo
     for seq, t0, t1, p0, k_lo, k_hi in base:
         cost = (t1 - t0) * (k_hi - k_lo)
         split = 1
-        if exact:
-            # a head part re-reads and re-widens the whole K and V range: split only when the
-            # step has fewer tasks than workers, and no more than that needs
-            if n_workers > 1 and len(base) * n_kv < n_workers:
-                split = min(group, -(-n_workers // (len(base) * n_kv)))
-        elif n_workers > 1 and len(base) * n_kv < 2 * n_workers:
+        if n_workers > 1 and len(base) * n_kv < 2 * n_workers:
             split = max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, -(-2 * n_workers // (len(base) * n_kv))))
         tasks.append((cost, seq, t0, t1, p0, k_lo, k_hi, split))
     tasks.sort(key=lambda x: -x[0])
@@ -687,8 +818,9 @@ class _Plan:
     __slots__ = ("items", "bounds", "tasks", "pml", "pacc", "n_tasks", "serial")
 
 
-def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int, exact: bool) -> _Plan:
-    base = plan_tasks(spans, group, n_workers, window, exact=exact, n_kv=nkv)
+def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int) -> _Plan:
+    """The online mode's tasks, partial slots and job (whole tiles, then key parts and merges)."""
+    base = plan_tasks(spans, group, n_workers, window, n_kv=nkv)
     rows: list[tuple] = []
     merges: list[tuple[int, int]] = []
     split_rows: list[tuple] = []
@@ -697,10 +829,7 @@ def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rm
     for cost, seq, t0, t1, p0, k_lo, k_hi, split in base:
         work += cost * group * nkv
         for g in range(nkv):
-            if exact:
-                for c in range(split):
-                    rows.append((seq, t0, t1, p0, g, group * c // split, group * (c + 1) // split, 0))
-            elif split <= 1:
+            if split <= 1:
                 rows.append((seq, t0, t1, p0, g, k_lo, k_hi, -1))
             else:
                 first = len(split_rows)
@@ -723,8 +852,7 @@ def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rm
         pl.items = pl.bounds = None
         return pl
     fn = item_address()
-    kind = 2 if exact else 0
-    it0 = [(_pool.K_CALL, fn, kind, i) for i in range(pl.n_tasks)]
+    it0 = [(_pool.K_CALL, fn, 0, i) for i in range(pl.n_tasks)]
     # split parts first (they gate the merge phase), then whole tasks largest first
     phase0 = it0[n_direct:] + it0[:n_direct]
     phase1 = [(_pool.K_CALL, fn, 1, n_direct + first, n) for first, n in merges]
@@ -734,10 +862,15 @@ def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rm
 
 
 @njit(**_JIT)
-def _plan_exact(spans, group, nkv, n_workers, window, qrows, budget):
-    """plan_tasks + _build for the default mode in one compiled call (the per-layer Python
-    cost of a decode step matters): tasks int64 [m, TASK_W] (largest first) and the step's
-    (query row x key) work. spans: int64 [n, 4]."""
+def _plan_exact(spans, group, nkv, n_workers, window, qrows, budget, min_keys):
+    """The default mode's plan in one compiled call (the per-layer Python cost of a decode
+    step matters). Tiles of (sequence, KV head, query tokens); when the step has fewer tiles
+    than 2 x workers, a tile with at least 2 x ``min_keys`` keys is split by key range into
+    parts (phases: K parts, normalise, V parts, combine).
+
+    Returns (tasks int64 [m, TASK_W]: the whole tiles (largest first), then the parts;
+    meta int64 [groups, META_W]; n_direct; work (query row x key products); scores floats;
+    partial-accumulator rows x 1 (times Dv by the caller))."""
     n_sp = spans.shape[0]
     tqs = np.empty(n_sp, np.int64)
     ntile = 0
@@ -748,13 +881,19 @@ def _plan_exact(spans, group, nkv, n_workers, window, qrows, budget):
         tq = max(1, min(tq, budget // (group * max(1, n0 + e - a - k_lo0))))
         tqs[i] = tq
         ntile += (e - a + tq - 1) // tq
-    split = 1
-    if n_workers > 1 and ntile * nkv < n_workers:
-        split = min(group, (n_workers + ntile * nkv - 1) // (ntile * nkv))
-    m = ntile * nkv * split
-    tasks = np.empty((m, TASK_W), np.int64)
-    cost = np.empty(m, np.int64)
-    k = 0
+    want = 0
+    if n_workers > 1 and ntile * nkv < 2 * n_workers:
+        want = (2 * n_workers + ntile * nkv - 1) // (ntile * nkv)
+    cap = ntile * nkv * max(1, want)
+    tasks = np.empty((cap, TASK_W), np.int64)
+    parts = np.empty((cap, TASK_W), np.int64)
+    meta = np.empty((ntile * nkv, META_W), np.int64)
+    cost = np.empty(cap, np.int64)
+    n_direct = 0
+    n_parts = 0
+    n_groups = 0
+    sc_size = 0
+    acc_rows = 0
     work = 0
     for i in range(n_sp):
         seq, a, e, n0 = spans[i, 0], spans[i, 1], spans[i, 2], spans[i, 3]
@@ -764,24 +903,55 @@ def _plan_exact(spans, group, nkv, n_workers, window, qrows, budget):
             p0 = n0 + t0 - a
             k_hi = p0 + (t1 - t0)
             k_lo = max(0, p0 - window + 1) if window > 0 else 0
-            c = (t1 - t0) * (k_hi - k_lo)
+            L = k_hi - k_lo
+            c = (t1 - t0) * L
             work += c * group * nkv
+            split = min(want, L // min_keys) if want > 1 else 1
             for g in range(nkv):
+                if split < 2:
+                    tasks[n_direct, 0] = seq
+                    tasks[n_direct, 1] = t0
+                    tasks[n_direct, 2] = t1
+                    tasks[n_direct, 3] = p0
+                    tasks[n_direct, 4] = g
+                    tasks[n_direct, 5] = 0
+                    tasks[n_direct, 6] = group
+                    tasks[n_direct, 7] = 0
+                    cost[n_direct] = c * group
+                    n_direct += 1
+                    continue
+                R = (t1 - t0) * group
+                mi = n_groups
+                meta[mi, 0] = sc_size
+                meta[mi, 1] = L
+                meta[mi, 2] = k_lo
+                meta[mi, 3] = 0
+                meta[mi, 4] = group
+                meta[mi, 5] = n_parts  # relative to the parts block; fixed up by the caller
+                meta[mi, 6] = split
+                meta[mi, 7] = acc_rows
+                sc_size += R * L
+                acc_rows += split * R
                 for cc in range(split):
-                    h_lo = group * cc // split
-                    h_hi = group * (cc + 1) // split
-                    tasks[k, 0] = seq
-                    tasks[k, 1] = t0
-                    tasks[k, 2] = t1
-                    tasks[k, 3] = p0
-                    tasks[k, 4] = g
-                    tasks[k, 5] = h_lo
-                    tasks[k, 6] = h_hi
-                    tasks[k, 7] = 0
-                    cost[k] = c * (h_hi - h_lo)
-                    k += 1
-    order = np.argsort(-cost, kind="mergesort")
-    return tasks[order], work
+                    parts[n_parts, 0] = seq
+                    parts[n_parts, 1] = t0
+                    parts[n_parts, 2] = t1
+                    parts[n_parts, 3] = p0
+                    parts[n_parts, 4] = g
+                    parts[n_parts, 5] = k_lo + L * cc // split
+                    parts[n_parts, 6] = k_lo + L * (cc + 1) // split
+                    parts[n_parts, 7] = mi
+                    n_parts += 1
+                n_groups += 1
+    order = np.argsort(-cost[:n_direct], kind="mergesort")
+    out = np.empty((n_direct + n_parts, TASK_W), np.int64)
+    for k in range(n_direct):
+        out[k] = tasks[order[k]]
+    for k in range(n_parts):
+        out[n_direct + k] = parts[k]
+    for mi in range(n_groups):
+        meta[mi, 5] += n_direct
+    return out, meta[:n_groups].copy(), n_direct, work, sc_size, acc_rows
 
 
 @njit(**_JIT)
@@ -795,7 +965,9 @@ def _first_bad_span(sp, n_tok, n_seq, n_ctx):
 
 
 @njit(**_JIT)
-def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks):
+def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks, sc, meta):
+    op[O_SC] = sc.ctypes.data
+    op[O_META] = meta.ctypes.data
     op[O_Q] = q.ctypes.data
     op[O_KC] = kc.ctypes.data
     op[O_VC] = vc.ctypes.data
@@ -809,6 +981,7 @@ def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks):
 _NO_SINKS = np.zeros(1, np.float32)
 _NO_PML = np.zeros(1, np.float64)
 _NO_PACC = np.zeros(1, np.float32)
+_NO_META = np.zeros((1, META_W), np.int64)
 
 
 def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: float, out: np.ndarray, *,
@@ -852,16 +1025,25 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
     window = int(window)
+    sc, meta = _NO_PACC, _NO_META
     if online:
-        pl = _build(spans, nkv, group, dv, n_workers, window, rmax, False)
+        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
         tasks, pml, pacc, serial, n_tasks = pl.tasks, pl.pml, pl.pacc, pl.serial, pl.n_tasks
     else:
-        tasks, work = _plan_exact(sp, group, nkv, n_workers, window, QUERY_ROWS, SCORE_BUDGET)
-        pml, pacc, n_tasks = _NO_PML, _NO_PACC, tasks.shape[0]
-        serial = n_workers <= 1 or work < SERIAL_WORK
+        tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, n_workers, window, QUERY_ROWS,
+                                                                     SCORE_BUDGET, MIN_SPLIT_KEYS)
+        pml, n_tasks = _NO_PML, tasks.shape[0]
+        pacc = np.empty(acc_rows * dv, np.float32) if acc_rows else _NO_PACC
+        if sc_size:
+            sc = np.empty(sc_size, np.float32)
+        serial = n_workers <= 1 or (work < SERIAL_WORK and n_direct == n_tasks)
+        if serial and n_direct != n_tasks:  # (one worker: plan again without splits)
+            tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, 1, window, QUERY_ROWS,
+                                                                         SCORE_BUDGET, MIN_SPLIT_KEYS)
+            n_tasks = tasks.shape[0]
     op = np.empty(OP_LEN, np.int64)
     krow, vrow = kc.shape[3], vc.shape[3]
-    _fill_addresses(op, q32, kc, vc, o32, tasks, pml, pacc, s)
+    _fill_addresses(op, q32, kc, vc, o32, tasks, pml, pacc, s, sc, meta)
     op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
                            kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
                            vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
@@ -871,11 +1053,24 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     elif online:
         pool.run_arrays(pl.items, pl.bounds, op)
     else:
-        items = np.zeros((n_tasks, _pool.ITEM_W), np.int64)
+        n_parts, n_groups = n_tasks - n_direct, meta.shape[0]
+        n_items = n_tasks + n_groups + n_parts + n_groups if n_groups else n_tasks
+        items = np.zeros((n_items, _pool.ITEM_W), np.int64)
         items[:, 0] = _pool.K_CALL
         items[:, 1] = item_address()
-        items[:, 2] = 2
-        items[:, 3] = np.arange(n_tasks)
-        pool.run_arrays(items, np.array([[[0, n_tasks]]], np.int64), op)
+        if not n_groups:
+            items[:, 2] = 2
+            items[:, 3] = np.arange(n_tasks)
+            bounds = np.array([[[0, n_tasks]]], np.int64)
+        else:  # phase 0: K parts, then whole tiles; 1: normalise; 2: V parts; 3: combine
+            k = 0
+            for kind, idx in ((3, np.arange(n_direct, n_tasks)), (2, np.arange(n_direct)),
+                              (4, np.arange(n_groups)), (5, np.arange(n_direct, n_tasks)), (6, np.arange(n_groups))):
+                items[k:k + idx.size, 2] = kind
+                items[k:k + idx.size, 3] = idx
+                k += idx.size
+            e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
+            bounds = np.array([[[0, e0]], [[e0, e1]], [[e1, e2]], [[e2, n_items]]], np.int64)
+        pool.run_arrays(items, bounds, op)
     if o32 is not out:
         out[...] = o32

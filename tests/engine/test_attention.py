@@ -225,7 +225,13 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("online", MODES)
 def test_single_latent_decode_is_split_over_workers(pool, online):
     """One decoding sequence with one latent KV head: fewer tasks than workers, so the
-    planner splits (heads in the default mode, key ranges in the online mode)."""
-    base = attention.plan_tasks([(0, 0, 1, 2999)], 16, max(2, pool.n_workers), exact=not online, n_kv=1)
-    assert base[0][-1] > 1
+    planner splits its key range (default mode: K parts, normalise, V parts, combine; online:
+    parts and a merge)."""
+    if online:
+        assert attention.plan_tasks([(0, 0, 1, 2999)], 16, max(2, pool.n_workers), n_kv=1)[0][-1] > 1
+    else:
+        tasks, meta, n_direct, *_ = attention._plan_exact(np.array([[0, 0, 1, 2999]]), 16, 1, max(2, pool.n_workers),
+                                                          0, attention.QUERY_ROWS, attention.SCORE_BUDGET,
+                                                          attention.MIN_SPLIT_KEYS)
+        assert n_direct == 0 and meta.shape[0] == 1 and tasks.shape[0] == meta[0, 6] > 1
     _run(pool, nh=16, nkv=1, d=576, dv=512, spans=[(0, 0, 1, 2999)], n_ctx=3000, latent=True, online=online)
