@@ -232,3 +232,15 @@ def route(logits, k, gating, norm, scale, bias, has_bias, ids, weights):
         for j in range(k):
             w = weights[t, j] / wsum if norm else weights[t, j]
             weights[t, j] = w * scale
+
+
+def _resident_zeros_u16(shape: tuple[int, ...]) -> np.ndarray:
+    """uint16 zeros of ``shape`` on 2 MiB-aligned, huge-page-advised memory, every page
+    faulted in now (the engine's KV cache is now moe_service.engine.kv.KVCache.allocate,
+    which does this for all layers in one mapping bound to a node)."""
+    from moe_service.memory import reserve_thp_arena
+
+    n = int(np.prod(shape))
+    a = reserve_thp_arena(max(2 * n, 2)).view(np.uint16)[:n].reshape(shape)
+    a.fill(0)
+    return a

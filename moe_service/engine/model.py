@@ -260,8 +260,12 @@ class TorchPath:
         dev = self.m.device
         if self.m.kv_type != "f16":
             raise ValueError(f"engine.kv_type = {self.m.kv_type} runs on the CPU path only (dense = 'quant')")
-        k = [torch.zeros((n_seq, n_ctx, ly.n_head_kv, ly.key_dim), dtype=torch.float16, device=dev) for ly in layers]
-        v = [torch.zeros((n_seq, n_ctx, ly.n_head_kv, ly.value_dim), dtype=torch.float16, device=dev) for ly in layers]
+        k, v = [], []
+        for ly in layers:
+            kc = torch.zeros((n_seq, n_ctx, ly.n_head_kv, ly.key_dim), dtype=torch.float16, device=dev)
+            k.append(kc)
+            v.append(kc if ly.latent else torch.zeros((n_seq, n_ctx, ly.n_head_kv, ly.value_dim),
+                                                      dtype=torch.float16, device=dev))
         return KVCache(n_seq, n_ctx, k, v, layers)
 
     def positions(self, pos: list[int]) -> torch.Tensor:
