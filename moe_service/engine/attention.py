@@ -30,11 +30,12 @@ heads), rounds them to float16, and streams the cache in key tiles of ``BK`` row
 tiles of float32 about one L1d): each K tile is widened from the float16 (or Q8_0) cache once
 and dotted with all R query rows, four keys per pass over a query row, in vector lanes over
 the head dim; each V tile is widened once and accumulated into all R rows. Small steps run
-on the calling thread (no dispatch). When a step has too few tasks for the workers (decode:
-one query row per sequence), tasks are split: in the default mode by the group's heads, only
-below one task per worker (a part re-reads its KV head's whole range; one latent KV head on
-many workers is the case it serves); in the online mode by key range (flash-decoding, with a
-merge phase), below two tasks per worker.
+on the calling thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
+one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
+range. Default mode, four phases: K parts write their rows' scores into one buffer per task,
+one item per task normalises each row over all its keys (the contract below, unchanged),
+V parts accumulate P.V over their keys, and one item per task sums the parts in key order.
+Online mode: parts keep (m, l, acc) and a merge phase combines them (flash-decoding).
 
 Numerics, default (``online=False``; ggml's CPU non-flash path, which llama.cpp takes on
 these files; the former single-threaded kernel, kept as cpu_layers.attention, states it in
@@ -47,7 +48,8 @@ scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) betw
 pass over K and the pass over V. The only freedom taken against the scalar kernel is the
 summation order inside a dot product (vector lanes), which moves a probability across a
 float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
-float16 ulp of one probability (tests/engine/test_attention.py); the goldens are unchanged.
+float16 ulp of one probability (tests/engine/test_attention.py), plus, for a split decode,
+the order of the float32 additions of the parts' P.V; the goldens are unchanged.
 
 Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
 per row a running maximum m (float32), a running float64 sum l of exp(score - m) and a
