@@ -269,6 +269,64 @@ def _scores(qb, qo, kt, s, so, ja, jb, d, scale):
     return mx
 
 
+@njit(**_JIT_VEC)
+def _scores2(qb, qo, kt, s, so, stride, ja, jb, d, scale):
+    """:func:`_scores` for the two query rows at qb[qo] and qb[qo + d], their scores at s[so]
+    and s[so + stride]: four keys x two rows per pass (each K chunk loaded once for both;
+    every dot product summed exactly as in _scores). Returns both maxima."""
+    m0 = np.float32(-np.inf)
+    m1 = np.float32(-np.inf)
+    j = ja
+    while j + 4 <= jb:
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        b0 = np.float32(0.0)
+        b1 = np.float32(0.0)
+        b2 = np.float32(0.0)
+        b3 = np.float32(0.0)
+        k0 = j * d
+        for i in range(d):
+            qa = _q.ld(qb, qo + i)
+            qc = _q.ld(qb, qo + d + i)
+            k_0 = _q.ld(kt, k0 + i)
+            k_1 = _q.ld(kt, k0 + d + i)
+            k_2 = _q.ld(kt, k0 + 2 * d + i)
+            k_3 = _q.ld(kt, k0 + 3 * d + i)
+            a0 += qa * k_0
+            a1 += qa * k_1
+            a2 += qa * k_2
+            a3 += qa * k_3
+            b0 += qc * k_0
+            b1 += qc * k_1
+            b2 += qc * k_2
+            b3 += qc * k_3
+        a0 *= scale
+        a1 *= scale
+        a2 *= scale
+        a3 *= scale
+        b0 *= scale
+        b1 *= scale
+        b2 *= scale
+        b3 *= scale
+        _q.st(s, so + j, a0)
+        _q.st(s, so + j + 1, a1)
+        _q.st(s, so + j + 2, a2)
+        _q.st(s, so + j + 3, a3)
+        _q.st(s, so + stride + j, b0)
+        _q.st(s, so + stride + j + 1, b1)
+        _q.st(s, so + stride + j + 2, b2)
+        _q.st(s, so + stride + j + 3, b3)
+        m0 = max(m0, max(max(a0, a1), max(a2, a3)))
+        m1 = max(m1, max(max(b0, b1), max(b2, b3)))
+        j += 4
+    if j < jb:
+        m0 = max(m0, _scores(qb, qo, kt, s, so, j, jb, d, scale))
+        m1 = max(m1, _scores(qb, qo + d, kt, s, so + stride, j, jb, d, scale))
+    return m0, m1
+
+
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -486,7 +544,16 @@ def run_task_exact(op, tasks, ti):
             jhi = min(j0 + nb, p + 1)
             if jhi <= jlo:
                 continue
-            for hh in range(gh):
+            hh = 0
+            while hh + 2 <= gh:  # two heads of the token at a time: each K chunk loaded once for both
+                r = tt * gh + hh
+                m0, m1 = _scores2(qb, r * d, kt, sc, r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
+                if m0 > mrow[r]:
+                    mrow[r] = m0
+                if m1 > mrow[r + 1]:
+                    mrow[r + 1] = m1
+                hh += 2
+            if hh < gh:
                 r = tt * gh + hh
                 mx = _scores(qb, r * d, kt, sc, r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
                 if mx > mrow[r]:
@@ -572,7 +639,12 @@ def run_part_k(op, tasks, ti, meta, sc):
             jhi = min(j0 + nb, p + 1)
             if jhi <= jlo:
                 continue
-            for hh in range(gh):
+            hh = 0
+            while hh + 2 <= gh:  # the same head pairing as run_task_exact: the same bits per (row, key)
+                r = tt * gh + hh
+                _scores2(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
+                hh += 2
+            if hh < gh:
                 r = tt * gh + hh
                 _scores(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
 
