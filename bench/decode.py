@@ -194,10 +194,12 @@ def depth_ids(catalog, n: int) -> list[int]:
 
 
 def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatch: int,
-                        kv_type: str = "f16") -> dict[int, dict]:
+                        kv_type: str = "f16", after_each=None) -> dict[int, dict]:
     """Our engine: per depth D, prefill tok/s of D tokens (ubatch-sized steps from an empty
     slot) and decode tok/s of n_decode single-token steps at depth D. Depths beyond the
-    model's trained context are reported with a reason instead."""
+    model's trained context are reported with a reason instead. ``after_each(D)`` runs after
+    each depth (the peer's run of the same depth: the two engines' numbers of one depth are
+    taken back to back, under the same machine load)."""
     import torch
 
     torch.set_num_threads(1)
@@ -238,6 +240,8 @@ def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: i
                       "prefill_s": t_prefill, "decode_s": t_decode}
             print(f"  ours depth {d}: prefill {d / t_prefill:.1f} tok/s, decode {n_decode / t_decode:.1f} tok/s",
                   file=sys.stderr, flush=True)
+            if after_each is not None:
+                after_each(d)
     finally:
         ops.close()
     return out
@@ -245,17 +249,17 @@ def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: i
 
 def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatch: int, peer: bool,
                flash_attn: str = "off", n_batch: int = 512, kv_type: str = "f16") -> dict:
-    """Both engines at every depth (ours first, then llama.cpp; one model in memory at a time)."""
+    """Both engines at every depth, back to back per depth (ours, then llama.cpp's
+    configurations), so each depth's ratio is taken under one machine load."""
     from bench.peer import measure_depth
     from moe_service.gguf_model import GGUFModel
 
     catalog = GGUFModel.open(path)
-    ours = measure_ours_depths(path, threads, depths, n_decode, ubatch, kv_type)
     fa_modes = {"off": [False], "on": [True], "both": [False, True]}[flash_attn] if peer else []
-    rows = []
-    for d in depths:
-        row = {"depth": d, **{k: v for k, v in ours[d].items()}}
-        best_p = best_d = None
+    peer_rows: dict[int, dict] = {}
+
+    def run_peer(d: int) -> None:
+        row = peer_rows[d] = {}
         for fa in fa_modes:
             r = measure_depth(path, depth_ids(catalog, d + n_decode)[:d], threads=threads, n_decode=n_decode,
                               n_batch=n_batch, flash_attn=fa)
@@ -267,8 +271,15 @@ def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatc
                 continue
             print(f"  llama.cpp{' (flash attn)' if fa else ''} depth {d}: prefill {r['prefill'].value:.1f} tok/s, "
                   f"decode {r['decode'].value:.1f} tok/s", file=sys.stderr, flush=True)
-            best_p = max(best_p or 0.0, r["prefill"].value)
-            best_d = max(best_d or 0.0, r["decode"].value)
+
+    ours = measure_ours_depths(path, threads, depths, n_decode, ubatch, kv_type, after_each=run_peer)
+    rows = []
+    for d in depths:
+        row = {"depth": d, **ours[d], **peer_rows.get(d, {})}
+        ps = [row.get(f"{t}_prefill_tok_s") for t in ("llamacpp", "llamacpp_fa")]
+        ds = [row.get(f"{t}_decode_tok_s") for t in ("llamacpp", "llamacpp_fa")]
+        best_p = max((x for x in ps if x), default=None)
+        best_d = max((x for x in ds if x), default=None)
         if best_d and "decode_tok_s" in row:
             row["decode_ratio"] = row["decode_tok_s"] / best_d
             row["prefill_ratio"] = row["prefill_tok_s"] / best_p
