@@ -258,7 +258,19 @@ def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatc
     fa_modes = {"off": [False], "on": [True], "both": [False, True]}[flash_attn] if peer else []
     peer_rows: dict[int, dict] = {}
 
+    all_cpus = os.sched_getaffinity(0)  # before our pool pins this thread to its first CPU
+
     def run_peer(d: int) -> None:
+        # llama.cpp runs on this thread and its workers inherit this thread's affinity: give it
+        # every CPU while it runs (our pool pinned the caller to one), then pin back
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, all_cpus)
+        try:
+            _run_peer(d)
+        finally:
+            os.sched_setaffinity(0, pinned)
+
+    def _run_peer(d: int) -> None:
         row = peer_rows[d] = {}
         for fa in fa_modes:
             r = measure_depth(path, depth_ids(catalog, d + n_decode)[:d], threads=threads, n_decode=n_decode,
