@@ -17,6 +17,14 @@ Examples::
 
     moe-service bench decode                           # the demo model, all usable CPUs
     moe-service bench decode --model qwen3-30b.gguf --threads 2 --json
+    moe-service bench decode --depth 4096                 # prefill 4096 tokens, decode at depth 4096
+    moe-service bench decode --depths 512,2048,8192,16384 --plot depth.png
+
+Long context (``--depth D`` / ``--depths``): both engines are fed the same ids (ordinary
+text in the model's vocabulary); ours prefills D tokens from an empty slot in ``--ubatch``
+steps, llama.cpp in ``--n-batch`` batches, then each decodes ``--decode`` single tokens at
+depth D. One run per depth (a prefill at depth takes long); the ratio is against the faster
+llama.cpp configuration measured (``--flash-attn both`` measures both of its paths).
 """
 
 from __future__ import annotations
@@ -164,6 +172,187 @@ def run(path: Path, threads: int, n_prompt: int, n_decode: int, repeats: int, ub
     }
 
 
+# ---------------------------------------------------------------------------------------
+# Long context: prefill of D tokens, then decode at depth D, for each depth
+
+
+DEPTH_TEXT = ("The quick brown fox jumps over the lazy dog while the experts sit on their nodes. "
+              "Agents send long prompts: system prompts, tool definitions and the conversation so far. ")
+
+
+def depth_ids(catalog, n: int) -> list[int]:
+    """n token ids of ordinary text (DEPTH_TEXT repeated) in the model's vocabulary; both
+    engines are fed the same ids (the routing, hence the MoE work, depends on them)."""
+    from moe_service.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(catalog.metadata, source="bench")
+    base = tok.encode(DEPTH_TEXT * 8, add_special=False, parse_special=False)
+    ids = list(base)
+    while len(ids) < n:
+        ids += base
+    return ids[:n]
+
+
+def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatch: int,
+                        kv_type: str = "f16", after_each=None) -> dict[int, dict]:
+    """Our engine: per depth D, prefill tok/s of D tokens (ubatch-sized steps from an empty
+    slot) and decode tok/s of n_decode single-token steps at depth D. Depths beyond the
+    model's trained context are reported with a reason instead. ``after_each(D)`` runs after
+    each depth (the peer's run of the same depth: the two engines' numbers of one depth are
+    taken back to back, under the same machine load)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from moe_service.engine.model import Model
+    from moe_service.engine.ops import CpuOps
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.weights import WeightStore
+
+    catalog = GGUFModel.open(path)
+    trained = catalog.params.n_ctx_train or max(depths) + n_decode + 16
+    ok = [d for d in depths if d + n_decode + 1 <= trained]
+    out: dict[int, dict] = {d: {"reason": f"beyond the trained context of {trained} tokens"} for d in depths
+                            if d not in ok}
+    if not ok:
+        return out
+    weights = WeightStore.load_simple(catalog)
+    ops = CpuOps(threads=threads)
+    try:
+        model = Model(catalog, weights, ops, n_seq=1, n_ctx=max(ok) + n_decode + 1, kv_type=kv_type)
+        ids = depth_ids(catalog, max(ok) + n_decode)
+        s = model.kv.alloc()  # warm-up: compile every kernel for a prefill chunk and a decode step
+        model.step([(s, ids[:ubatch])])
+        model.step([(s, [ids[0]])])
+        model.kv.free(s)
+        for d in ok:
+            s = model.kv.alloc()
+            t0 = time.perf_counter()
+            for a in range(0, d, ubatch):
+                logits = model.step([(s, ids[a: min(d, a + ubatch)])])
+            t_prefill = time.perf_counter() - t0
+            tok = int(np.argmax(logits[0].numpy()))
+            t0 = time.perf_counter()
+            for _ in range(n_decode):
+                tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
+            t_decode = time.perf_counter() - t0
+            model.kv.free(s)
+            out[d] = {"prefill_tok_s": d / t_prefill, "decode_tok_s": n_decode / t_decode,
+                      "prefill_s": t_prefill, "decode_s": t_decode}
+            print(f"  ours depth {d}: prefill {d / t_prefill:.1f} tok/s, decode {n_decode / t_decode:.1f} tok/s",
+                  file=sys.stderr, flush=True)
+            if after_each is not None:
+                after_each(d)
+    finally:
+        ops.close()
+    return out
+
+
+def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatch: int, peer: bool,
+               flash_attn: str = "off", n_batch: int = 512, kv_type: str = "f16") -> dict:
+    """Both engines at every depth, back to back per depth (ours, then llama.cpp's
+    configurations), so each depth's ratio is taken under one machine load."""
+    from bench.peer import measure_depth
+    from moe_service.gguf_model import GGUFModel
+
+    catalog = GGUFModel.open(path)
+    fa_modes = {"off": [False], "on": [True], "both": [False, True]}[flash_attn] if peer else []
+    peer_rows: dict[int, dict] = {}
+
+    all_cpus = os.sched_getaffinity(0)  # before our pool pins this thread to its first CPU
+
+    def run_peer(d: int) -> None:
+        # llama.cpp runs on this thread and its workers inherit this thread's affinity: give it
+        # every CPU while it runs (our pool pinned the caller to one), then pin back
+        pinned = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, all_cpus)
+        try:
+            _run_peer(d)
+        finally:
+            os.sched_setaffinity(0, pinned)
+
+    def _run_peer(d: int) -> None:
+        row = peer_rows[d] = {}
+        for fa in fa_modes:
+            r = measure_depth(path, depth_ids(catalog, d + n_decode)[:d], threads=threads, n_decode=n_decode,
+                              n_batch=n_batch, flash_attn=fa)
+            tag = "llamacpp_fa" if fa else "llamacpp"
+            row[f"{tag}_prefill_tok_s"] = r["prefill"].value
+            row[f"{tag}_decode_tok_s"] = r["decode"].value
+            if r["prefill"].value is None:
+                row["llamacpp"] = r["prefill"].reason
+                continue
+            print(f"  llama.cpp{' (flash attn)' if fa else ''} depth {d}: prefill {r['prefill'].value:.1f} tok/s, "
+                  f"decode {r['decode'].value:.1f} tok/s", file=sys.stderr, flush=True)
+
+    ours = measure_ours_depths(path, threads, depths, n_decode, ubatch, kv_type, after_each=run_peer)
+    rows = []
+    for d in depths:
+        row = {"depth": d, **ours[d], **peer_rows.get(d, {})}
+        ps = [row.get(f"{t}_prefill_tok_s") for t in ("llamacpp", "llamacpp_fa")]
+        ds = [row.get(f"{t}_decode_tok_s") for t in ("llamacpp", "llamacpp_fa")]
+        best_p = max((x for x in ps if x), default=None)
+        best_d = max((x for x in ds if x), default=None)
+        if best_d and "decode_tok_s" in row:
+            row["decode_ratio"] = row["decode_tok_s"] / best_d
+            row["prefill_ratio"] = row["prefill_tok_s"] / best_p
+        rows.append(row)
+    return {"model": str(path), "threads": threads, "n_decode": n_decode, "ubatch": ubatch, "n_batch": n_batch,
+            "kv_type": kv_type, "flash_attn": flash_attn, "rows": rows, "load_average": list(os.getloadavg())}
+
+
+def format_depths(r: dict) -> str:
+    fa = r["flash_attn"] in ("on", "both")
+    lines = [f"bench decode --depths: {r['model']}, {r['threads']} thread(s), decode {r['n_decode']} tokens, "
+             f"our ubatch {r['ubatch']}, llama.cpp n_batch {r['n_batch']}, KV {r['kv_type']}, "
+             f"load average {r['load_average'][0]:.2f}", "",
+             f"{'depth':>6}  {'decode ours':>11}  {'llama.cpp':>9}" + (f"  {'llama FA':>8}" if fa else "")
+             + f"  {'ratio':>5}  {'prefill ours':>12}  {'llama.cpp':>9}" + (f"  {'llama FA':>8}" if fa else "")
+             + f"  {'ratio':>5}"]
+    for row in r["rows"]:
+        if "decode_tok_s" not in row:
+            lines.append(f"{row['depth']:>6}  {row.get('reason', 'n/a')}")
+            continue
+        lines.append(
+            f"{row['depth']:>6}  {_fmt(row['decode_tok_s']):>11}  {_fmt(row.get('llamacpp_decode_tok_s')):>9}"
+            + (f"  {_fmt(row.get('llamacpp_fa_decode_tok_s')):>8}" if fa else "")
+            + f"  {_fmt(row.get('decode_ratio'), '.2f'):>5}  {_fmt(row['prefill_tok_s']):>12}"
+            f"  {_fmt(row.get('llamacpp_prefill_tok_s')):>9}"
+            + (f"  {_fmt(row.get('llamacpp_fa_prefill_tok_s')):>8}" if fa else "")
+            + f"  {_fmt(row.get('prefill_ratio'), '.2f'):>5}")
+    lines.append("")
+    lines.append("ratio: ours / the faster llama.cpp configuration measured")
+    return "\n".join(lines)
+
+
+def plot_depths(r: dict, out: Path) -> None:
+    """tok/s against depth for both engines (decode left, prefill right), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in r["rows"] if "decode_tok_s" in row]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, what in zip(axes, ("decode", "prefill"), strict=True):
+        xs = [row["depth"] for row in rows]
+        ax.plot(xs, [row[f"{what}_tok_s"] for row in rows], "o-", label="moe-service")
+        for tag, label in (("llamacpp", "llama.cpp"), ("llamacpp_fa", "llama.cpp, flash attn")):
+            ys = [row.get(f"{tag}_{what}_tok_s") for row in rows]
+            if any(y is not None for y in ys):
+                ax.plot([x for x, y in zip(xs, ys, strict=True) if y is not None], [y for y in ys if y is not None],
+                        "s--", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context depth (tokens)")
+        ax.set_ylabel(f"{what} tok/s")
+        ax.set_title(f"{what} at depth")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{Path(r['model']).name}, {r['threads']} threads (shared machine, load {r['load_average'][0]:.1f})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def _fmt(v, spec=".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -199,6 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians; default 3)")
     ap.add_argument("--ubatch", type=int, default=128, help="our prefill step size in tokens (default 128)")
     ap.add_argument("--no-peer", action="store_true", help="do not run llama.cpp")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="long context: prefill of DEPTH tokens, then --decode tokens at that depth, both engines")
+    ap.add_argument("--depths", default="", help="comma-separated depths to sweep (e.g. 512,2048,8192,16384)")
+    ap.add_argument("--plot", type=Path, default=None, help="with --depth(s): draw tok/s against depth to this PNG")
+    ap.add_argument("--flash-attn", choices=["off", "on", "both"], default="off",
+                    help="llama.cpp's flash-attention path for the depth runs (llama-cpp-python default: off)")
+    ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp's n_batch for the depth runs (default 512)")
+    ap.add_argument("--kv-type", choices=["f16", "q8_0"], default="f16", help="our KV cache format (depth runs)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     a = ap.parse_args(argv)
     if a.model is None:
@@ -209,6 +406,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-service bench decode: {a.model} does not exist (run `moe-service demo-model`)", file=sys.stderr)
         return 2
     threads = a.threads or len(os.sched_getaffinity(0))
+    depths = [int(x) for x in a.depths.split(",") if x.strip()] if a.depths else ([a.depth] if a.depth else [])
+    if depths:
+        r = run_depths(a.model, threads, depths, a.decode, a.ubatch, not a.no_peer, a.flash_attn, a.n_batch,
+                       a.kv_type)
+        print(json.dumps(r, indent=1) if a.json else format_depths(r))
+        if a.plot:
+            plot_depths(r, a.plot)
+            print(f"plot: {a.plot}", file=sys.stderr)
+        return 0
     r = run(a.model, threads, a.prompt, a.decode, a.repeats, a.ubatch, not a.no_peer)
     print(json.dumps(r, indent=1) if a.json else format_report(r))
     return 0

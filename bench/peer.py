@@ -223,6 +223,42 @@ def measure_decode(path: str | Path, threads: int = 2, n_decode: int = 64, n_pro
     return PeerResult("decode_tok_s", len(steps) / dt, "tok/s", settings=settings, machine=win.report, seconds=dt)
 
 
+def measure_depth(path: str | Path, ids: list[int], threads: int = 2, n_decode: int = 32, n_batch: int = 512,
+                  flash_attn: bool = False) -> dict[str, PeerResult]:
+    """Long-context speed: prefill of ``ids`` (the depth D = len(ids), in n_batch-token
+    batches) and then ``n_decode`` single-token evals at depth D..D+n_decode. Returns
+    {"prefill": PeerResult tok/s, "decode": PeerResult tok/s}; ``flash_attn``: llama.cpp's
+    flash-attention path (llama-cpp-python's default is off)."""
+    path = Path(path)
+    depth = len(ids)
+    settings: dict[str, Any] = {"model": str(path), "n_threads": threads, "depth": depth, "n_decode": n_decode,
+                                "n_batch": n_batch, "flash_attn": flash_attn}
+    early = _check(path, "depth_tok_s", "tok/s", settings)
+    if early:
+        return {"prefill": early, "decode": early}
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=depth + n_decode + 16, n_batch=n_batch, n_ubatch=n_batch,
+                          n_threads=threads, n_threads_batch=threads, use_mmap=False, logits_all=False, seed=0,
+                          verbose=False, flash_attn=flash_attn)
+    llm.eval(ids[:8])  # warm-up: first-call allocations
+    llm.reset()
+    with _CpuWindow(threads) as win:
+        t0 = time.perf_counter()
+        llm.eval(list(ids))
+        t_prefill = time.perf_counter() - t0
+        steps = [ids[i % depth] for i in range(n_decode)]
+        t0 = time.perf_counter()
+        for t in steps:
+            llm.eval([t])
+        t_decode = time.perf_counter() - t0
+    del llm
+    return {"prefill": PeerResult("prefill_tok_s", depth / t_prefill, "tok/s", settings=settings, machine=win.report,
+                                  seconds=t_prefill),
+            "decode": PeerResult("decode_tok_s", n_decode / t_decode, "tok/s", settings=settings, machine=win.report,
+                                 seconds=t_decode)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peer", description="Time llama.cpp on a GGUF file.")
     ap.add_argument("model", type=Path)

@@ -9,6 +9,10 @@
                                                        the K sequences share every expert read)
     SIGTERM -> exit code
 
+    --prefix: one service; the shared prefix (~3000 tokens) + question 1   -> TTFT cold
+              the same prefix + questions 2..5 (one at a time)         -> TTFT reused (median),
+              usage.prompt_tokens_details.cached_tokens of each; ratio cold / reused (goal >= 10x)
+
 Token timings come from the SSE chunks as the client sees them: ``decode_tok_s`` =
 (n - 1) / (last token time - first token time) per stream; ``e2e_tok_s`` = n / request wall
 time (prefill included). The aggregate uses the union window of the K streams. The machine's
@@ -145,6 +149,98 @@ def run_bench(model_path: Path, *, max_tokens: int = 64, streams: int = 4, cache
     return report
 
 
+PREFIX_PARAGRAPH = ("You are a careful assistant for a fleet of inference servers. Tools: read_file(path), "
+                    "list_nodes(), restart(unit), query_metrics(name, window_s). Answer briefly and cite the "
+                    "metric you used. The conversation so far follows. ")
+QUESTIONS = ["How many nodes are there?", "Which unit restarts the engine?", "What does TTFT measure?",
+             "Why is the prefix cached?", "What is a KV cache?", "Name one metric."]
+
+
+def prefix_prompt(model_path: Path, n_tokens: int) -> str:
+    """A shared prefix of about ``n_tokens`` tokens of the model (PREFIX_PARAGRAPH repeated,
+    counted with the model's own tokenizer)."""
+    from moe_service.engine.tokenizer import Tokenizer
+    from moe_service.gguf_model import GGUFModel
+
+    tok = Tokenizer.from_gguf(GGUFModel.open(model_path).metadata, source=str(model_path))
+    per = len(tok.encode(PREFIX_PARAGRAPH, add_special=False, parse_special=False))
+    return PREFIX_PARAGRAPH * max(1, round(n_tokens / max(1, per)))
+
+
+def run_prefix_bench(model_path: Path, *, prefix_tokens: int = 3000, questions: int = 4, max_tokens: int = 8,
+                     cache_root: Path | None = None) -> dict:
+    """`bench serve --prefix`: one warm service; a request with the shared prefix and a first
+    question (cold: nothing cached), then ``questions`` requests with the same prefix and other
+    questions, one at a time. TTFT of each (client side, first streamed token), the prompt and
+    cached token counts from usage, and the cold / median-reused TTFT ratio (goal >= 10x)."""
+    sp_mod = _service_proc()
+    cache_root = cache_root or Path(tempfile.mkdtemp(prefix="moe-bench-cache-"))
+    kernel_cache = os.environ.get("NUMBA_CACHE_DIR") or str(Path(tempfile.mkdtemp(prefix="moe-bench-numba-")))
+    prefix = prefix_prompt(model_path, prefix_tokens)
+    report: dict = {"model": str(model_path), "cpu_count": os.cpu_count(), "prefix_tokens_asked": prefix_tokens,
+                    "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+                    "busy_processes_at_start": busy_processes(), "max_tokens": max_tokens}
+    svc = sp_mod.start_service(model_path, cache_root, numba_cache_dir=kernel_cache, poll_health=False)
+    report["ready_s"] = round(svc.ready_s, 3)
+    try:
+        model_id = httpx.get(f"{svc.url}/v1/models").json()["data"][0]["id"]
+        stream_one(svc.url, model_id, 2)  # first request through the HTTP path (short, unrelated prompt)
+        runs = []
+        for i in range(questions + 1):
+            r = stream_one_usage(svc.url, model_id, max_tokens, prefix + "\nQuestion: " + QUESTIONS[i % len(QUESTIONS)])
+            runs.append(r)
+            print(f"  request {i}: TTFT {r['ttft_s']:.3f} s, prompt {r['prompt_tokens']} tokens, "
+                  f"cached {r['cached_tokens']}", file=sys.stderr, flush=True)
+        cold = runs[0]["ttft_s"]
+        reused = sorted(r["ttft_s"] for r in runs[1:])
+        med = reused[len(reused) // 2] if len(reused) % 2 else (reused[len(reused) // 2 - 1] + reused[len(reused) // 2]) / 2
+        report.update(runs=runs, ttft_cold_s=round(cold, 3), ttft_reused_median_s=round(med, 3),
+                      ttft_ratio=round(cold / med, 2) if med > 0 else None)
+    finally:
+        report["exit_code"] = svc.terminate()
+        svc.close()
+    report["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return report
+
+
+def stream_one_usage(url: str, model: str, max_tokens: int, prompt: str) -> dict:
+    """One streamed completion: TTFT (s) and usage (prompt, cached tokens)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    t_first = None
+    usage: dict = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1200) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("error"):
+                raise RuntimeError(obj["error"]["message"])
+            if obj.get("usage"):
+                usage = obj["usage"]
+            elif t_first is None and obj["choices"]:
+                t_first = time.monotonic()
+    t1 = time.monotonic()
+    return {"ttft_s": round((t_first or t1) - t0, 4), "total_s": round(t1 - t0, 4),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def format_prefix_report(r: dict) -> str:
+    lines = [f"model                 {r['model']}",
+             f"shared prefix         {r['runs'][0]['prompt_tokens']} prompt tokens in the first request"]
+    for i, run in enumerate(r["runs"]):
+        lines.append(f"request {i}             TTFT {run['ttft_s']:.3f} s, cached {run['cached_tokens']} of "
+                     f"{run['prompt_tokens']} prompt tokens")
+    lines += [f"TTFT cold / reused    {r['ttft_cold_s']} s / {r['ttft_reused_median_s']} s (median): "
+              f"{r['ttft_ratio']}x (goal >= 10x)",
+              f"machine               {r['cpu_count']} CPUs, load {r['load_average_at_start']} -> "
+              f"{r['load_average_at_end']}, busy: {', '.join(r['busy_processes_at_start']) or 'nothing else'}"]
+    return "\n".join(lines)
+
+
 def format_report(r: dict) -> str:
     s, m = r.get("single", {}), r.get("concurrent", {})
     lines = [
@@ -169,6 +265,10 @@ def main(argv: list[str] | None = None, *, model_path: Path | None = None) -> in
     p.add_argument("--model", help="GGUF to serve (default: the demo model)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     p.add_argument("--streams", type=int, default=4, help="concurrent streams (default 4)")
+    p.add_argument("--prefix", action="store_true",
+                   help="prefix cache: a shared prefix then different questions; TTFT cold vs reused")
+    p.add_argument("--prefix-tokens", type=int, default=3000, help="shared prefix length (default 3000)")
+    p.add_argument("--questions", type=int, default=4, help="requests after the first one (default 4)")
     args = p.parse_args(argv)
     if args.model:
         model_path = Path(args.model)
@@ -182,6 +282,11 @@ def main(argv: list[str] | None = None, *, model_path: Path | None = None) -> in
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.prefix:
+        report = run_prefix_bench(model_path, prefix_tokens=args.prefix_tokens, questions=args.questions,
+                                  max_tokens=min(args.tokens, 16))
+        print(json.dumps(report, indent=2) if args.json else format_prefix_report(report))
+        return 0
     report = run_bench(model_path, max_tokens=args.tokens, streams=args.streams)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

@@ -63,7 +63,7 @@ def cmd_plan(args) -> int:
     """The placement plan for this host: exit 0 when it fits, 4 when it does not."""
     from moe_service.gguf_model import GGUFModel
     from moe_service.numa import Topology
-    from pipeline.plan import format_plan, plan_summary
+    from pipeline.plan import format_plan, kv_capacity, plan_summary
     from pipeline.prepare import plan_layout
 
     settings = _settings(args)
@@ -71,11 +71,14 @@ def cmd_plan(args) -> int:
     topology = Topology.read(root=settings.numa.sysfs_root)
     layout = plan_layout(catalog, topology, settings)
     summary = plan_summary(layout, topology, settings)
+    kv = summary["kv"] = kv_capacity(catalog, layout, topology, settings)
     if args.json:
         print_json(summary)
     else:
         print(format_plan(summary))
-    return 0 if summary["fits"] else 4
+        print(f"\n{kv['sentence'] if kv['fits'] else 'KV cache does NOT fit:'}")
+        print("\n".join(f"  - {r}" for r in kv["reasons"]))
+    return 0 if summary["fits"] and kv["fits"] else 4
 
 
 def cmd_check(args) -> int:

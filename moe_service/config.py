@@ -60,10 +60,12 @@ class ModelConfig(_Table):
         "without `.gguf` and without the `-0000k-of-0000N` shard suffix.",
     )
     context_tokens: int = Field(
-        4096,
+        0,
         ge=0,
         description="Context length per sequence in tokens (prompt + completion). 0: the model's "
-        "trained context length. The KV cache is sized from it and serve.parallel.",
+        "trained context length, capped by what engine.kv_cache_gib holds for serve.parallel "
+        "sequences (rounded down to 256). The KV cache is sized from it and serve.parallel; "
+        "`moe-service plan` shows the numbers and preflight refuses a context that does not fit.",
     )
 
 
@@ -333,6 +335,24 @@ class EngineConfig(_Table):
         "model's experts per layer is refused at check/preflight. Logged (model_routing) and "
         "exported as moe_service_experts_per_token.",
     )
+    kv_cache_gib: float = Field(
+        4.0,
+        gt=0,
+        description="Memory budget of the KV cache of all serve.parallel sequences, in GiB. It caps "
+        "the context when model.context_tokens = 0; an explicit context that needs more is refused "
+        "at preflight.",
+    )
+    kv_type: Literal["f16", "q8_0"] = Field(
+        "f16",
+        description="Element format of the KV cache: f16 (2 bytes a value) or q8_0 (ggml Q8_0 blocks, "
+        "34 bytes per 32 values, as llama.cpp's -ctk/-ctv q8_0: 1.9x the context in the same memory).",
+    )
+    kv_node: int = Field(
+        -1,
+        ge=-1,
+        description="NUMA node the KV cache is bound to and populated on; -1: the node of the first "
+        "engine worker's CPU (the first node of the plan).",
+    )
 
 
 class ServeConfig(_Table):
@@ -351,6 +371,13 @@ class ServeConfig(_Table):
     retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 429 answers.")
     max_tokens_default: int = Field(
         256, ge=1, description="max_tokens when a request gives none."
+    )
+    prefix_cache_gib: float = Field(
+        2.0,
+        ge=0,
+        description="Host memory for the prefix cache, in GiB: the KV rows of earlier requests' "
+        "prompts, kept in blocks of 64 tokens and reused by a request that starts with the same "
+        "tokens (least recently used blocks evicted). 0: off.",
     )
     shutdown_grace_s: float = Field(
         30.0,

@@ -19,6 +19,10 @@ moe_service_node_bytes{node,source}             gauge        model bytes per NUM
                                                              (the layout) and "measured" (placement's
                                                              residency sampling)
 moe_service_ready                               gauge        1 once serving, 0 while loading/stopping
+moe_service_prefix_cache_hits_total             counter      requests that reused earlier requests' KV rows
+moe_service_prefix_cache_reused_tokens_total    counter      prompt tokens not computed thanks to the cache
+moe_service_prefix_cache_evictions_total        counter      64-token blocks evicted (LRU) to stay in budget
+moe_service_prefix_cache_bytes                  gauge        host bytes the prefix cache holds
 ==============================================  ===========  ==========================================
 """
 
@@ -109,6 +113,14 @@ class Metrics:
         self.step_seconds = Histogram("moe_service_step_seconds", "Wall time of one model step",
                                       buckets=_TOKEN_GAP_BUCKETS_S, registry=r)
         self.ready = Gauge("moe_service_ready", "1 while serving, 0 while loading or stopping", registry=r)
+        self.prefix_hits = Counter("moe_service_prefix_cache_hits", "Requests that reused KV rows of earlier "
+                                   "requests (prefix cache)", registry=r)
+        self.prefix_reused_tokens = Counter("moe_service_prefix_cache_reused_tokens",
+                                            "Prompt tokens whose KV rows came from the prefix cache", registry=r)
+        self.prefix_evictions = Counter("moe_service_prefix_cache_evictions",
+                                        "Prefix-cache blocks evicted (least recently used) to stay in budget",
+                                        registry=r)
+        self.prefix_bytes = Gauge("moe_service_prefix_cache_bytes", "Host bytes held by the prefix cache", registry=r)
 
     def attach_context(self, ctx) -> None:
         """Export ``ctx.stage_durations_s`` and the bytes per node of ``ctx.layout`` /
@@ -126,6 +138,15 @@ class Metrics:
 
     def observe_token_gap(self, seconds: float) -> None:
         self.tpot.observe(seconds)
+
+    def observe_prefix_cache(self, *, hit: bool, reused_tokens: int, evictions: int, bytes_held: int) -> None:
+        if hit:
+            self.prefix_hits.inc()
+        if reused_tokens:
+            self.prefix_reused_tokens.inc(reused_tokens)
+        if evictions:
+            self.prefix_evictions.inc(evictions)
+        self.prefix_bytes.set(bytes_held)
 
     def set_load(self, waiting: int, active: int) -> None:
         self.queue_depth.set(waiting)

@@ -420,7 +420,7 @@ def _merge(events: list[Event]) -> Event:
     return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
                  finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
                  completion_tokens=last.completion_tokens, error=last.error,
-                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps)
+                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps, cached_tokens=last.cached_tokens)
 
 
 def _sse(obj: Any) -> str:
@@ -632,7 +632,8 @@ async def _generate(service: Service, request: Request, *, chat: bool):
 
 def _usage(ev: Event) -> dict[str, int]:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
 
 
 def _finished(service: Service, greq: GenerationRequest, ev: Event, endpoint: str, stream: bool) -> None:

@@ -538,6 +538,34 @@ def check_capacity(layout: Layout, topology: Topology, config: Settings) -> list
     return [c.sentence() for c in node_capacity(layout, topology, config) if not c.ok]
 
 
+def kv_capacity(catalog, layout: Layout, topology: Topology, config: Settings) -> dict:
+    """The KV cache's plan (moe_service.engine.kv.plan_for_config) and whether it fits: its
+    budget (engine.kv_cache_gib) and, beside the weights' share, the free memory of the node
+    it is bound to (engine.kv_node, -1: the plan's first node). Returns the KVPlan's dict plus
+    ``node``, ``node_need_bytes`` (weights + KV), ``node_available_bytes``, ``fits`` and
+    ``reasons`` (sentences naming the numbers)."""
+    from moe_service.engine.kv import plan_for_config
+
+    kvp = plan_for_config(catalog, config)
+    node = kvp.node if kvp.node is not None else layout.nodes[0]
+    out = kvp.to_dict()
+    out["node"] = node
+    out["sentence"] = kvp.sentence()
+    reasons = [] if kvp.ok else [kvp.sentence()]
+    cap = next((c for c in node_capacity(layout, topology, config) if c.node == node), None)
+    need = kvp.total_bytes + (0 if cap is None or cap.page_kib else cap.needed_bytes)
+    avail = None
+    if cap is not None:  # with hugetlb weights, the KV cache (ordinary pages) competes with nothing planned
+        avail = cap.available_bytes if not cap.page_kib else None
+    if avail is not None and need > avail:
+        reasons.append(f"node {node} cannot hold the KV cache beside its weights: weights {cap.needed_bytes / GIB:.2f} "
+                       f"GiB + KV {kvp.total_bytes / GIB:.2f} GiB = {need / GIB:.2f} GiB > {avail / GIB:.2f} GiB "
+                       f"available (lower engine.kv_cache_gib, model.context_tokens or serve.parallel, or use "
+                       f"engine.kv_type = q8_0)")
+    out.update(node_need_bytes=need, node_available_bytes=avail, fits=not reasons, reasons=reasons)
+    return out
+
+
 # --- summary -------------------------------------------------------------------------------
 
 

@@ -127,6 +127,19 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings,
     for cap in node_capacity(layout, topology, config):
         add(Check(cap.name, "ok" if cap.ok else "fail", cap.sentence(), cap.numbers(), capacity=True))
 
+    # -- the KV cache: its budget, and its node's memory beside the weights (pipeline.plan.kv_capacity) --
+    from pipeline.plan import kv_capacity
+
+    if getattr(catalog, "params", None) is not None:  # (placement-only test catalogs have no model params)
+        try:
+            kv = kv_capacity(catalog, layout, topology, config)
+            add(Check("kv_cache", "ok" if kv["fits"] else "fail", "; ".join(kv["reasons"]) or kv["sentence"],
+                      {k: kv[k] for k in ("kv_type", "n_seq", "n_ctx", "bytes_per_token", "total_bytes",
+                                          "budget_bytes", "node", "node_need_bytes", "node_available_bytes")},
+                      capacity=True))
+        except ValueError as e:  # a kv_type the model's head dims cannot take
+            add(Check("kv_cache", "fail", str(e)))
+
     # -- THP --
     pages = config.fastload.pages
     if pages == "thp":

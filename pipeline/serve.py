@@ -175,6 +175,24 @@ def _on_sighup(keys):
     return signal.signal(signal.SIGHUP, handler)
 
 
+def make_prefix_cache(engine, cfg, metrics):
+    """The prefix cache (engine/prefix.py) over the engine's KV cache, with
+    serve.prefix_cache_gib of host memory; None when that is 0 or the KV cache is on a torch
+    device (said in the log)."""
+    from moe_service.engine.prefix import PrefixCache
+
+    if cfg.prefix_cache_gib <= 0:
+        log.info("prefix_cache_off", reason="serve.prefix_cache_gib = 0")
+        return None
+    kv = engine.model.kv
+    if not getattr(kv, "host_rows", False):
+        log.info("prefix_cache_off", reason="the KV cache is on a torch device (the prefix cache runs on the CPU path)")
+        return None
+    pc = PrefixCache(kv, int(cfg.prefix_cache_gib * 1024**3), metrics=metrics)
+    log.info("prefix_cache_on", budget_bytes=pc.budget_bytes, block_tokens=pc.block_tokens, block_bytes=pc.block_bytes)
+    return pc
+
+
 @register_stage
 class ServeStage(Stage):
     """Serve the OpenAI-compatible API until shutdown (see module doc)."""
@@ -213,7 +231,8 @@ class ServeStage(Stage):
         metrics.attach_context(ctx)
         self.batch = BatchLoop(ctx.engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
                                retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics,
-                               max_failed_steps=cfg.max_failed_steps, stall_s=cfg.engine_stall_s).start()
+                               max_failed_steps=cfg.max_failed_steps, stall_s=cfg.engine_stall_s,
+                               prefix_cache=make_prefix_cache(ctx.engine, cfg, metrics)).start()
         self.service = Service(engine=ctx.engine, batch=self.batch, metrics=metrics,
                                model_name=ctx.engine.model_name, stage=lambda: ctx.current_stage,
                                keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,

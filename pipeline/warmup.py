@@ -40,8 +40,9 @@ def make_ops(ctx: PipelineContext):
 
 
 def build_engine(ctx: PipelineContext, ops=None):
-    """The Engine over the loaded weights: Model (KV for ``serve.parallel`` sequences of
-    ``model.context_tokens``; dense part on the device engine.device resolves to, with the
+    """The Engine over the loaded weights: Model (KV for ``serve.parallel`` sequences of the
+    context engine/kv.py plans from ``model.context_tokens`` and ``engine.kv_cache_gib``, in
+    ``engine.kv_type``, on ``engine.kv_node``; dense part on the device engine.device resolves to, with the
     prefill expert offload there when it is a GPU), Tokenizer from the GGUF metadata, the
     served model id.
 
@@ -66,8 +67,19 @@ def build_engine(ctx: PipelineContext, ops=None):
         import torch
 
         torch.set_num_threads(1)
-    model = Model(ctx.catalog, ctx.weights, ops if ops is not None else make_ops(ctx), device=device, dense=dense,
-                  n_seq=cfg.serve.parallel, n_ctx=cfg.model.context_tokens,
+    from moe_service.engine.kv import plan_for_config
+    from moe_service.errors import CapacityError
+
+    kvp = plan_for_config(ctx.catalog, cfg)  # the context: model.context_tokens or the budget's (engine/kv.py)
+    if not kvp.ok:
+        raise CapacityError(kvp.sentence())
+    ops = ops if ops is not None else make_ops(ctx)
+    kv_node = kvp.node
+    pool = getattr(ops, "pool", None)
+    if kv_node is None and pool is not None and pool.n_nodes > 1:  # the first engine worker's node
+        kv_node = pool.node_ids[pool.slots[0][1]]
+    model = Model(ctx.catalog, ctx.weights, ops, device=device, dense=dense,
+                  n_seq=cfg.serve.parallel, n_ctx=kvp.n_ctx, kv_type=cfg.engine.kv_type, kv_node=kv_node,
                   experts_per_token=cfg.engine.experts_per_token)
     if model.device.type == "cuda":  # big prefill batches stream their experts to the GPU
         from moe_service.engine.offload import ExpertOffload

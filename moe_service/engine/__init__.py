@@ -14,7 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
-_KERNEL_SOURCES = ("quant/*.py", "pool.py", "moe.py")
+_KERNEL_SOURCES = ("quant/*.py", "pool.py", "moe.py", "cpu_layers.py")  # attention.py inlines cpu_layers' float16 intrinsics
 
 
 def kernel_cache_key() -> str:

@@ -6,21 +6,60 @@ the attention kernels (how the work is split over cores, tiled and vectorised). 
 callers never see the cache's element format or the work split.
 
 Shapes: T tokens of this step (all sequences together), S sequence slots, C cache length,
-NH query heads, NKV KV heads, D key dim, Dv value dim.
+NH query heads, NKV KV heads, D key dim, Dv value dim, G = NH / NKV query heads per KV head.
 
 ``spans``: a list of (seq, a, e, n0): the step's tokens a..e-1 belong to sequence slot
 ``seq`` and sit at positions n0..n0+(e-a)-1 of its cache.
 
-Caches (one pair per layer, as the KV cache holds them): ``kc`` [S, C, NKV, D] and ``vc``
-[S, C, NKV, Dv], float16 values held as uint16 bits (numba has no float16 type). A latent
-(MLA) cache passes ``vc is kc``: V is then the first Dv dims of each K row, and
+Caches (one pair per layer, as the KV cache holds them, see moe_service.engine.kv):
+
+- float16 (``kv_type = f16``): ``kc`` uint16 [S, C, NKV, D] and ``vc`` uint16 [S, C, NKV, Dv],
+  float16 values held as their bits (numba has no float16 type);
+- q8_0 (``kv_type = q8_0``, llama.cpp's ``-ctk/-ctv q8_0``): ``kc`` uint8 [S, C, NKV, D/32*34],
+  each head row D/32 ggml Q8_0 blocks (float16 scale d, 32 int8 q; value = d * q);
+  ``vc`` likewise with Dv.
+
+A latent (MLA) cache passes ``vc is kc``: V is then the first Dv dims of each K row, and
 :func:`store` writes K only.
 
-Numerics (ggml's CPU non-flash path, which llama.cpp takes on these files): Q rounded to
-float16, K.Q summed in float32, scores = K.Q * scale, masked (causal, and the sliding window
-when ``window`` > 0), softmax with the maximum taken over the scores (and the head's sink
-logit when ``sinks`` is given), exponentials summed in float64, scaled by float32(1/sum),
-probabilities rounded to float16, then P.V in float32.
+How the work runs (:func:`attend`): tasks of (sequence, KV head, query tile[, part]) on the
+engine's persistent worker pool (pool.K_CALL items calling this module's compiled item
+function through its address, so editing this file never recompiles the pool's kernels).
+A task gathers its tile's query rows of the heads of one KV head's group (R = tokens x
+heads), rounds them to float16, and streams the cache in key tiles of ``BK`` rows (K and V
+tiles of float32 about one L1d): each K tile is widened from the float16 (or Q8_0) cache once
+and dotted with all R query rows, four keys per pass over a query row, in vector lanes over
+the head dim; each V tile is widened once and accumulated into all R rows. Small steps run
+on the calling thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
+one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
+range. Default mode, four phases: K parts write their rows' scores into one buffer per task,
+one item per task normalises each row over all its keys (the contract below, unchanged),
+V parts accumulate P.V over their keys, and one item per task sums the parts in key order.
+Online mode: parts keep (m, l, acc) and a merge phase combines them (flash-decoding).
+
+Numerics, default (``online=False``; ggml's CPU non-flash path, which llama.cpp takes on
+these files; the former single-threaded kernel, kept as cpu_layers.attention, states it in
+scalar code): Q rounded to float16, K.Q summed in float32, scores = K.Q * scale, masked
+(causal, and the sliding window when ``window`` > 0), softmax with the maximum taken over the
+scores (and the head's sink logit when ``sinks`` is given), exponentials (Cephes' expf
+polynomial, ~1 ulp) summed in float64, scaled by float32(1/sum), probabilities rounded to
+float16, then P.V in float32 in key order (fused multiply-adds change nothing there: the
+product of two float16 values is exact in float32). A task keeps its rows'
+scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) between the
+pass over K and the pass over V. The only freedom taken against the scalar kernel is the
+summation order inside a dot product (vector lanes), which moves a probability across a
+float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
+float16 ulp of one probability (tests/engine/test_attention.py), plus, for a split decode,
+the order of the float32 additions of the parts' P.V; the goldens are unchanged.
+
+Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
+per row a running maximum m (float32), a running float64 sum l of exp(score - m) and a
+float32 accumulator of exp(score - m) * V, both rescaled by exp(m_old - m_new) when a key
+tile raises m; the sink joins m and l at the end; out = acc * float32(1 / l); probabilities
+are not rounded to float16. Kept as an option, not the default: on the goldens it moved
+tiny-llama-mxfp4 (a routing near-tie) to 4.24 against its bound of 4.0. It was ~20% faster
+per (query row, key) on one thread (demo shapes, depth 4096: 11.5 vs 14.1 ns, loaded
+machine), and its key-range split keeps every worker busy for one latent KV head.
 
 Sliding window (llama.cpp ``LLAMA_SWA_TYPE_STANDARD``): a query at position p sees keys
 at positions j with p - window < j <= p. Sinks (gpt-oss ``attn_sinks``): one logit per
@@ -29,12 +68,47 @@ query head that joins the softmax's denominator and contributes no value.
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import threading
 
+import numpy as np
+from numba import carray, cfunc, njit, types
+
+from moe_service.engine import pool as _pool
+from moe_service.engine import quant as _q
 from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
+# The dot products and the P.V accumulation may be reordered into vector lanes and fused
+# (reassoc, contract); no nnan/ninf: masked scores are -inf.
+_JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": {"reassoc", "contract", "nsz"}}
+
+FMT_F16 = 0
+FMT_Q8_0 = 1
+Q8_0_BLOCK = 32  # values per block
+Q8_0_BYTES = 34  # float16 scale + 32 int8
+
+_view_u16 = _q._addr_view(types.uint16)
+_view_f64 = _q._addr_view(types.float64)
+
+# op array (int64) of one attend call: addresses, then dims. Offsets:
+O_Q, O_KC, O_VC, O_OUT, O_TASKS, O_PML, O_PACC, O_SINKS = range(8)
+O_NH, O_D, O_NKV, O_DV, O_GROUP, O_BK = range(8, 14)
+O_KFMT, O_K_SEQ, O_K_POS, O_K_HEAD = range(14, 18)  # strides in cache elements (u16 or bytes)
+O_VFMT, O_V_SEQ, O_V_POS, O_V_HEAD = range(18, 22)
+O_SCALE, O_WINDOW, O_HAS_SINKS, O_RMAX, O_NTOK = range(22, 27)
+O_SC, O_META = 27, 28  # exact split decode: scores buffer (float32), group table (int64 [*, META_W])
+OP_LEN = 30
+META_W = 8  # sc offset, L, j_start, h_lo, h_hi, first part task, n parts, partial-acc offset
+
+# task rows (int64 [n, TASK_W]): seq, t_lo, t_hi (query rows of q), p0 (cache position of
+# t_lo), g (KV head), k_lo, k_hi (key positions this task reads), part (-1: final result to
+# out; else the partial-result slot).
+TASK_W = 8
+
+
+# ---------------------------------------------------------------------------------------
+# Storing
+# ---------------------------------------------------------------------------------------
 
 
 @njit(**_JIT)
@@ -47,92 +121,1032 @@ def _store_span(k, kc, seq, n0, a, e):
 
 
 @njit(**_JIT)
-def _attend_span(q, kc, vc, seq, a, e, n0, scale, window, sinks, has_sinks, out):
-    """Queries a..e-1 of one sequence over its cache rows 0..n0+(e-a)-1 (module docstring)."""
-    nh, d = q.shape[1], q.shape[2]
-    nkv = kc.shape[2]
-    dv = out.shape[2]
-    group = nh // nkv
-    L_max = n0 + (e - a)
-    scores = np.empty(L_max, np.float32)
-    qh = np.empty(d, np.float32)
-    acc_v = np.empty(dv, np.float32)
+def quantize_row_q8_0(x, dst, off):
+    """ggml's quantize_row_q8_0_ref: per block of 32, amax = max|x|, d = amax / 127,
+    q = roundf(x / d) (as x * (1/d)), stored as float16(d) then 32 int8 at dst[off...].
+    x: float32 [n] (n a multiple of 32); dst: uint8 [*]."""
+    nb = x.shape[0] // Q8_0_BLOCK
+    for b in range(nb):
+        amax = np.float32(0.0)
+        for i in range(Q8_0_BLOCK):
+            v = abs(x[b * Q8_0_BLOCK + i])
+            if v > amax:
+                amax = v
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        hb = _f32_to_f16_bits(d)
+        o = off + b * Q8_0_BYTES
+        dst[o] = np.uint8(hb & 0xFF)
+        dst[o + 1] = np.uint8(hb >> 8)
+        for i in range(Q8_0_BLOCK):
+            v = x[b * Q8_0_BLOCK + i] * inv
+            r = np.float32(np.floor(abs(v) + np.float32(0.5)))  # roundf: half away from zero
+            qv = np.int64(r) if v >= 0 else -np.int64(r)
+            dst[o + 2 + i] = np.uint8(qv & 0xFF)
+
+
+@njit(**_JIT)
+def _store_span_q8_0(k, kc, seq, n0, a, e):
+    """Q8_0 rows: kc uint8 [S, C, NKV, D/32*34] <- k float32 [T, NKV, D]."""
+    flat = kc.reshape(-1)
+    nkv, rb = kc.shape[2], kc.shape[3]
+    row = np.empty(k.shape[2], np.float32)
     for t in range(a, e):
-        p = n0 + t - a
-        lo = 0
-        if window > 0 and p - window + 1 > 0:
-            lo = p - window + 1
-        for h in range(nh):
-            g = h // group
-            for i in range(d):
-                qh[i] = _f16_bits_to_f32(_f32_to_f16_bits(q[t, h, i]))
-            mx = np.float32(-np.inf)
-            for j in range(lo, p + 1):
-                acc = np.float32(0.0)
-                for i in range(d):
-                    acc += qh[i] * _f16_bits_to_f32(kc[seq, j, g, i])
-                sc = acc * scale
-                scores[j] = sc
-                if sc > mx:
-                    mx = sc
-            if has_sinks and sinks[h] > mx:
-                mx = sinks[h]
-            total = 0.0
-            for j in range(lo, p + 1):
-                ex = np.exp(scores[j] - mx)
-                scores[j] = ex
-                total += np.float64(ex)
-            if has_sinks:
-                total += np.float64(np.exp(sinks[h] - mx))
-            inv = np.float32(1.0 / total)
-            for i in range(dv):
-                acc_v[i] = 0.0
-            for j in range(lo, p + 1):
-                pj = _f16_bits_to_f32(_f32_to_f16_bits(scores[j] * inv))
-                for i in range(dv):
-                    acc_v[i] += pj * _f16_bits_to_f32(vc[seq, j, g, i])
-            for i in range(dv):
-                out[t, h, i] = acc_v[i]
+        for h in range(k.shape[1]):
+            for i in range(k.shape[2]):
+                row[i] = k[t, h, i]
+            base = ((seq * kc.shape[1] + n0 + t - a) * nkv + h) * rb
+            quantize_row_q8_0(row, flat, base)
 
 
-_NO_SINKS = np.zeros(1, np.float32)
+def cache_format(c: np.ndarray) -> int:
+    """FMT_F16 for a uint16 cache, FMT_Q8_0 for a uint8 one; ValueError otherwise."""
+    if c.dtype == np.uint16:
+        return FMT_F16
+    if c.dtype == np.uint8:
+        return FMT_Q8_0
+    raise ValueError(f"attention: cache dtype {c.dtype} is neither float16 bits (uint16) nor q8_0 bytes (uint8)")
+
+
+def cache_head_dim(c: np.ndarray) -> int:
+    """Values per head row of a cache of either format."""
+    return c.shape[3] if c.dtype == np.uint16 else c.shape[3] // Q8_0_BYTES * Q8_0_BLOCK
 
 
 def store(kc: np.ndarray, vc: np.ndarray, k: np.ndarray, v: np.ndarray | None, spans) -> None:
-    """Append the step's new keys and values to the layer's caches.
+    """Append the step's new keys and values to the layer's caches (in their format).
 
     k: float32 [T, NKV, D]; v: float32 [T, NKV, Dv], or None when ``vc is kc`` (latent
     cache: the value is the key's first Dv dims). Raises ValueError when v is missing for a
-    separate value cache.
+    separate value cache, or a span would write past the cache.
     """
     if v is None and vc is not kc:
         raise ValueError("attention.store: v is None but the value cache is separate from the key cache")
     k = np.ascontiguousarray(k, dtype=np.float32)
+    vv = None if vc is kc else np.ascontiguousarray(v, dtype=np.float32)
     for seq, a, e, n0 in spans:
-        _store_span(k, kc, seq, n0, a, e)
-        if vc is not kc:
-            _store_span(np.ascontiguousarray(v, dtype=np.float32), vc, seq, n0, a, e)
+        if n0 + (e - a) > kc.shape[1] or not 0 <= seq < kc.shape[0]:
+            raise ValueError(f"attention.store: sequence {seq} rows {n0}..{n0 + e - a} outside the cache {kc.shape}")
+        for src, c in ((k, kc),) if vv is None else ((k, kc), (vv, vc)):
+            if c.dtype == np.uint16:
+                _store_span(src, c, seq, n0, a, e)
+            else:
+                _store_span_q8_0(src, c, seq, n0, a, e)
+
+
+# ---------------------------------------------------------------------------------------
+# The task kernel
+# ---------------------------------------------------------------------------------------
+
+
+# The hot helpers index flat arrays through quant.ld/st (no wraparound of negative indices):
+# numba's checked indexing with run-time trip counts keeps LLVM from vectorising the loops
+# (measured 8x slower per key).
+
+
+@njit(**_JIT_VEC)
+def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
+    """dst[r * n_dim + i] = float32 of element i of the cache row at ``base + r * stride``
+    (r < n_rows). f16: elements are uint16; q8_0: elements are bytes, a row is n_dim/32
+    blocks. dst: float32 [>= n_rows * n_dim] (flat)."""
+    if fmt == FMT_F16:
+        src = _view_u16(addr, 1)
+        for r in range(n_rows):
+            o = base + r * stride
+            od = r * n_dim
+            for i in range(n_dim):
+                _q.st(dst, od + i, _f16_bits_to_f32(_q.ld(src, o + i)))
+    else:
+        src8 = _q.view_u8(addr, 1)
+        srci = _q.view_i8(addr, 1)
+        for r in range(n_rows):
+            o = base + r * stride
+            for b in range(n_dim // Q8_0_BLOCK):
+                ob = o + b * Q8_0_BYTES
+                d = _f16_bits_to_f32(np.uint16(_q.ld(src8, ob)) | (np.uint16(_q.ld(src8, ob + 1)) << np.uint16(8)))
+                od = r * n_dim + b * Q8_0_BLOCK
+                for i in range(Q8_0_BLOCK):
+                    _q.st(dst, od + i, d * np.float32(_q.ld(srci, ob + 2 + i)))
+
+
+@njit(**_JIT_VEC)
+def _scores(qb, qo, kt, s, so, ja, jb, d, scale):
+    """s[so + j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
+    vector lanes, four keys per pass over q); returns the largest."""
+    mx = np.float32(-np.inf)
+    j = ja
+    while j + 4 <= jb:
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        k0 = j * d
+        for i in range(d):
+            qi = _q.ld(qb, qo + i)
+            a0 += qi * _q.ld(kt, k0 + i)
+            a1 += qi * _q.ld(kt, k0 + d + i)
+            a2 += qi * _q.ld(kt, k0 + 2 * d + i)
+            a3 += qi * _q.ld(kt, k0 + 3 * d + i)
+        a0 *= scale
+        a1 *= scale
+        a2 *= scale
+        a3 *= scale
+        _q.st(s, so + j, a0)
+        _q.st(s, so + j + 1, a1)
+        _q.st(s, so + j + 2, a2)
+        _q.st(s, so + j + 3, a3)
+        mx = max(mx, max(max(a0, a1), max(a2, a3)))
+        j += 4
+    while j < jb:
+        acc = np.float32(0.0)
+        ko = j * d
+        for i in range(d):
+            acc += _q.ld(qb, qo + i) * _q.ld(kt, ko + i)
+        v = acc * scale
+        _q.st(s, so + j, v)
+        mx = max(mx, v)
+        j += 1
+    return mx
+
+
+@njit(**_JIT_VEC)
+def _scores2(qb, qo, kt, s, so, stride, ja, jb, d, scale):
+    """:func:`_scores` for the two query rows at qb[qo] and qb[qo + d], their scores at s[so]
+    and s[so + stride]: four keys x two rows per pass (each K chunk loaded once for both;
+    every dot product summed exactly as in _scores). Returns both maxima."""
+    m0 = np.float32(-np.inf)
+    m1 = np.float32(-np.inf)
+    j = ja
+    while j + 4 <= jb:
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        b0 = np.float32(0.0)
+        b1 = np.float32(0.0)
+        b2 = np.float32(0.0)
+        b3 = np.float32(0.0)
+        k0 = j * d
+        for i in range(d):
+            qa = _q.ld(qb, qo + i)
+            qc = _q.ld(qb, qo + d + i)
+            k_0 = _q.ld(kt, k0 + i)
+            k_1 = _q.ld(kt, k0 + d + i)
+            k_2 = _q.ld(kt, k0 + 2 * d + i)
+            k_3 = _q.ld(kt, k0 + 3 * d + i)
+            a0 += qa * k_0
+            a1 += qa * k_1
+            a2 += qa * k_2
+            a3 += qa * k_3
+            b0 += qc * k_0
+            b1 += qc * k_1
+            b2 += qc * k_2
+            b3 += qc * k_3
+        a0 *= scale
+        a1 *= scale
+        a2 *= scale
+        a3 *= scale
+        b0 *= scale
+        b1 *= scale
+        b2 *= scale
+        b3 *= scale
+        _q.st(s, so + j, a0)
+        _q.st(s, so + j + 1, a1)
+        _q.st(s, so + j + 2, a2)
+        _q.st(s, so + j + 3, a3)
+        _q.st(s, so + stride + j, b0)
+        _q.st(s, so + stride + j + 1, b1)
+        _q.st(s, so + stride + j + 2, b2)
+        _q.st(s, so + stride + j + 3, b3)
+        m0 = max(m0, max(max(a0, a1), max(a2, a3)))
+        m1 = max(m1, max(max(b0, b1), max(b2, b3)))
+        j += 4
+    if j < jb:
+        m0 = max(m0, _scores(qb, qo, kt, s, so, j, jb, d, scale))
+        m1 = max(m1, _scores(qb, qo + d, kt, s, so + stride, j, jb, d, scale))
+    return m0, m1
+
+
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(**_JIT_VEC)
+def _exp_shifted(s, ja, jb, mx):
+    """s[j] = exp(s[j] - mx) for j in ja..jb-1 (every s[j] <= mx), returns their sum in float64.
+
+    Cephes' expf (range reduction by ln2 in two parts, degree-5 polynomial, 2^n from the
+    exponent bits; ~1 ulp), written as a plain loop so it runs in vector lanes (libm's expf
+    is one call per element). Arguments below -87.3 give exp(-87.3) ~ 1e-38 instead of 0."""
+    total = 0.0
+    for j in range(ja, jb):
+        x = max(_q.ld(s, j) - mx, np.float32(-87.3))
+        n = np.floor(x * _LOG2E + np.float32(0.5))
+        r = x - n * _LN2_HI - n * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        e = p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+        _q.st(s, j, e)
+        total += np.float64(e)
+    return total
+
+
+@njit(**_JIT_VEC)
+def _pv(acc, ao, s, vt, ja, jb, dv):
+    """acc[ao:ao+dv] += sum_j s[j] * vt[j*dv:(j+1)*dv] for j in ja..jb-1 (four keys per pass
+    over the accumulator)."""
+    j = ja
+    while j + 4 <= jb:
+        p0 = _q.ld(s, j)
+        p1 = _q.ld(s, j + 1)
+        p2 = _q.ld(s, j + 2)
+        p3 = _q.ld(s, j + 3)
+        v0 = j * dv
+        for i in range(dv):
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + (p0 * _q.ld(vt, v0 + i) + p1 * _q.ld(vt, v0 + dv + i)
+                                                     + p2 * _q.ld(vt, v0 + 2 * dv + i)
+                                                     + p3 * _q.ld(vt, v0 + 3 * dv + i)))
+        j += 4
+    while j < jb:
+        pj = _q.ld(s, j)
+        vo = j * dv
+        for i in range(dv):
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+        j += 1
+
+
+@njit(**_JIT_VEC)
+def _scale_row(acc, ao, f, n):
+    for i in range(n):
+        _q.st(acc, ao + i, _q.ld(acc, ao + i) * f)
+
+
+@njit(**_JIT_VEC)
+def run_task(op, tasks, ti, pml, pacc):
+    """Task ``ti``: its query rows of every head of KV head g over keys k_lo..k_hi-1 (masked
+    per row: causal and window), online softmax; the normalised result into out (part < 0)
+    or (m, l, acc) into partial slot ``part`` of pml float64 [*, RMAX, 2] / pacc float32
+    [*, RMAX, Dv] (flat)."""
+    nh, d, dv, group, bk = op[O_NH], op[O_D], op[O_DV], op[O_GROUP], op[O_BK]
+    ntok = op[O_NTOK]
+    tb = ti * TASK_W
+    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
+    g, k_lo, k_hi, part = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6], tasks[tb + 7]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    window = op[O_WINDOW]
+    nq = t_hi - t_lo
+    R = nq * group
+    q = _q.view_f32(op[O_Q], ntok * nh * d)
+    qb = np.empty(R * d, np.float32)
+    for tt in range(nq):
+        for hh in range(group):
+            qo = ((t_lo + tt) * nh + g * group + hh) * d
+            for i in range(d):
+                qb[(tt * group + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    m = np.full(R, -np.inf, np.float32)
+    lsum = np.zeros(R, np.float64)
+    acc = np.zeros(R * dv, np.float32)
+    kt = np.empty(bk * d, np.float32)
+    vt = np.empty(bk * dv, np.float32)
+    s = np.empty(bk, np.float32)
+    p_last = p0 + nq - 1
+    j_end = min(k_hi, p_last + 1)
+    j_start = k_lo
+    if window > 0:
+        j_start = max(k_lo, p0 - window + 1)
+    kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
+    vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    for j0 in range(j_start, j_end, bk):
+        nb = min(bk, j_end - j0)
+        _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+        _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            ja, jb = jlo - j0, jhi - j0
+            for hh in range(group):
+                r = tt * group + hh
+                mx = max(m[r], _scores(qb, r * d, kt, s, 0, ja, jb, d, scale))
+                if mx > m[r]:
+                    if m[r] > -np.inf:
+                        f = np.exp(m[r] - mx)
+                        lsum[r] *= np.float64(f)
+                        _scale_row(acc, r * dv, f, dv)
+                    m[r] = mx
+                lsum[r] += _exp_shifted(s, ja, jb, mx)
+                _pv(acc, r * dv, s, vt, ja, jb, dv)
+    if part < 0:
+        out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+        sinks = _q.view_f32(op[O_SINKS], nh)
+        for tt in range(nq):
+            for hh in range(group):
+                r = tt * group + hh
+                h = g * group + hh
+                _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, r * dv, m[r], lsum[r], dv,
+                            op[O_HAS_SINKS] != 0, sinks[h])
+    else:
+        rmax = op[O_RMAX]
+        for r in range(R):
+            pml[(part * rmax + r) * 2] = m[r]
+            pml[(part * rmax + r) * 2 + 1] = lsum[r]
+            o = (part * rmax + r) * dv
+            for i in range(dv):
+                pacc[o + i] = acc[r * dv + i]
+
+
+@njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
+def _pv_exact(acc, ao, p, po, vt, ja, jb, dv):
+    """acc[ao:ao+dv] += p[po + j] * vt[j] for j in ja..jb-1 in key order, in vector lanes over
+    the value dims. Fused multiply-adds allowed: p and a float16 cache's v are float16 values,
+    whose product is exact in float32, so the rounding is the scalar reference's (measured:
+    P.V 10.6 -> 4.3 ns per (row, key) at Dv = 128)."""
+    j = ja
+    while j + 4 <= jb:  # four keys per pass over the accumulator, the additions still in key order
+        p0 = _q.ld(p, po + j)
+        p1 = _q.ld(p, po + j + 1)
+        p2 = _q.ld(p, po + j + 2)
+        p3 = _q.ld(p, po + j + 3)
+        v0 = j * dv
+        for i in range(dv):
+            a = _q.ld(acc, ao + i) + p0 * _q.ld(vt, v0 + i)
+            a = a + p1 * _q.ld(vt, v0 + dv + i)
+            a = a + p2 * _q.ld(vt, v0 + 2 * dv + i)
+            _q.st(acc, ao + i, a + p3 * _q.ld(vt, v0 + 3 * dv + i))
+        j += 4
+    while j < jb:
+        pj = _q.ld(p, po + j)
+        vo = j * dv
+        for i in range(dv):
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+        j += 1
+
+
+@njit(**_JIT_VEC)
+def _normalise_f16(sc, a, b, inv):
+    """sc[j] = float16(sc[j] * inv) (as float32) for j in a..b-1."""
+    for j in range(a, b):
+        _q.st(sc, j, _f16_bits_to_f32(_f32_to_f16_bits(_q.ld(sc, j) * inv)))
+
+
+@njit(**_JIT_VEC)
+def run_task_exact(op, tasks, ti):
+    """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
+    every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
+    a scratch [R, L] while streaming K once, then per row the maximum, the float64 sum of the
+    exponentials and the float16-rounded probabilities, then P.V streaming V once."""
+    nh, d, dv, group, bk = op[O_NH], op[O_D], op[O_DV], op[O_GROUP], op[O_BK]
+    ntok = op[O_NTOK]
+    tb = ti * TASK_W
+    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
+    g, h_lo, h_hi = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    window = op[O_WINDOW]
+    nq = t_hi - t_lo
+    gh = h_hi - h_lo
+    R = nq * gh
+    q = _q.view_f32(op[O_Q], ntok * nh * d)
+    qb = np.empty(R * d, np.float32)
+    for tt in range(nq):
+        for hh in range(gh):
+            qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
+            for i in range(d):
+                qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    j_end = p0 + nq
+    j_start = 0
+    if window > 0:
+        j_start = max(0, p0 - window + 1)
+    L = j_end - j_start
+    sc = np.empty(R * L, np.float32)
+    mrow = np.full(R, -np.inf, np.float32)
+    acc = np.zeros(R * dv, np.float32)
+    kt = np.empty(bk * max(d, dv), np.float32)
+    kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
+    vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    for j0 in range(j_start, j_end, bk):
+        nb = min(bk, j_end - j0)
+        _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            hh = 0
+            while hh + 2 <= gh:  # two heads of the token at a time: each K chunk loaded once for both
+                r = tt * gh + hh
+                m0, m1 = _scores2(qb, r * d, kt, sc, r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
+                if m0 > mrow[r]:
+                    mrow[r] = m0
+                if m1 > mrow[r + 1]:
+                    mrow[r + 1] = m1
+                hh += 2
+            if hh < gh:
+                r = tt * gh + hh
+                mx = _scores(qb, r * d, kt, sc, r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+                if mx > mrow[r]:
+                    mrow[r] = mx
+    sinks = _q.view_f32(op[O_SINKS], nh)
+    has_sinks = op[O_HAS_SINKS] != 0
+    for tt in range(nq):
+        p = p0 + tt
+        lo = j_start
+        if window > 0 and p - window + 1 > lo:
+            lo = p - window + 1
+        for hh in range(gh):
+            r = tt * gh + hh
+            mx = mrow[r]
+            h = g * group + h_lo + hh
+            if has_sinks and sinks[h] > mx:
+                mx = sinks[h]
+            a = r * L + lo - j_start
+            b = r * L + p + 1 - j_start
+            total = _exp_shifted(sc, a, b, mx)
+            if has_sinks:
+                total += np.float64(np.exp(sinks[h] - mx))
+            _normalise_f16(sc, a, b, np.float32(1.0 / total))
+    for j0 in range(j_start, j_end, bk):
+        nb = min(bk, j_end - j0)
+        _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, kt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(gh):
+                r = tt * gh + hh
+                _pv_exact(acc, r * dv, sc, r * L + j0 - j_start, kt, jlo - j0, jhi - j0, dv)
+    out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+    for tt in range(nq):
+        for hh in range(gh):
+            r = tt * gh + hh
+            o = ((t_lo + tt) * nh + g * group + h_lo + hh) * dv
+            for i in range(dv):
+                _q.st(out, o + i, acc[r * dv + i])
+
+
+@njit(**_JIT_VEC)
+def _part_rows(op, tasks, ti, meta):
+    """(seq, t_lo, nq, p0, g, heads part gh, h_lo, key range, meta row) of split part ``ti``."""
+    tb = ti * TASK_W
+    mi = tasks[tb + 7]
+    mb = mi * META_W
+    return (tasks[tb], tasks[tb + 1], tasks[tb + 2] - tasks[tb + 1], tasks[tb + 3], tasks[tb + 4],
+            meta[mb + 4] - meta[mb + 3], meta[mb + 3], tasks[tb + 5], tasks[tb + 6], mb)
+
+
+@njit(**_JIT_VEC)
+def run_part_k(op, tasks, ti, meta, sc):
+    """Exact split, phase 0: the scores of keys kp_lo..kp_hi-1 for the group's rows into the
+    group's scores buffer (as run_task_exact's first pass, over one key range)."""
+    seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
+    nh, d, group, bk = op[O_NH], op[O_D], op[O_GROUP], op[O_BK]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    window = op[O_WINDOW]
+    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
+    q = _q.view_f32(op[O_Q], op[O_NTOK] * nh * d)
+    qb = np.empty(nq * gh * d, np.float32)
+    for tt in range(nq):
+        for hh in range(gh):
+            qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
+            for i in range(d):
+                qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    kt = np.empty(bk * d, np.float32)
+    kseq, kpos, khead = op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        _load_rows(op[O_KC], op[O_KFMT], seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            hh = 0
+            while hh + 2 <= gh:  # the same head pairing as run_task_exact: the same bits per (row, key)
+                r = tt * gh + hh
+                _scores2(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
+                hh += 2
+            if hh < gh:
+                r = tt * gh + hh
+                _scores(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+
+
+@njit(**_JIT_VEC)
+def run_norm(op, tasks, meta, mi, sc):
+    """Exact split, phase 1: per row of group ``mi`` the maximum over all its keys (and the
+    sink), the float64 sum of the exponentials in key order, float16 probabilities in place."""
+    mb = mi * META_W
+    ti = meta[mb + 5]
+    tb = ti * TASK_W
+    nq, p0, g = tasks[tb + 2] - tasks[tb + 1], tasks[tb + 3], tasks[tb + 4]
+    sc_off, L, j_start, h_lo, gh = meta[mb], meta[mb + 1], meta[mb + 2], meta[mb + 3], meta[mb + 4] - meta[mb + 3]
+    nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
+    sinks = _q.view_f32(op[O_SINKS], nh)
+    has_sinks = op[O_HAS_SINKS] != 0
+    for tt in range(nq):
+        p = p0 + tt
+        lo = j_start
+        if window > 0 and p - window + 1 > lo:
+            lo = p - window + 1
+        for hh in range(gh):
+            r = tt * gh + hh
+            a = sc_off + r * L + lo - j_start
+            b = sc_off + r * L + p + 1 - j_start
+            mx = np.float32(-np.inf)
+            for j in range(a, b):
+                mx = max(mx, _q.ld(sc, j))
+            h = g * group + h_lo + hh
+            if has_sinks and sinks[h] > mx:
+                mx = sinks[h]
+            total = _exp_shifted(sc, a, b, mx)
+            if has_sinks:
+                total += np.float64(np.exp(sinks[h] - mx))
+            _normalise_f16(sc, a, b, np.float32(1.0 / total))
+
+
+@njit(**_JIT_VEC)
+def run_part_v(op, tasks, ti, meta, sc, pacc):
+    """Exact split, phase 2: P.V over keys kp_lo..kp_hi-1 into this part's partial rows."""
+    seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
+    dv, bk, window = op[O_DV], op[O_BK], op[O_WINDOW]
+    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
+    R = nq * gh
+    ao = (meta[mb + 7] + (ti - meta[mb + 5]) * R) * dv  # meta[7]: the group's first partial row
+    for i in range(R * dv):
+        pacc[ao + i] = 0.0
+    vt = np.empty(bk * dv, np.float32)
+    vseq, vpos, vhead = op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        _load_rows(op[O_VC], op[O_VFMT], seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
+        for tt in range(nq):
+            p = p0 + tt
+            jlo = j0
+            if window > 0 and p - window + 1 > jlo:
+                jlo = p - window + 1
+            jhi = min(j0 + nb, p + 1)
+            if jhi <= jlo:
+                continue
+            for hh in range(gh):
+                r = tt * gh + hh
+                _pv_exact(pacc, ao + r * dv, sc, sc_off + r * L + j0 - j_start, vt, jlo - j0, jhi - j0, dv)
+
+
+@njit(**_JIT_VEC)
+def run_combine(op, tasks, meta, mi, pacc):
+    """Exact split, phase 3: out = the parts' partial P.V summed in part (key) order."""
+    mb = mi * META_W
+    ti = meta[mb + 5]
+    tb = ti * TASK_W
+    t_lo, nq, g = tasks[tb + 1], tasks[tb + 2] - tasks[tb + 1], tasks[tb + 4]
+    h_lo, gh, n_parts, acc0 = meta[mb + 3], meta[mb + 4] - meta[mb + 3], meta[mb + 6], meta[mb + 7]
+    nh, dv, group = op[O_NH], op[O_DV], op[O_GROUP]
+    R = nq * gh
+    out = _q.view_f32(op[O_OUT], op[O_NTOK] * nh * dv)
+    for tt in range(nq):
+        for hh in range(gh):
+            r = tt * gh + hh
+            o = ((t_lo + tt) * nh + g * group + h_lo + hh) * dv
+            for i in range(dv):
+                a = _q.ld(pacc, (acc0 + r) * dv + i)
+                for c in range(1, n_parts):
+                    a += _q.ld(pacc, (acc0 + c * R + r) * dv + i)
+                _q.st(out, o + i, a)
+
+
+@njit(**_JIT_VEC)
+def _finish_row(out, o, acc, ao, m, lsum, dv, has_sink, sink):
+    """out[o:o+dv] = acc[r] / l, the sink logit joining the maximum and the sum first."""
+    f = np.float32(1.0)
+    if has_sink:
+        mx = max(m, sink)
+        f = np.exp(m - mx) if m > -np.inf else np.float32(0.0)
+        lsum = lsum * np.float64(f) + np.float64(np.exp(sink - mx))
+    inv = np.float32(1.0 / lsum) * f if lsum > 0 else np.float32(0.0)
+    for i in range(dv):
+        _q.st(out, o + i, _q.ld(acc, ao + i) * inv)
+
+
+@njit(**_JIT_VEC)
+def run_merge(op, tasks, first, n_parts, pml, pacc):
+    """Combine the partial results of tasks first..first+n_parts-1 (same rows and head,
+    consecutive key ranges) into out: M = max m_c, l = sum l_c exp(m_c - M), acc likewise."""
+    nh, dv, group, rmax, ntok = op[O_NH], op[O_DV], op[O_GROUP], op[O_RMAX], op[O_NTOK]
+    tb = first * TASK_W
+    t_lo, t_hi, g = tasks[tb + 1], tasks[tb + 2], tasks[tb + 4]
+    nq = t_hi - t_lo
+    out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+    sinks = _q.view_f32(op[O_SINKS], nh)
+    acc = np.zeros(dv, np.float32)
+    for tt in range(nq):
+        for hh in range(group):
+            r = tt * group + hh
+            mx = np.float32(-np.inf)
+            for c in range(n_parts):
+                part = tasks[(first + c) * TASK_W + 7]
+                mc = np.float32(pml[(part * rmax + r) * 2])
+                if mc > mx:
+                    mx = mc
+            lsum = 0.0
+            for i in range(dv):
+                acc[i] = 0.0
+            for c in range(n_parts):
+                part = tasks[(first + c) * TASK_W + 7]
+                mc = np.float32(pml[(part * rmax + r) * 2])
+                if mc == -np.inf:
+                    continue
+                f = np.exp(mc - mx)
+                lsum += pml[(part * rmax + r) * 2 + 1] * np.float64(f)
+                o = (part * rmax + r) * dv
+                for i in range(dv):
+                    _q.st(acc, i, _q.ld(acc, i) + _q.ld(pacc, o + i) * f)
+            h = g * group + hh
+            _finish_row(out, ((t_lo + tt) * nh + h) * dv, acc, 0, mx, lsum, dv, op[O_HAS_SINKS] != 0, sinks[h])
+
+
+# Item fields: (K_CALL, fn address, kind, a, b): kind 0 = online task a; kind 1 = merge of
+# online tasks a..a+b-1; kind 2 = exact (two-pass) task a; kinds 3-6 = the exact split
+# decode's phases (K part a, normalise group a, V part a, combine group a).
+def _item(items_ptr, i, op_ptr):
+    """A K_CALL item (compiled as a cfunc of pool.CALL_ITEM_SIG by item_address)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, OP_LEN)
+    b = i * _pool.ITEM_W
+    tasks = _q.view_i64(op[O_TASKS], 1)
+    pml = _view_f64(op[O_PML], 1)
+    pacc = _q.view_f32(op[O_PACC], 1)
+    kind = it[b + 2]
+    if kind == 2:
+        run_task_exact(op, tasks, it[b + 3])
+    elif kind >= 3:
+        meta = _q.view_i64(op[O_META], 1)
+        sc = _q.view_f32(op[O_SC], 1)
+        if kind == 3:
+            run_part_k(op, tasks, it[b + 3], meta, sc)
+        elif kind == 4:
+            run_norm(op, tasks, meta, it[b + 3], sc)
+        elif kind == 5:
+            run_part_v(op, tasks, it[b + 3], meta, sc, pacc)
+        else:
+            run_combine(op, tasks, meta, it[b + 3], pacc)
+    elif kind == 0:
+        run_task(op, tasks, it[b + 3], pml, pacc)
+    else:
+        run_merge(op, tasks, it[b + 3], it[b + 4], pml, pacc)
+
+
+_ITEM_CFUNC = None
+_ITEM_LOCK = threading.Lock()
+
+
+def item_address() -> int:
+    """Address of the compiled item function (pool.K_CALL), compiled or loaded once."""
+    global _ITEM_CFUNC
+    with _ITEM_LOCK:
+        if _ITEM_CFUNC is None:
+            _ITEM_CFUNC = cfunc(_pool.CALL_ITEM_SIG, nopython=True, cache=True)(_item)
+        return _ITEM_CFUNC.address
+
+
+@njit(**_JIT)
+def _run_serial(op, tasks, n_tasks, pml, pacc, exact):
+    """Every task on the calling thread (none split): small steps skip the pool dispatch."""
+    for ti in range(n_tasks):
+        if exact:
+            run_task_exact(op, tasks, ti)
+        else:
+            run_task(op, tasks, ti, pml, pacc)
+
+
+# ---------------------------------------------------------------------------------------
+# Planning and the public call
+# ---------------------------------------------------------------------------------------
+
+QUERY_ROWS = 64
+"""Query rows (query tokens x heads of one KV head) per prefill task: the tile that shares
+each K and V tile read (64 rows x 128 dims of float32 accumulators = 32 KiB)."""
+MIN_SPLIT_KEYS = 256
+"""Fewest keys per part when a decode task's key range is split over workers."""
+SERIAL_WORK = 8192
+"""Below this many (query row x key) products the step runs on the calling thread."""
+
+
+def _f32_bits(x: float) -> int:
+    """The float32 bits of ``x`` as an int (stored in the op array, read back as float32)."""
+    return int(np.float32(x).view(np.int32))
+
+
+def key_tile(d: int, dv: int) -> int:
+    """Keys per tile: K and V tiles of float32 together within ~32 KiB (L1d)."""
+    return int(max(16, min(128, 8192 // max(1, d + dv) // 16 * 16)))
+
+
+SCORE_BUDGET = 1 << 18
+"""Most float32 scores one exact task holds (1 MiB): long prefills get shorter query tiles."""
+
+
+def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, n_kv: int = 1):
+    """The online mode's tiles, largest first: (cost, seq, t0, t1, p0, k_lo, k_hi, split).
+
+    A span's queries are cut into tiles of QUERY_ROWS // group tokens; when the step has
+    fewer than 2 x workers tiles over the ``n_kv`` KV heads, ``split`` > 1 says how many key
+    ranges (at least MIN_SPLIT_KEYS keys each) to cut each tile into. (The default mode plans
+    in compiled code: :func:`_plan_exact`.)"""
+    base = []
+    for seq, a, e, n0 in spans:
+        tq = max(1, QUERY_ROWS // group)
+        for t0 in range(a, e, tq):
+            t1 = min(e, t0 + tq)
+            p0 = n0 + t0 - a
+            k_hi = p0 + (t1 - t0)
+            k_lo = max(0, p0 - window + 1) if window > 0 else 0
+            base.append((seq, t0, t1, p0, k_lo, k_hi))
+    tasks = []
+    for seq, t0, t1, p0, k_lo, k_hi in base:
+        cost = (t1 - t0) * (k_hi - k_lo)
+        split = 1
+        if n_workers > 1 and len(base) * n_kv < 2 * n_workers:
+            split = max(1, min((k_hi - k_lo) // MIN_SPLIT_KEYS, -(-2 * n_workers // (len(base) * n_kv))))
+        tasks.append((cost, seq, t0, t1, p0, k_lo, k_hi, split))
+    tasks.sort(key=lambda x: -x[0])
+    return tasks
+
+
+class _Plan:
+    __slots__ = ("items", "bounds", "tasks", "pml", "pacc", "n_tasks", "serial")
+
+
+def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int) -> _Plan:
+    """The online mode's tasks, partial slots and job (whole tiles, then key parts and merges)."""
+    base = plan_tasks(spans, group, n_workers, window, n_kv=nkv)
+    rows: list[tuple] = []
+    merges: list[tuple[int, int]] = []
+    split_rows: list[tuple] = []
+    n_parts = 0
+    work = 0
+    for cost, seq, t0, t1, p0, k_lo, k_hi, split in base:
+        work += cost * group * nkv
+        for g in range(nkv):
+            if split <= 1:
+                rows.append((seq, t0, t1, p0, g, k_lo, k_hi, -1))
+            else:
+                first = len(split_rows)
+                n = k_hi - k_lo
+                for c in range(split):
+                    a = k_lo + n * c // split
+                    b = k_lo + n * (c + 1) // split
+                    split_rows.append((seq, t0, t1, p0, g, a, b, n_parts))
+                    n_parts += 1
+                merges.append((first, split))
+    pl = _Plan()
+    n_direct = len(rows)
+    all_rows = rows + split_rows
+    pl.tasks = np.ascontiguousarray(np.array(all_rows, dtype=np.int64).reshape(-1, TASK_W))
+    pl.n_tasks = len(all_rows)
+    pl.serial = not split_rows and (n_workers <= 1 or work < SERIAL_WORK)
+    pl.pml = np.zeros(max(1, n_parts * rmax * 2), np.float64)
+    pl.pacc = np.zeros(max(1, n_parts * rmax * dv), np.float32)
+    if pl.serial:
+        pl.items = pl.bounds = None
+        return pl
+    fn = item_address()
+    it0 = [(_pool.K_CALL, fn, 0, i) for i in range(pl.n_tasks)]
+    # split parts first (they gate the merge phase), then whole tasks largest first
+    phase0 = it0[n_direct:] + it0[:n_direct]
+    phase1 = [(_pool.K_CALL, fn, 1, n_direct + first, n) for first, n in merges]
+    job = _pool.Job.build([[phase0], [phase1]] if phase1 else [[phase0]], np.zeros(1, np.int64))
+    pl.items, pl.bounds = job.items, job.bounds
+    return pl
+
+
+@njit(**_JIT)
+def _plan_exact(spans, group, nkv, n_workers, window, qrows, budget, min_keys):
+    """The default mode's plan in one compiled call (the per-layer Python cost of a decode
+    step matters). Tiles of (sequence, KV head, query tokens); when the step has fewer tiles
+    than 2 x workers, a tile with at least 2 x ``min_keys`` keys is split by key range into
+    parts (phases: K parts, normalise, V parts, combine).
+
+    Returns (tasks int64 [m, TASK_W]: the whole tiles (largest first), then the parts;
+    meta int64 [groups, META_W]; n_direct; work (query row x key products); scores floats;
+    partial-accumulator rows x 1 (times Dv by the caller))."""
+    n_sp = spans.shape[0]
+    tqs = np.empty(n_sp, np.int64)
+    ntile = 0
+    for i in range(n_sp):
+        a, e, n0 = spans[i, 1], spans[i, 2], spans[i, 3]
+        k_lo0 = max(0, n0 - window + 1) if window > 0 else 0
+        tq = max(1, qrows // group)
+        tq = max(1, min(tq, budget // (group * max(1, n0 + e - a - k_lo0))))
+        tqs[i] = tq
+        ntile += (e - a + tq - 1) // tq
+    want = 0
+    if n_workers > 1 and ntile * nkv < 2 * n_workers:
+        want = (2 * n_workers + ntile * nkv - 1) // (ntile * nkv)
+    cap = ntile * nkv * max(1, want)
+    tasks = np.empty((cap, TASK_W), np.int64)
+    parts = np.empty((cap, TASK_W), np.int64)
+    meta = np.empty((ntile * nkv, META_W), np.int64)
+    cost = np.empty(cap, np.int64)
+    n_direct = 0
+    n_parts = 0
+    n_groups = 0
+    sc_size = 0
+    acc_rows = 0
+    work = 0
+    for i in range(n_sp):
+        seq, a, e, n0 = spans[i, 0], spans[i, 1], spans[i, 2], spans[i, 3]
+        tq = tqs[i]
+        for t0 in range(a, e, tq):
+            t1 = min(e, t0 + tq)
+            p0 = n0 + t0 - a
+            k_hi = p0 + (t1 - t0)
+            k_lo = max(0, p0 - window + 1) if window > 0 else 0
+            L = k_hi - k_lo
+            c = (t1 - t0) * L
+            work += c * group * nkv
+            split = min(want, L // min_keys) if want > 1 else 1
+            for g in range(nkv):
+                if split < 2:
+                    tasks[n_direct, 0] = seq
+                    tasks[n_direct, 1] = t0
+                    tasks[n_direct, 2] = t1
+                    tasks[n_direct, 3] = p0
+                    tasks[n_direct, 4] = g
+                    tasks[n_direct, 5] = 0
+                    tasks[n_direct, 6] = group
+                    tasks[n_direct, 7] = 0
+                    cost[n_direct] = c * group
+                    n_direct += 1
+                    continue
+                R = (t1 - t0) * group
+                mi = n_groups
+                meta[mi, 0] = sc_size
+                meta[mi, 1] = L
+                meta[mi, 2] = k_lo
+                meta[mi, 3] = 0
+                meta[mi, 4] = group
+                meta[mi, 5] = n_parts  # relative to the parts block; fixed up by the caller
+                meta[mi, 6] = split
+                meta[mi, 7] = acc_rows
+                sc_size += R * L
+                acc_rows += split * R
+                for cc in range(split):
+                    parts[n_parts, 0] = seq
+                    parts[n_parts, 1] = t0
+                    parts[n_parts, 2] = t1
+                    parts[n_parts, 3] = p0
+                    parts[n_parts, 4] = g
+                    parts[n_parts, 5] = k_lo + L * cc // split
+                    parts[n_parts, 6] = k_lo + L * (cc + 1) // split
+                    parts[n_parts, 7] = mi
+                    n_parts += 1
+                n_groups += 1
+    order = np.argsort(-cost[:n_direct], kind="mergesort")
+    out = np.empty((n_direct + n_parts, TASK_W), np.int64)
+    for k in range(n_direct):
+        out[k] = tasks[order[k]]
+    for k in range(n_parts):
+        out[n_direct + k] = parts[k]
+    for mi in range(n_groups):
+        meta[mi, 5] += n_direct
+    return out, meta[:n_groups].copy(), n_direct, work, sc_size, acc_rows
+
+
+@njit(**_JIT)
+def _first_bad_span(sp, n_tok, n_seq, n_ctx):
+    """Index of the first span (seq, a, e, n0) outside q's rows or the cache, else -1."""
+    for i in range(sp.shape[0]):
+        seq, a, e, n0 = sp[i, 0], sp[i, 1], sp[i, 2], sp[i, 3]
+        if seq < 0 or seq >= n_seq or a < 0 or e <= a or e > n_tok or n0 < 0 or n0 + e - a > n_ctx:
+            return i
+    return -1
+
+
+@njit(**_JIT)
+def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks, sc, meta):
+    op[O_SC] = sc.ctypes.data
+    op[O_META] = meta.ctypes.data
+    op[O_Q] = q.ctypes.data
+    op[O_KC] = kc.ctypes.data
+    op[O_VC] = vc.ctypes.data
+    op[O_OUT] = out.ctypes.data
+    op[O_TASKS] = tasks.ctypes.data
+    op[O_PML] = pml.ctypes.data
+    op[O_PACC] = pacc.ctypes.data
+    op[O_SINKS] = sinks.ctypes.data
+
+
+_NO_SINKS = np.zeros(1, np.float32)
+_NO_PML = np.zeros(1, np.float64)
+_NO_PACC = np.zeros(1, np.float32)
+_NO_META = np.zeros((1, META_W), np.int64)
 
 
 def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: float, out: np.ndarray, *,
-           window: int = 0, sinks: np.ndarray | None = None) -> None:
+           window: int = 0, sinks: np.ndarray | None = None, online: bool = False) -> None:
     """Causal attention of every span's new queries over its sequence's cache (already
     holding the new keys), written to ``out``.
 
-    ops: the CPU kernel backend (moe_service.engine.ops.CpuOps; its worker pool may run the
-    work); q: float32 [T, NH, D]; out: float32 [T, NH, Dv]; NH a multiple of NKV (query head
-    h reads KV head h // (NH / NKV)); scale: float (usually 1/sqrt(D)); window: 0 for full
-    causal attention, else the sliding window in tokens; sinks: float32 [NH] or None.
-    Raises ValueError for inconsistent shapes (never reads outside the caches).
+    ops: the CPU kernel backend (moe_service.engine.ops.CpuOps, whose worker ``pool`` runs the
+    tasks; None or an object without a pool: the calling thread runs them); q: float32
+    [T, NH, D]; out: float32 [T, NH, Dv]; NH a multiple of NKV (query head h reads KV head
+    h // (NH / NKV)); scale: float (usually 1/sqrt(D)); window: 0 for full causal attention,
+    else the sliding window in tokens; sinks: float32 [NH] or None; online: the one-pass
+    online softmax (flash attention; decode splits key ranges over the workers) instead of the
+    default two-pass contract (module docstring). Caches in either format. Raises ValueError
+    for inconsistent shapes or a span outside the cache (never reads outside the caches).
     """
     nh, d = q.shape[1], q.shape[2]
+    kfmt, vfmt = cache_format(kc), cache_format(vc)
     nkv = kc.shape[2]
-    if nkv == 0 or nh % nkv or kc.shape[3] != d or vc.shape[2] != nkv or out.shape[2] > vc.shape[3] or out.shape[1] != nh:
+    dk, dvc = cache_head_dim(kc), cache_head_dim(vc)
+    dv = out.shape[2]
+    if (nkv == 0 or nh % nkv or dk != d or vc.shape[2] != nkv or dv > dvc or out.shape[1] != nh
+            or out.shape[0] != q.shape[0] or vc.shape[:2] != kc.shape[:2]
+            or (kfmt == FMT_Q8_0 and d % Q8_0_BLOCK) or (vfmt == FMT_Q8_0 and dv % Q8_0_BLOCK)):
         raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} do not agree")
     if sinks is not None and sinks.shape[0] != nh:
         raise ValueError(f"attention: {sinks.shape[0]} sinks for {nh} heads")
+    T = q.shape[0]
+    sp = np.asarray(spans, dtype=np.int64).reshape(-1, 4)
+    i = _first_bad_span(sp, T, kc.shape[0], kc.shape[1])
+    if i >= 0:
+        raise ValueError(f"attention: span {tuple(int(x) for x in sp[i])} is outside q ({T} rows) or the cache "
+                         f"{kc.shape}")
+    if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+        raise ValueError("attention: the caches must be C-contiguous")
+    group = nh // nkv
+    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    o32 = out if (out.dtype == np.float32 and out.flags.c_contiguous) else np.empty(out.shape, np.float32)
     s = np.ascontiguousarray(sinks, dtype=np.float32) if sinks is not None else _NO_SINKS
-    for seq, a, e, n0 in spans:
-        if n0 + (e - a) > kc.shape[1]:
-            raise ValueError(f"attention: sequence {seq} needs {n0 + (e - a)} cache rows of {kc.shape[1]}")
-        _attend_span(q, kc, vc, seq, a, e, n0, np.float32(scale), int(window), s, sinks is not None, out)
+    pool = getattr(ops, "pool", None)
+    n_workers = pool.n_workers if pool is not None else 1
+    rmax = max(1, QUERY_ROWS // group) * group
+    window = int(window)
+    sc, meta = _NO_PACC, _NO_META
+    if online:
+        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
+        tasks, pml, pacc, serial, n_tasks = pl.tasks, pl.pml, pl.pacc, pl.serial, pl.n_tasks
+    else:
+        tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, n_workers, window, QUERY_ROWS,
+                                                                     SCORE_BUDGET, MIN_SPLIT_KEYS)
+        pml, n_tasks = _NO_PML, tasks.shape[0]
+        pacc = np.empty(acc_rows * dv, np.float32) if acc_rows else _NO_PACC
+        if sc_size:
+            sc = np.empty(sc_size, np.float32)
+        serial = n_workers <= 1 or (work < SERIAL_WORK and n_direct == n_tasks)
+        if serial and n_direct != n_tasks:  # (one worker: plan again without splits)
+            tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, 1, window, QUERY_ROWS,
+                                                                         SCORE_BUDGET, MIN_SPLIT_KEYS)
+            n_tasks = tasks.shape[0]
+    op = np.empty(OP_LEN, np.int64)
+    krow, vrow = kc.shape[3], vc.shape[3]
+    _fill_addresses(op, q32, kc, vc, o32, tasks, pml, pacc, s, sc, meta)
+    op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
+                           kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
+                           vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
+                           _f32_bits(scale), window, int(sinks is not None), rmax, T)
+    if serial:
+        _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
+    elif online:
+        pool.run_arrays(pl.items, pl.bounds, op)
+    else:
+        n_parts, n_groups = n_tasks - n_direct, meta.shape[0]
+        n_items = n_tasks + n_groups + n_parts + n_groups if n_groups else n_tasks
+        items = np.zeros((n_items, _pool.ITEM_W), np.int64)
+        items[:, 0] = _pool.K_CALL
+        items[:, 1] = item_address()
+        if not n_groups:
+            items[:, 2] = 2
+            items[:, 3] = np.arange(n_tasks)
+            bounds = np.array([[[0, n_tasks]]], np.int64)
+        else:  # phase 0: K parts, then whole tiles; 1: normalise; 2: V parts; 3: combine
+            k = 0
+            for kind, idx in ((3, np.arange(n_direct, n_tasks)), (2, np.arange(n_direct)),
+                              (4, np.arange(n_groups)), (5, np.arange(n_direct, n_tasks)), (6, np.arange(n_groups))):
+                items[k:k + idx.size, 2] = kind
+                items[k:k + idx.size, 3] = idx
+                k += idx.size
+            e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
+            bounds = np.array([[[0, e0]], [[e0, e1]], [[e1, e2]], [[e2, n_items]]], np.int64)
+        pool.run_arrays(items, bounds, op)
+    if o32 is not out:
+        out[...] = o32

@@ -58,12 +58,14 @@ class BatchLoop:
     ``liveness``: a notify.Liveness advanced every iteration; ``metrics``: an object with
     ``observe_step(sequences, tokens, seconds)``, ``observe_first_token(seconds)``,
     ``observe_token_gap(seconds)``, ``set_load(waiting, active)`` (moe_service.metrics.Metrics)
-    or None.
+    or None; ``prefix_cache``: a moe_service.engine.prefix.PrefixCache (a new request starts
+    from the longest prefix held; prompts are published when their prefill completes and
+    again at a normal finish), or None.
     """
 
     def __init__(self, engine: Engine, *, parallel: int = 4, queue_size: int = 16, retry_after_s: int = 1,
                  liveness=None, metrics=None, idle_wait_s: float = 0.1, max_failed_steps: int = 5,
-                 stall_s: float = 120.0):
+                 stall_s: float = 120.0, prefix_cache=None):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1 (got {parallel})")
         self.engine = engine
@@ -74,6 +76,7 @@ class BatchLoop:
         self.liveness = liveness
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
+        self.prefix_cache = prefix_cache  # engine/prefix.py PrefixCache, or None
         self.ubatch_tokens = max(1, engine.ubatch_tokens)
         self._cv = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()
@@ -251,7 +254,11 @@ class BatchLoop:
         seq = self.engine.new_sequence(req)
         self._active.append(seq)
         try:
-            seq.slot = self.model.kv.alloc()
+            if self.prefix_cache is not None:
+                seq.slot, seq.n_prefilled = self.prefix_cache.acquire(req.prompt_ids)
+                seq.cached_tokens = seq.n_prefilled
+            else:
+                seq.slot = self.model.kv.alloc()
         except Exception as e:  # more admitted than the KV cache has slots: a configuration bug
             log.error("engine_slot_alloc_failed", request_id=req.request_id, error=str(e))
             self._fail(seq, RequestError(f"no free sequence slot: {e}", status=500, type="server_error",
@@ -357,6 +364,7 @@ class BatchLoop:
                 seq.n_prefilled += n_prompt
                 if seq.prefilling:
                     continue
+                self._publish(seq, seq.prompt_ids)
             try:
                 ev = seq.accept(rows[i])
             except Exception as e:
@@ -374,6 +382,8 @@ class BatchLoop:
             seq.t_last_token_s = now
             self._emit(seq, ev)
             if ev.final:
+                if ev.finish_reason is not None:  # rows of the prompt and every fed token are complete
+                    self._publish(seq, seq.prompt_ids + seq.generated[:-1])
                 self._release(seq)
 
     def _start_masks(self, entries: list[tuple[Sequence, int]]):
@@ -404,6 +414,15 @@ class BatchLoop:
             fut.result()
         except Exception as e:  # computed again (and reported) on the engine thread by accept()
             log.warning("grammar_mask_failed", error=f"{type(e).__name__}: {e}")
+
+    def _publish(self, seq: Sequence, tokens: list[int]) -> None:
+        """Offer the slot's computed rows to the prefix cache (never fails the request)."""
+        if self.prefix_cache is None or seq.slot is None:
+            return
+        try:
+            self.prefix_cache.publish(seq.slot, tokens)
+        except Exception as e:
+            log.warning("prefix_cache_publish_failed", request_id=seq.request.request_id, error=str(e))
 
     def _drain_on_stop(self) -> None:
         with self._cv:

@@ -25,8 +25,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from moe_service.memory import reserve_thp_arena
-
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 
 
@@ -117,20 +115,10 @@ def rope(x, positions, cos, sin, rope_dim, neox):
 
 
 @njit(**_JIT)
-def store_kv(k, v, kc, vc, seq, n0):
-    """Append k, v (float32 [n, NKV, D]) to the float16 caches kc, vc (uint16 [S, C, NKV, D])
-    of sequence ``seq`` at positions n0 .. n0+n-1."""
-    for t in range(k.shape[0]):
-        for h in range(k.shape[1]):
-            for i in range(k.shape[2]):
-                kc[seq, n0 + t, h, i] = _f32_to_f16_bits(k[t, h, i])
-            for i in range(v.shape[2]):
-                vc[seq, n0 + t, h, i] = _f32_to_f16_bits(v[t, h, i])
-
-
-@njit(**_JIT)
 def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
-    """Causal attention of n new tokens (positions n0..n0+n-1) of one sequence over its cache.
+    """Causal attention of n new tokens (positions n0..n0+n-1) of one sequence over its cache:
+    the single-threaded scalar statement of engine/attention.py's default (two-pass) contract,
+    kept as the tests' reference (the engine calls engine/attention.py).
 
     q: float32 [n, NH, D]; kc, vc: uint16 float16 caches [S, C, NKV, D] already holding the new
     tokens; out: float32 [n, NH, Dv]; kf, vf: float32 scratch [>= n0 + n, NKV, D|Dv];
@@ -301,27 +289,11 @@ def route(logits, k, gating, norm, scale, bias, has_bias, n_group, n_group_used,
 
 def _resident_zeros_u16(shape: tuple[int, ...]) -> np.ndarray:
     """uint16 zeros of ``shape`` on 2 MiB-aligned, huge-page-advised memory, every page
-    faulted in now. The KV cache is committed when the model is built (at warmup, like
-    llama.cpp's context), not page by page under a request: a sequence slot's first prompt
-    otherwise paid ~0.3 s of page faults on 2 cores (numpy's unaligned large allocations
-    fault slowly), which was the first 4-stream batch's time to first token."""
+    faulted in now (the engine's KV cache is now moe_service.engine.kv.KVCache.allocate,
+    which does this for all layers in one mapping bound to a node)."""
+    from moe_service.memory import reserve_thp_arena
+
     n = int(np.prod(shape))
     a = reserve_thp_arena(max(2 * n, 2)).view(np.uint16)[:n].reshape(shape)
     a.fill(0)
     return a
-
-
-class KVCacheF16:
-    """Per-layer float16 K and V caches as uint16 bit arrays [S, C, NKV, D] (numba has no
-    float16 type), plus each sequence slot's length; the CPU counterpart of model.KVCache."""
-
-    def __init__(self, n_layer: int, n_seq: int, n_ctx: int, n_kv: int, head_dim: int, head_dim_v: int):
-        self.k = [_resident_zeros_u16((n_seq, n_ctx, n_kv, head_dim)) for _ in range(n_layer)]
-        self.v = [_resident_zeros_u16((n_seq, n_ctx, n_kv, head_dim_v)) for _ in range(n_layer)]
-        self.n_ctx = n_ctx
-        self.scores = np.empty(n_ctx, np.float32)
-        self.kf = np.empty((n_ctx, n_kv, head_dim), np.float32)
-        self.vf = np.empty((n_ctx, n_kv, head_dim_v), np.float32)
-
-    def bytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)

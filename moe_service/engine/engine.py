@@ -154,6 +154,7 @@ class Event:
     error: RequestError | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
 
     @property
     def final(self) -> bool:
@@ -173,6 +174,7 @@ class Sequence:
         self.request = request
         self.prompt_ids = request.prompt_ids
         self.n_prefilled = 0  # prompt tokens already in the KV cache
+        self.cached_tokens = 0  # of which reused from earlier requests (engine/prefix.py)
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.slot: int | None = None  # the model's KV slot while the batch loop runs it
@@ -227,7 +229,8 @@ class Sequence:
     def _finish(self, reason: str, text: str, tok: int, lp: list[TokenLogprob] | None) -> Event:
         self.finish_reason = reason
         return Event(text=text, n_tokens=1, finish_reason=reason, prompt_tokens=len(self.prompt_ids),
-                     completion_tokens=len(self.generated), token_ids=[tok], logprobs=lp)
+                     completion_tokens=len(self.generated), token_ids=[tok], logprobs=lp,
+                     cached_tokens=self.cached_tokens)
 
 
 @dataclass

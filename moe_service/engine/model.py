@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from moe_service.engine import arch as archs
-from moe_service.engine import attention, cpu_layers, torch_quant
+from moe_service.engine import attention, cpu_layers, kv, torch_quant
 from moe_service.engine.arch.base import (
     ACT_SILU,
     ACT_SWIGLU_CLAMP,
@@ -171,55 +171,14 @@ class RopeTable:
 # KV cache
 
 
-class KVCache:
-    """Sequence slots of the float16 KV cache and each slot's length.
-
-    ``k``/``v``: one array per layer, [S, C, NKV, D] / [S, C, NKV, Dv] float16 values, stored
-    by the dense path (torch float16 tensors on the device, or uint16 bit arrays for the numba
-    glue); a latent layer (LayerKV.latent) has ``v[i] is k[i]``. ``layers``: the LayerKV per
-    layer. Slots are taken with :meth:`alloc` and returned with :meth:`free`; rows beyond a
-    slot's length are garbage, never read.
-    """
-
-    def __init__(self, n_seq: int, n_ctx: int, k: list, v: list, layers: list[LayerKV] | None = None):
-        self.k, self.v = k, v
-        self.layers = layers
-        self.length = [0] * n_seq
-        self.n_ctx = n_ctx
-        self._free = list(range(n_seq - 1, -1, -1))
-        self._lock = threading.Lock()
-
-    def alloc(self) -> int:
-        """A free sequence slot (empty). Raises RuntimeError when all are in use."""
-        with self._lock:
-            if not self._free:
-                raise RuntimeError("no free sequence slot in the KV cache")
-            s = self._free.pop()
-        self.length[s] = 0
-        return s
-
-    def free(self, s: int) -> None:
-        with self._lock:
-            if s not in self._free:
-                self._free.append(s)
-        self.length[s] = 0
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    def bytes(self) -> int:
-        seen, total = set(), 0
-        for t in self.k + self.v:
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            total += int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else t.nbytes
-        return total
+# The KV cache lives in moe_service.engine.kv (planned memory, formats, rows for the prefix
+# cache); the name stays importable from here.
+KVCache = kv.KVCache
 
 
 def _cache_shapes(layer: LayerKV, n_seq: int, n_ctx: int) -> tuple[tuple, tuple | None]:
-    """(k shape, v shape or None for a latent layer) of one layer's cache."""
+    """(k shape, v shape or None for a latent layer) of one layer's float16 cache on a torch
+    device (the CPU path's layout comes from kv.KVCache.allocate)."""
     if layer.latent:
         return (n_seq, n_ctx, 1, layer.key_dim), None
     return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), (n_seq, n_ctx, layer.n_head_kv, layer.value_dim)
@@ -248,14 +207,11 @@ class CpuPath:
         return RopeTable(cos, sin, dim, neox)
 
     def kv_cache(self, layers: list[LayerKV], n_seq: int, n_ctx: int) -> KVCache:
-        """Per-layer float16 caches as uint16 bit arrays, committed now (cpu_layers)."""
-        k, v = [], []
-        for layer in layers:
-            ks, vs = _cache_shapes(layer, n_seq, n_ctx)
-            kc = cpu_layers._resident_zeros_u16(ks)
-            k.append(kc)
-            v.append(kc if vs is None else cpu_layers._resident_zeros_u16(vs))
-        return KVCache(n_seq, n_ctx, k, v, layers)
+        """The planned KV cache (engine/kv.py): every layer in one bound, populated mapping, in
+        the model's kv_type (f16 bits as uint16, or q8_0 blocks) on its kv_node."""
+        m = self.m  # a bare model (tests) has neither: float16, no binding
+        return kv.KVCache.allocate(layers, n_seq, n_ctx, kv_type=getattr(m, "kv_type", "f16"),
+                                   node=getattr(m, "kv_node", None))
 
     # -- primitives --------------------------------------------------------------------------
 
@@ -416,6 +372,9 @@ class TorchPath:
 
     def kv_cache(self, layers: list[LayerKV], n_seq: int, n_ctx: int) -> KVCache:
         dev = self.m.device
+        kv_type = getattr(self.m, "kv_type", "f16")
+        if kv_type != "f16":
+            raise ValueError(f"engine.kv_type = {kv_type} runs on the CPU path only (dense = 'quant')")
         k, v = [], []
         for layer in layers:
             ks, vs = _cache_shapes(layer, n_seq, n_ctx)
@@ -627,7 +586,8 @@ class Model:
     dequantized to ``device``, glue as torch ops); ``n_seq``: sequence slots; ``n_ctx``: tokens
     per sequence. ``dense_dtype``: dtype of the dequantized dense matrices with ``dense =
     "torch"`` (float32 default: the same values as the CPU path's weights; bfloat16 halves the
-    GPU memory at ~0.4% relative error per matmul). ``offload``: an
+    GPU memory at ~0.4% relative error per matmul). ``kv_type``: "f16" or "q8_0" (CPU path);
+    ``kv_node``: NUMA node the KV cache is bound to (None: first touch) (engine/kv.py). ``offload``: an
     moe_service.engine.offload.ExpertOffload; with ``dense = "torch"``, batches of at least
     its ``min_batch_tokens`` tokens compute their routed experts through it (on the GPU)
     instead of ``ops.moe``. ``experts_per_token``: routed experts per token (0: the model's
@@ -647,6 +607,7 @@ class Model:
     def __init__(
         self, catalog, weights, ops, *, device: str = "cpu", dense: str = "quant", n_seq: int = 4, n_ctx: int = 4096,
         dense_dtype: torch.dtype = torch.float32, offload=None, experts_per_token: int = 0,
+        kv_type: str = "f16", kv_node: int | None = None,
     ):
         self.arch = archs.validate(catalog)
         p = catalog.params
@@ -673,6 +634,10 @@ class Model:
         if dense == "torch":
             self.output_dense = self._to_device(self.output.name)
         # -- the KV cache: built from the architecture's per-layer needs (LayerKV). ------------
+        kv_types = getattr(self.arch, "kv_types", ("f16", "q8_0"))
+        if kv_type not in kv_types:
+            raise ConfigError(f"engine.kv_type = {kv_type}: {self.arch.name} supports {', '.join(kv_types)}")
+        self.kv_type, self.kv_node = kv_type, kv_node
         self.kv = self.path.kv_cache(self.arch.kv_layers(), n_seq, self.n_ctx)
         # -----------------------------------------------------------------------------------------
         self._rope = self._rope_table()

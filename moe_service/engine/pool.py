@@ -67,7 +67,7 @@ from moe_service.log import get_logger
 log = get_logger(__name__)
 
 __all__ = ["WorkerPool", "Job", "WorkerError", "TensorRef", "default_nodes", "ITEM_W",
-           "K_NOP", "K_QUANT", "K_MATMUL", "K_RECORD"]
+           "K_NOP", "K_QUANT", "K_MATMUL", "K_RECORD", "K_CALL", "CALL_ITEM_SIG"]
 
 # ---------------------------------------------------------------------------------------
 # Control array layout (int64). Every field that more than one thread writes sits on its
@@ -109,6 +109,7 @@ K_NOP = 0
 K_QUANT = 1  # (K_QUANT, partner, row_lo, row_hi): encode activation rows for a matmul op
 K_MATMUL = 2  # (K_MATMUL, tensor index, row_lo, row_hi)
 K_RECORD = 3  # (K_RECORD, log addr, wait_for, spin_cycles_max): tests of claiming/stealing
+K_CALL = 4  # (K_CALL, fn address, fields...): fn(items, i, op) compiled elsewhere (CALL_ITEM_SIG)
 
 # Matmul op array layout (int64).
 OP_ARENA = 0
@@ -180,6 +181,29 @@ def _record_item(items, i, slot):
         started = atomic_load(logv, n)
 
 
+CALL_ITEM_SIG = types.void(types.CPointer(types.int64), types.int64, types.CPointer(types.int64))
+"""Signature of a K_CALL item's function: (items data, item index, op data). Kernels that live
+outside this file (attention.py) are compiled as numba cfuncs of this signature and called
+through their address, so editing them neither recompiles nor stales the pool's cached code."""
+
+
+@intrinsic
+def _call_item_fn(typingctx, addr, items, i, op):
+    """Call the C function at ``addr`` with (items data pointer, i, op data pointer)."""
+    sig = types.void(types.int64, items, types.int64, op)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64.as_pointer(), i64, i64.as_pointer()])
+        fptr = builder.inttoptr(args[0], fnty.as_pointer())
+        items_data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        op_data = context.make_array(signature.args[3])(context, builder, args[3]).data
+        builder.call(fptr, [items_data, args[2], op_data])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
 def _run_item(items, i, op, slot):
     """Execute item i; returns 0, or a nonzero code for an unknown kind."""
@@ -195,6 +219,8 @@ def _run_item(items, i, op, slot):
         _moe.run_moe_item(items, i, op)
     elif kind == K_RECORD:
         _record_item(items, i, slot)
+    elif kind == K_CALL:
+        _call_item_fn(f1, items, i, op)
     elif kind != K_NOP:
         return 1
     return 0

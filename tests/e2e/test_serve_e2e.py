@@ -165,7 +165,7 @@ BAD_REQUESTS = [
      "invalid_request_error", "n"),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}],
                               "temperature": "warm"}, 400, "invalid_request_error", "temperature"),
-    ("/v1/completions", {"model": MODEL_ID, "prompt": "hello " * 5000, "max_tokens": 4}, 400,
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "hello " * 10000, "max_tokens": 4}, 400,  # > the 8192 context
      "invalid_request_error", "prompt"),
 ]
 

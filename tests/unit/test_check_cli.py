@@ -73,4 +73,6 @@ def test_plan_larger_than_memory_is_refused_with_both_numbers(demo, tmp_path):
     needed = int(numbers.split("needed_bytes=")[1].split()[0])
     assert need - 2**20 < needed < need + 2**21 and "available_bytes=53686272" in numbers
     assert any("FAIL" in ln and "memory.node0" in ln and "reserve" in ln for ln in lines)
-    assert r.stdout.rstrip().endswith("check: 2 problem(s)")
+    # the KV cache (engine/kv.py) cannot sit beside the weights on that node either
+    assert any("FAIL" in ln and "kv_cache" in ln and "cannot hold the KV cache" in ln for ln in lines)
+    assert r.stdout.rstrip().endswith("check: 3 problem(s)")

@@ -147,3 +147,32 @@ def test_engine_device_cuda_without_a_gpu_fails(tmp_path):
     assert device.status == "fail" and device.message.startswith("engine.device = cuda but torch")
     cpu = run_preflight(cat, topo, layout, load_config(data={"engine": {"device": "cpu"}}), raise_on_fail=False)
     assert next(c for c in cpu.checks if c.name == "engine.device").numbers == {"device": "cpu"}
+
+
+def test_kv_cache_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
+    """An explicit context whose KV cache exceeds engine.kv_cache_gib: preflight fails (a
+    capacity error) naming the context, the bytes and the budget; plan's kv_capacity agrees."""
+    from types import SimpleNamespace
+
+    from moe_service.config import Settings
+    from moe_service.errors import CapacityError
+    from moe_service.numa import Topology
+    from pipeline.plan import kv_capacity, plan
+    from pipeline.preflight import run_preflight
+
+    topo = Topology.read(root="/")
+    params = SimpleNamespace(n_layer=48, n_head_kv=4, head_dim=128, head_dim_v=128, n_ctx_train=40960)
+    cat = SimpleNamespace(params=params, tensors={}, expert_layers={}, shards=[], metadata={})
+    cfg = Settings(model={"context_tokens": 40960}, engine={"kv_cache_gib": 1.0}, serve={"parallel": 4})
+    layout = plan(cat, topo, cfg, strict=False)
+    kv = kv_capacity(cat, layout, topo, cfg)
+    assert not kv["fits"] and kv["total_bytes"] == 40960 * 48 * 4 * 128 * 2 * 2 * 4
+    assert "model.context_tokens = 40960" in kv["reasons"][0] and "15.00 GiB" in kv["reasons"][0]
+    report = run_preflight(cat, topo, layout, cfg, raise_on_fail=False)
+    check = next(c for c in report.checks if c.name == "kv_cache")
+    assert check.status == "fail" and "engine.kv_cache_gib = 1.00 GiB" in check.message
+    with pytest.raises(CapacityError, match="kv_cache_gib"):
+        report.raise_for_failures()
+    ok = Settings(model={"context_tokens": 0}, engine={"kv_cache_gib": 1.0}, serve={"parallel": 4})
+    kv = kv_capacity(cat, layout, topo, ok)
+    assert kv["fits"] and kv["n_ctx"] == 2560  # 1 GiB / (4 seqs x 96 KiB/token) = 2730 -> 2560

@@ -84,7 +84,8 @@ def test_chat_completion(client):
     assert choice["message"] == {"role": "assistant", "content": greedy_text(chat_ids("hi"), 7)}
     assert choice["finish_reason"] == "length"
     n_prompt = len(chat_ids("hi"))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 7, "total_tokens": n_prompt + 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_text_and_token_prompt(client):

@@ -195,6 +195,8 @@ def _per_layer(r: HParamReader, key: str, n: int, *, default=None, kind=float, l
 class Deepseek4(Architecture):
     """deepseek4 (module docstring). Declarations and checks; no forward pass yet."""
 
+    kv_types = ("f16",)  # _raw_cache views the cache rows as float16 by absolute position (no q8_0)
+
     names = ("deepseek4",)
 
     def read_hparams(self, r: HParamReader) -> Deepseek4HParams:
@@ -606,6 +608,8 @@ class Deepseek4(Architecture):
         on the torch path's CPU device); on another torch device a host mirror of that shape
         kept here (the attention over window + compressed rows runs on the host)."""
         kc = be.m.kv.k[il]
+        if isinstance(kc, np.ndarray) and kc.dtype != np.uint16:
+            raise ValueError(f"deepseek4 keeps its raw rows as float16 (engine.kv_type = f16), cache dtype {kc.dtype}")
         if isinstance(kc, np.ndarray):
             return kc.view(np.float16)[:, :, 0, :]
         if kc.device.type == "cpu":

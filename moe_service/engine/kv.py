@@ -1,0 +1,369 @@
+"""The KV cache as planned memory: how big it is, where it lives, what each token costs.
+
+::
+
+    per-layer needs (LayerKV: KV heads, key dim, value dim, latent, window)
+        x engine.kv_type (f16: 2 bytes a value; q8_0: 34 bytes per 32 values, llama.cpp -ctk/-ctv q8_0)
+        = bytes per token  (x context = bytes per sequence; x serve.parallel = the cache)
+    context: model.context_tokens, or 0 = the model's trained context capped by
+             engine.kv_cache_gib (rounded down to 256 tokens)         -> plan_context / KVPlan
+    KVCache.allocate: ONE anonymous mapping for every layer's K and V, bound to a node
+             (engine.kv_node; MPOL_BIND) and populated (MADV_POPULATE_WRITE) before serving,
+             as the weights are; slots of [C, NKV, row] per layer, per sequence
+
+``moe-service plan`` prints the KV plan (:func:`plan_for_config`), and preflight refuses a
+start whose KV cache does not fit its budget or the chosen node's free memory beside the
+weights, naming the numbers, before anything is loaded.
+
+Element formats (engine/attention.py reads both): f16 caches are uint16 arrays [S, C, NKV, D]
+of float16 bits; q8_0 caches are uint8 arrays [S, C, NKV, D/32*34] of ggml Q8_0 blocks. A
+latent layer (MLA) keeps one row per token and passes ``v is k``.
+
+Sliding-window layers are sized for the full context (a ring buffer of ``window`` rows
+would save memory; not done: the prefix cache and the attention kernels address rows by
+position).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from moe_service.log import get_logger
+
+log = get_logger(__name__)
+
+KV_TYPES = ("f16", "q8_0")
+Q8_0_BLOCK = 32
+Q8_0_BYTES = 34
+CONTEXT_ALIGN = 256
+"""A context derived from the memory budget is rounded down to a multiple of this."""
+MIN_CONTEXT = 256
+"""The least context a budget-derived plan accepts."""
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """What one layer keeps per token (the architecture declares it; same fields as
+    moe_service.engine.arch's LayerKV): ``n_head_kv`` heads of ``key_dim`` key values and
+    ``value_dim`` value values; ``latent``: one row per token, V = its first value_dim dims;
+    ``window``: sliding window in tokens (0: full attention)."""
+
+    n_head_kv: int
+    key_dim: int
+    value_dim: int
+    latent: bool = False
+    window: int = 0
+
+
+def layers_from_params(p) -> list[LayerKV]:
+    """One LayerKV per layer from moe_service.gguf_model.ModelParams (n_layer, n_head_kv,
+    head_dim, head_dim_v): the classic layout every layer shares."""
+    return [LayerKV(p.n_head_kv, p.head_dim, p.head_dim_v)] * p.n_layer
+
+
+def row_bytes(dim: int, kv_type: str) -> int:
+    """Bytes of one head row of ``dim`` values. Raises ValueError for an unknown type or a
+    q8_0 row that is not whole blocks."""
+    if kv_type == "f16":
+        return 2 * dim
+    if kv_type == "q8_0":
+        if dim % Q8_0_BLOCK:
+            raise ValueError(f"engine.kv_type = q8_0 needs head dims that are multiples of 32 (got {dim})")
+        return dim // Q8_0_BLOCK * Q8_0_BYTES
+    raise ValueError(f"engine.kv_type must be one of {', '.join(KV_TYPES)} (got {kv_type!r})")
+
+
+def layer_bytes_per_token(layer, kv_type: str) -> int:
+    """K (and V unless latent) bytes one token adds to one layer."""
+    b = layer.n_head_kv * row_bytes(layer.key_dim, kv_type)
+    if not layer.latent:
+        b += layer.n_head_kv * row_bytes(layer.value_dim, kv_type)
+    return b
+
+
+def bytes_per_token(layers, kv_type: str) -> int:
+    """KV bytes one token adds over every layer."""
+    return sum(layer_bytes_per_token(layer, kv_type) for layer in layers)
+
+
+@dataclass
+class KVPlan:
+    """The KV cache a configuration asks for.
+
+    ``n_ctx``: tokens per sequence (the context); ``n_seq``: sequence slots (serve.parallel);
+    ``bytes_per_token`` over all layers; ``budget_bytes``: engine.kv_cache_gib;
+    ``requested_ctx``: model.context_tokens (0: derived); ``problem``: why it cannot start
+    (None when it can)."""
+
+    kv_type: str
+    n_seq: int
+    n_ctx: int
+    n_ctx_train: int
+    requested_ctx: int
+    bytes_per_token: int
+    budget_bytes: int
+    node: int | None = None
+    problem: str | None = None
+
+    @property
+    def bytes_per_seq(self) -> int:
+        return self.bytes_per_token * self.n_ctx
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_seq * self.n_seq
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(bytes_per_seq=self.bytes_per_seq, total_bytes=self.total_bytes)
+        return d
+
+    def sentence(self) -> str:
+        s = (f"KV cache {self.kv_type}: {self.n_seq} sequences x {self.n_ctx} tokens x "
+             f"{self.bytes_per_token / 1024:.1f} KiB/token = {self.total_bytes / GIB:.2f} GiB "
+             f"({self.bytes_per_seq / 2**20:.1f} MiB per sequence; budget engine.kv_cache_gib = "
+             f"{self.budget_bytes / GIB:.2f} GiB; trained context {self.n_ctx_train})")
+        return s if self.ok else f"{s}: {self.problem}"
+
+
+def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 0, budget_bytes: int,
+                 kv_type: str = "f16", node: int | None = None) -> KVPlan:
+    """The context and KV bytes for ``n_seq`` sequences.
+
+    ``context_tokens`` > 0: that context (capped at the trained context), refused when its
+    cache exceeds ``budget_bytes``; 0: the trained context, capped by what ``budget_bytes``
+    holds for ``n_seq`` sequences (rounded down to CONTEXT_ALIGN tokens), refused below
+    MIN_CONTEXT. The problem (if any) names the keys and the numbers.
+    """
+    bpt = bytes_per_token(layers, kv_type)
+    trained = int(n_ctx_train or 0)
+    plan = KVPlan(kv_type, n_seq, 0, trained, int(context_tokens), bpt, int(budget_bytes), node)
+    per_token_all = max(1, bpt * n_seq)
+    fit = int(budget_bytes) // per_token_all
+    if context_tokens > 0:
+        plan.n_ctx = min(int(context_tokens), trained) if trained else int(context_tokens)
+        if plan.total_bytes > budget_bytes:
+            plan.problem = (f"model.context_tokens = {plan.n_ctx} needs {plan.total_bytes / GIB:.2f} GiB of KV cache for "
+                            f"serve.parallel = {n_seq} sequences ({bpt} bytes/token), more than engine.kv_cache_gib = "
+                            f"{budget_bytes / GIB:.2f} GiB (which holds {fit} tokens per sequence)")
+        return plan
+    if not trained:
+        plan.n_ctx = fit // CONTEXT_ALIGN * CONTEXT_ALIGN
+    else:
+        plan.n_ctx = trained if fit >= trained else fit // CONTEXT_ALIGN * CONTEXT_ALIGN
+    if plan.n_ctx < MIN_CONTEXT:
+        plan.problem = (f"engine.kv_cache_gib = {budget_bytes / GIB:.2f} GiB holds only {fit} tokens per sequence for "
+                        f"serve.parallel = {n_seq} sequences ({bpt} bytes/token); at least {MIN_CONTEXT} are needed "
+                        f"(raise engine.kv_cache_gib, lower serve.parallel or use engine.kv_type = q8_0)")
+    return plan
+
+
+def plan_for_config(catalog, config, layers=None) -> KVPlan:
+    """:func:`plan_context` for ``catalog`` (its params, or ``layers``) under ``config``
+    (model.context_tokens, serve.parallel, engine.kv_cache_gib, engine.kv_type, engine.kv_node)."""
+    p = catalog.params
+    layers = layers if layers is not None else kv_layers_of(catalog)
+    e = config.engine
+    return plan_context(layers, p.n_ctx_train, config.serve.parallel, context_tokens=config.model.context_tokens,
+                        budget_bytes=int(e.kv_cache_gib * GIB), kv_type=e.kv_type,
+                        node=e.kv_node if e.kv_node >= 0 else None)
+
+
+def kv_layers_of(catalog) -> list:
+    """The per-layer KV needs of ``catalog``: the architecture's declaration when the
+    architecture package (moe_service.engine.arch) knows the file, else the classic layout
+    from the GGUF params."""
+    try:  # the per-architecture seam (issue 11), when present
+        from moe_service.engine import arch as _arch  # type: ignore[attr-defined]
+
+        return list(_arch.for_model(catalog).kv_layers())  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no seam, or it cannot describe the file: the classic layout
+        return layers_from_params(catalog.params)
+
+
+# ---------------------------------------------------------------------------------------
+# The cache
+
+
+class KVCache:
+    """Sequence slots of the KV cache and each slot's length.
+
+    ``k``/``v``: one array per layer: [S, C, NKV, D] (numpy uint16 float16 bits for f16,
+    uint8 Q8_0 blocks for q8_0, or torch float16 tensors on a device); a latent layer has
+    ``v[i] is k[i]``. Slots are taken with :meth:`alloc` and returned with :meth:`free`; rows
+    beyond a slot's length are not read by attention, and a freed slot's rows stay as they
+    were (the prefix cache reuses them, see :meth:`alloc`'s ``prefer``).
+    """
+
+    def __init__(self, n_seq: int, n_ctx: int, k: list, v: list, layers=None, *, kv_type: str = "f16",
+                 arena: np.ndarray | None = None, node: int | None = None):
+        self.k, self.v = k, v
+        self.layers = list(layers) if layers is not None else None
+        self.kv_type = kv_type
+        self.length = [0] * n_seq
+        self.n_seq = n_seq
+        self.n_ctx = n_ctx
+        self.node = node
+        self._arena = arena
+        self._free = list(range(n_seq - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def allocate(cls, layers, n_seq: int, n_ctx: int, *, kv_type: str = "f16", node: int | None = None) -> KVCache:
+        """Every layer's K and V in one anonymous mapping (2 MiB aligned, THP advised), bound
+        to NUMA ``node`` (MPOL_BIND; None: no binding, first touch) and populated now.
+
+        Raises CapacityError when the address space is refused, ValueError for a bad kv_type,
+        NumaError when the node cannot be bound; a populate that finds no memory raises
+        OSError (ENOMEM)."""
+        from moe_service import memory
+
+        layers = list(layers)
+        shapes = []
+        total = 0
+        dt = np.uint16 if kv_type == "f16" else np.uint8
+        for layer in layers:
+            kr = row_bytes(layer.key_dim, kv_type) // np.dtype(dt).itemsize
+            vr = row_bytes(layer.value_dim, kv_type) // np.dtype(dt).itemsize
+            ks = (n_seq, n_ctx, layer.n_head_kv, kr)
+            vs = None if layer.latent else (n_seq, n_ctx, layer.n_head_kv, vr)
+            shapes.append((ks, vs))
+            for s in (ks, vs):
+                if s is not None:
+                    total += _align64(int(np.prod(s)) * np.dtype(dt).itemsize)
+        arena = memory.reserve_thp_arena(max(total, 4096))
+        if node is not None:
+            from moe_service import numa
+
+            numa.mbind(memory.address_of(arena), memory.align_up(arena.nbytes, 4096), numa.MPOL_BIND, [node])
+        _populate(arena, total)
+        k, v = [], []
+        off = 0
+        for ks, vs in shapes:
+            n = int(np.prod(ks)) * np.dtype(dt).itemsize
+            kk = arena[off: off + n].view(dt).reshape(ks)
+            off += _align64(n)
+            if vs is None:
+                vv = kk
+            else:
+                n = int(np.prod(vs)) * np.dtype(dt).itemsize
+                vv = arena[off: off + n].view(dt).reshape(vs)
+                off += _align64(n)
+            k.append(kk)
+            v.append(vv)
+        log.info("kv_cache_allocated", kv_type=kv_type, n_seq=n_seq, n_ctx=n_ctx, layers=len(layers), bytes=total,
+                 node=node)
+        return cls(n_seq, n_ctx, k, v, layers, kv_type=kv_type, arena=arena, node=node)
+
+    def alloc(self, prefer=None) -> int:
+        """A free sequence slot, its length 0. ``prefer(slot) -> score``: among free slots take
+        the highest score (the prefix cache: the slot whose rows hold the longest prefix of
+        the new prompt); ties and no ``prefer``: the lowest free slot. Raises RuntimeError
+        when all are in use."""
+        with self._lock:
+            if not self._free:
+                raise RuntimeError("no free sequence slot in the KV cache")
+            i = len(self._free) - 1
+            if prefer is not None and len(self._free) > 1:
+                i = max(range(len(self._free)), key=lambda j: (prefer(self._free[j]), -self._free[j]))
+            s = self._free.pop(i)
+        self.length[s] = 0
+        return s
+
+    def free(self, s: int) -> None:
+        with self._lock:
+            if s not in self._free:
+                self._free.append(s)
+        self.length[s] = 0
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def bytes(self) -> int:
+        """Bytes of every layer's K and V (a latent layer counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for t in self.k + self.v:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            total += int(t.numel() * t.element_size()) if hasattr(t, "numel") else t.nbytes
+        return total
+
+    # -- rows, for the prefix cache ----------------------------------------------------------
+
+    @property
+    def host_rows(self) -> bool:
+        """True when the caches are numpy arrays (rows can be exported to host memory)."""
+        return bool(self.k) and isinstance(self.k[0], np.ndarray)
+
+    def token_bytes(self) -> int:
+        """Bytes of one token's rows over all layers (K, and V unless latent)."""
+        total = 0
+        for kk, vv in zip(self.k, self.v, strict=True):
+            total += kk[0, 0].nbytes + (0 if vv is kk else vv[0, 0].nbytes)
+        return total
+
+    def export_rows(self, slot: int, a: int, b: int, out: np.ndarray) -> None:
+        """Copy rows a..b-1 of ``slot`` (every layer, K then V) into ``out`` uint8
+        [(b - a) * token_bytes()], layer by layer. Raises ValueError for a bad range."""
+        self._check(slot, a, b, out)
+        off = 0
+        for kk, vv in zip(self.k, self.v, strict=True):
+            for c in (kk,) if vv is kk else (kk, vv):
+                src = c[slot, a:b].reshape(-1).view(np.uint8)
+                out[off: off + src.size] = src
+                off += src.size
+
+    def import_rows(self, slot: int, a: int, b: int, data: np.ndarray) -> None:
+        """The inverse of :meth:`export_rows`: rows a..b-1 of ``slot`` from ``data``."""
+        self._check(slot, a, b, data)
+        off = 0
+        for kk, vv in zip(self.k, self.v, strict=True):
+            for c in (kk,) if vv is kk else (kk, vv):
+                dst = c[slot, a:b].reshape(-1).view(np.uint8)
+                dst[:] = data[off: off + dst.size]
+                off += dst.size
+
+    def copy_rows(self, src: int, dst: int, a: int, b: int) -> None:
+        """Rows a..b-1 of slot ``src`` into slot ``dst`` (every layer)."""
+        if not (0 <= a <= b <= self.n_ctx):
+            raise ValueError(f"KV rows {a}..{b} outside the context {self.n_ctx}")
+        for kk, vv in zip(self.k, self.v, strict=True):
+            for c in (kk,) if vv is kk else (kk, vv):
+                c[dst, a:b] = c[src, a:b]
+
+    def _check(self, slot, a, b, buf) -> None:
+        if not (0 <= slot < self.n_seq and 0 <= a <= b <= self.n_ctx):
+            raise ValueError(f"KV rows {a}..{b} of slot {slot} outside {self.n_seq} slots x {self.n_ctx} tokens")
+        if buf.dtype != np.uint8 or buf.size < (b - a) * self.token_bytes():
+            raise ValueError(f"KV row buffer of {buf.size} bytes ({buf.dtype}) is too small for {b - a} tokens")
+
+
+def _align64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def _populate(arena: np.ndarray, nbytes: int) -> None:
+    """Fault every page in now, under the range's policy (MADV_POPULATE_WRITE; a kernel
+    without it: write zeros)."""
+    from moe_service import memory
+
+    n = memory.align_up(max(nbytes, 1), 4096)
+    try:
+        memory.populate_write(memory.address_of(arena), min(n, memory.align_up(arena.nbytes, 4096)))
+    except OSError as e:
+        import errno
+
+        if e.errno != errno.EINVAL:
+            raise
+        arena[:nbytes] = 0
