@@ -187,7 +187,7 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings,
               {"problems": len(problems)}))
 
     # -- architecture --
-    if hasattr(catalog, "metadata") and hasattr(catalog, "params"):
+    if hasattr(catalog, "metadata") and hasattr(getattr(catalog, "params", None), "arch"):  # a bare catalog (no arch name): no check
         from moe_service.engine.arch import check_model
 
         arch_problems = [p.message for p in check_model(catalog)]
