@@ -191,19 +191,12 @@ def resolve_preset(preset: str | SynthPreset, n_layer: int | None = None, expert
     Raises:
         ConfigError: unknown preset name, or a field that does not fit.
     """
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown synthetic preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = dict(overrides)
     if n_layer is not None:
         changes["n_layer"] = n_layer
     if expert_type is not None:
         changes["expert_type"] = expert_type
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return lookup_preset(preset, PRESETS, "synthetic preset", changes)
 
 
 # ----------------------------------------------------------------------------- random bytes
@@ -591,6 +584,87 @@ def override_metadata(meta: dict[str, tuple[Any, str]], overrides: dict[str, Any
         else:
             vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
             meta[key] = (value, vtype)
+
+
+def lookup_preset(preset: Any, presets: dict[str, Any], what: str, changes: dict[str, Any]) -> Any:
+    """A validated preset: ``preset`` (a name from ``presets``, or a preset) with the fields in
+    ``changes`` replaced. ConfigError (``unknown {what} ...``) for an unknown name, and the
+    preset's ``validate()`` error for a field that does not fit."""
+    if isinstance(preset, str):
+        if preset not in presets:
+            raise ConfigError(f"unknown {what} {preset!r} (known: {', '.join(presets)}).")
+        preset = presets[preset]
+    if changes:
+        preset = dataclasses.replace(preset, **changes)
+    preset.validate()
+    return preset
+
+
+@dataclass(frozen=True)
+class ArchTensor:
+    """One tensor of an architecture writer's plan (synth_deepseek2, synth_deepseek4): name,
+    ggml ne (fastest first), type, std, kind, experts, constant value.
+
+    kind: "rand" (tensor_bytes blocks of std ``std``), "norm" (F32 uniform in [0.5, 1.5]),
+    "bias" (F32 uniform of std ``std``), "const" (F32 ``value``), "successor"
+    (successor_q8_head), "tid2eid" (I32: ne[0] distinct expert ids of ``n_expert`` per token).
+    """
+
+    name: str
+    ne: tuple[int, ...]
+    qtype: str
+    std: float = 0.0
+    kind: str = "rand"
+    n_expert: int = 0
+    value: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype == "I32":
+            return int(np.prod(self.ne)) * 4
+        qk, bs = BLOCK_FORMATS[self.qtype]
+        return int(np.prod(self.ne)) // qk * bs
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.ne[1:])) if len(self.ne) > 1 else 1
+
+
+def _tid2eid(t: ArchTensor, seed: int) -> np.ndarray:
+    """K distinct expert ids per token (a seeded permutation's first K), int32 {K, V} as bytes."""
+    K, V = t.ne
+    raw = random_bytes(seed, t.name, 4 * V * t.n_expert).view("<u4").reshape(V, t.n_expert)
+    ids = np.argsort(raw, axis=1, kind="stable")[:, :K].astype("<i4")
+    return ids.reshape(-1).view(np.uint8)
+
+
+def arch_tensor_chunks(t: ArchTensor, seed: int, p: Any) -> Iterator[np.ndarray]:
+    """The tensor's bytes (uint8), one expert slab at a time for expert tensors (bounded
+    memory). ``p`` (the preset: name, embd_type, n_vocab, n_embd, embd_std) serves the
+    successor head. ConfigError when a successor head's embedding is not Q8_0."""
+    n = int(np.prod(t.ne))
+    if t.kind == "successor":
+        if p.embd_type != "Q8_0":
+            raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
+        yield successor_q8_head(seed, p.n_vocab, p.n_embd, p.embd_std or 4.0 / math.sqrt(p.n_embd))
+        return
+    if t.kind == "tid2eid":
+        yield _tid2eid(t, seed)
+        return
+    if t.kind == "const":
+        yield np.full(n, t.value, "<f4").view(np.uint8)
+        return
+    if t.kind in ("norm", "bias"):
+        u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
+        vals = 1.0 + 0.5 * u if t.kind == "norm" else u * (t.std * math.sqrt(3.0))
+        yield vals.astype("<f4").view(np.uint8)
+        return
+    if t.n_expert:
+        per = t.n_rows // t.n_expert
+        for e in range(t.n_expert):
+            yield tensor_bytes(t.qtype, seed, t.name, per, t.ne[0], t.std, chunk=e + 1)
+        return
+    yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.ne[0], t.std)
 
 
 def write_gguf(path: Path, arch: str, meta: dict[str, tuple[Any, str]], vocab: dict[str, Any], plans: list[Any],

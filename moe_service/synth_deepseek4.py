@@ -40,14 +40,11 @@ current token wins); the logits carry every layer's computation and are compared
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
@@ -56,11 +53,10 @@ from moe_service.synth import (
     BLOCK_FORMATS,
     DENSE_TYPES,
     EXPERT_TYPES,
-    _uniform_pm1,
+    ArchTensor,
+    arch_tensor_chunks,
+    lookup_preset,
     override_metadata,
-    random_bytes,
-    successor_q8_head,
-    tensor_bytes,
     vocab_metadata,
     write_gguf,
 )
@@ -177,41 +173,13 @@ PRESETS: dict[str, Deepseek4Preset] = {
 def resolve_preset(preset: str | Deepseek4Preset, expert_type: str | None = None,
                    **overrides: Any) -> Deepseek4Preset:
     """A validated preset with fields replaced. ConfigError for an unknown name or a bad field."""
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown deepseek4 synthetic preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = dict(overrides)
     if expert_type is not None:
         changes["expert_type"] = expert_type
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return lookup_preset(preset, PRESETS, "deepseek4 synthetic preset", changes)
 
 
-@dataclass(frozen=True)
-class _T:
-    """One tensor to write: name, ggml ne, type, std, kind, experts."""
-
-    name: str
-    ne: tuple[int, ...]
-    qtype: str
-    std: float = 0.0
-    kind: str = "rand"  # rand, norm, bias, const, successor, tid2eid
-    n_expert: int = 0
-    value: float = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        if self.qtype == "I32":
-            return int(np.prod(self.ne)) * 4
-        qk, bs = BLOCK_FORMATS[self.qtype]
-        return int(np.prod(self.ne)) // qk * bs
-
-    @property
-    def n_rows(self) -> int:
-        return int(np.prod(self.ne[1:])) if len(self.ne) > 1 else 1
+_T = ArchTensor
 
 
 def tensor_plan(p: Deepseek4Preset) -> list[_T]:
@@ -344,40 +312,6 @@ def model_metadata(p: Deepseek4Preset, seed: int) -> dict[str, tuple[Any, str]]:
     return kv
 
 
-def _tid2eid(t: _T, seed: int) -> np.ndarray:
-    """K distinct expert ids per token (a seeded permutation's first K), int32 {K, V}."""
-    K, V = t.ne
-    raw = random_bytes(seed, t.name, 4 * V * t.n_expert).view("<u4").reshape(V, t.n_expert)
-    ids = np.argsort(raw, axis=1, kind="stable")[:, :K].astype("<i4")
-    return ids.reshape(-1).view(np.uint8)
-
-
-def _chunks(t: _T, seed: int, p: Deepseek4Preset) -> Iterator[np.ndarray]:
-    n = int(np.prod(t.ne))
-    if t.kind == "successor":
-        if p.embd_type != "Q8_0":
-            raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
-        yield successor_q8_head(seed, p.n_vocab, p.n_embd, p.embd_std or 4.0 / math.sqrt(p.n_embd))
-        return
-    if t.kind == "tid2eid":
-        yield _tid2eid(t, seed)
-        return
-    if t.kind == "const":
-        yield np.full(n, t.value, "<f4").view(np.uint8)
-        return
-    if t.kind in ("norm", "bias"):
-        u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
-        vals = 1.0 + 0.5 * u if t.kind == "norm" else u * (t.std * math.sqrt(3.0))
-        yield vals.astype("<f4").view(np.uint8)
-        return
-    if t.n_expert:
-        per = t.n_rows // t.n_expert
-        for e in range(t.n_expert):
-            yield tensor_bytes(t.qtype, seed, t.name, per, t.ne[0], t.std, chunk=e + 1)
-        return
-    yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.ne[0], t.std)
-
-
 def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type: str | None = None,
                     seed: int = 0, sparse: bool = False, progress: Callable[[int, int], None] | None = None,
                     metadata_overrides: dict[str, Any] | None = None, **preset_overrides: Any) -> Path:
@@ -401,8 +335,8 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
     path = Path(path)
     meta = model_metadata(p, seed)
     override_metadata(meta, metadata_overrides)
-    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p), lambda t: _chunks(t, seed, p),
-               sparse=sparse, progress=progress)
+    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+               lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse, progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              n_mtp=p.n_mtp, expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
     return path

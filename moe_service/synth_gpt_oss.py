@@ -40,7 +40,6 @@ the chat template is moe_service/harmony_template.jinja (the harmony message for
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -146,15 +145,8 @@ def resolve_preset(preset: str | GptOssPreset, **overrides: Any) -> GptOssPreset
 
     Raises ConfigError for an unknown preset name or a field that does not fit.
     """
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown gpt-oss preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = {k: v for k, v in overrides.items() if v is not None}
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return synth.lookup_preset(preset, PRESETS, "gpt-oss preset", changes)
 
 
 def vocab_metadata(n_vocab: int) -> dict[str, Any]:
