@@ -500,14 +500,22 @@ def tensor_plan(p: SynthPreset) -> list[TensorPlan]:
     return plans
 
 
-def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
-    """Architecture keys: key -> (value, gguf value type name); insertion order = file order."""
-    a = p.arch
-    kv: dict[str, tuple[Any, str]] = {
+def general_metadata(p: Any, seed: int) -> dict[str, tuple[Any, str]]:
+    """The ``general.*`` keys every synthetic writer puts first: key -> (value, gguf value type
+    name). ``p`` is a preset (name, expert_type, n_layer)."""
+    return {
         "general.type": ("model", "STRING"),
         "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
         "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
         "general.quantization_version": (2, "UINT32"),
+    }
+
+
+def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
+    """Architecture keys: key -> (value, gguf value type name); insertion order = file order."""
+    a = p.arch
+    kv: dict[str, tuple[Any, str]] = {
+        **general_metadata(p, seed),
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),

@@ -55,12 +55,12 @@ from typing import Any
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
 from moe_service.synth import (
-    _FILE_TYPES,
     BLOCK_FORMATS,
     DENSE_TYPES,
     EXPERT_TYPES,
     ArchTensor,
     arch_tensor_chunks,
+    general_metadata,
     lookup_preset,
     override_metadata,
     vocab_metadata,
@@ -260,10 +260,7 @@ def model_metadata(p: Deepseek2Preset, seed: int) -> dict[str, tuple[Any, str]]:
     a = ARCH
     split = p.mla_form == "split"
     kv: dict[str, tuple[Any, str]] = {
-        "general.type": ("model", "STRING"),
-        "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
-        "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
-        "general.quantization_version": (2, "UINT32"),
+        **general_metadata(p, seed),
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),

@@ -60,7 +60,6 @@ HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constra
                     "<|end|>", "<|message|>", "<|call|>")
 EXPERT_TYPES = ("MXFP4", "Q8_0", "Q4_0")
 DENSE_TYPES = ("F32", "F16", "Q8_0")
-_FILE_TYPES = {"MXFP4": 38, "Q8_0": 7, "Q4_0": 2}  # llama_ftype: MOSTLY_MXFP4_MOE, MOSTLY_Q8_0, MOSTLY_Q4_0
 
 
 def harmony_template() -> str:
@@ -227,10 +226,7 @@ def model_metadata(p: GptOssPreset, seed: int) -> dict[str, tuple[Any, str]]:
     """Architecture keys: key -> (value, gguf value type name), in file order."""
     a = ARCH
     kv: dict[str, tuple[Any, str]] = {
-        "general.type": ("model", "STRING"),
-        "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
-        "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
-        "general.quantization_version": (2, "UINT32"),
+        **synth.general_metadata(p, seed),
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),
