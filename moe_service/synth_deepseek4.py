@@ -40,28 +40,25 @@ current token wins); the logits carry every layer's computation and are compared
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
-from moe_service.paths import gguf_written_atomically
 from moe_service.synth import (
-    _FILE_TYPES,
     BLOCK_FORMATS,
     DENSE_TYPES,
     EXPERT_TYPES,
-    _add_plain_kv,
-    _uniform_pm1,
-    random_bytes,
-    tensor_bytes,
+    ArchTensor,
+    arch_tensor_chunks,
+    general_metadata,
+    lookup_preset,
+    override_metadata,
     vocab_metadata,
+    write_gguf,
 )
 
 log = get_logger(__name__)
@@ -176,41 +173,13 @@ PRESETS: dict[str, Deepseek4Preset] = {
 def resolve_preset(preset: str | Deepseek4Preset, expert_type: str | None = None,
                    **overrides: Any) -> Deepseek4Preset:
     """A validated preset with fields replaced. ConfigError for an unknown name or a bad field."""
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown deepseek4 synthetic preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = dict(overrides)
     if expert_type is not None:
         changes["expert_type"] = expert_type
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return lookup_preset(preset, PRESETS, "deepseek4 synthetic preset", changes)
 
 
-@dataclass(frozen=True)
-class _T:
-    """One tensor to write: name, ggml ne, type, std, kind, experts."""
-
-    name: str
-    ne: tuple[int, ...]
-    qtype: str
-    std: float = 0.0
-    kind: str = "rand"  # rand, norm, bias, const, successor, tid2eid
-    n_expert: int = 0
-    value: float = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        if self.qtype == "I32":
-            return int(np.prod(self.ne)) * 4
-        qk, bs = BLOCK_FORMATS[self.qtype]
-        return int(np.prod(self.ne)) // qk * bs
-
-    @property
-    def n_rows(self) -> int:
-        return int(np.prod(self.ne[1:])) if len(self.ne) > 1 else 1
+_T = ArchTensor
 
 
 def tensor_plan(p: Deepseek4Preset) -> list[_T]:
@@ -296,10 +265,7 @@ def model_metadata(p: Deepseek4Preset, seed: int) -> dict[str, tuple[Any, str]]:
     a = ARCH
     n_all = p.n_layer + p.n_mtp
     kv: dict[str, tuple[Any, str]] = {
-        "general.type": ("model", "STRING"),
-        "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
-        "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
-        "general.quantization_version": (2, "UINT32"),
+        **general_metadata(p, seed),
         f"{a}.block_count": (n_all, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),
@@ -343,51 +309,6 @@ def model_metadata(p: Deepseek4Preset, seed: int) -> dict[str, tuple[Any, str]]:
     return kv
 
 
-def _successor_head(p: Deepseek4Preset, seed: int) -> np.ndarray:
-    """output.weight bytes: token_embd's Q8_0 rows rolled by one, block scales x 1/4."""
-    if p.embd_type != "Q8_0":
-        raise ConfigError(f"synthetic preset {p.name}: successor_head needs embd_type Q8_0")
-    H = p.n_embd
-    emb = tensor_bytes("Q8_0", seed, "token_embd.weight", p.n_vocab, H, p.embd_std or 4.0 / math.sqrt(H))
-    blocks = np.roll(emb.reshape(p.n_vocab, H // 32, 34), 1, axis=0).copy()
-    d = blocks[:, :, 0:2].copy().view("<f2")
-    blocks[:, :, 0:2] = (d.astype(np.float32) * np.float32(0.25)).astype("<f2").view(np.uint8).reshape(
-        p.n_vocab, H // 32, 2)
-    return blocks.reshape(-1)
-
-
-def _tid2eid(t: _T, seed: int) -> np.ndarray:
-    """K distinct expert ids per token (a seeded permutation's first K), int32 {K, V}."""
-    K, V = t.ne
-    raw = random_bytes(seed, t.name, 4 * V * t.n_expert).view("<u4").reshape(V, t.n_expert)
-    ids = np.argsort(raw, axis=1, kind="stable")[:, :K].astype("<i4")
-    return ids.reshape(-1).view(np.uint8)
-
-
-def _chunks(t: _T, seed: int, p: Deepseek4Preset) -> Iterator[np.ndarray]:
-    n = int(np.prod(t.ne))
-    if t.kind == "successor":
-        yield _successor_head(p, seed)
-        return
-    if t.kind == "tid2eid":
-        yield _tid2eid(t, seed)
-        return
-    if t.kind == "const":
-        yield np.full(n, t.value, "<f4").view(np.uint8)
-        return
-    if t.kind in ("norm", "bias"):
-        u = _uniform_pm1(random_bytes(seed, t.name, 3 * n), n)
-        vals = 1.0 + 0.5 * u if t.kind == "norm" else u * (t.std * math.sqrt(3.0))
-        yield vals.astype("<f4").view(np.uint8)
-        return
-    if t.n_expert:
-        per = t.n_rows // t.n_expert
-        for e in range(t.n_expert):
-            yield tensor_bytes(t.qtype, seed, t.name, per, t.ne[0], t.std, chunk=e + 1)
-        return
-    yield tensor_bytes(t.qtype, seed, t.name, t.n_rows, t.ne[0], t.std)
-
-
 def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type: str | None = None,
                     seed: int = 0, sparse: bool = False, progress: Callable[[int, int], None] | None = None,
                     metadata_overrides: dict[str, Any] | None = None, **preset_overrides: Any) -> Path:
@@ -407,53 +328,12 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
 
     Raises ConfigError (bad preset) or ModelFileError (the vocabulary source missing).
     """
-    import gguf
-
     p = resolve_preset(preset, expert_type=expert_type, **preset_overrides)
     path = Path(path)
-    plans = tensor_plan(p)
-    with gguf_written_atomically(path, ARCH) as writer:
-        meta = model_metadata(p, seed)
-        for key, value in (metadata_overrides or {}).items():
-            if value is None:
-                meta.pop(key, None)
-            else:
-                vtype = meta[key][1] if key in meta else ("FLOAT32" if isinstance(value, float) else "UINT32")
-                meta[key] = (value, vtype)
-        for key, (value, vtype) in meta.items():
-            if vtype.startswith("ARRAY:"):
-                writer.add_array(key, [int(v) for v in value])
-            else:
-                writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab_metadata(p.vocab, p.n_vocab).items():
-            _add_plain_kv(writer, key, value)
-        for t in plans:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total = sum(t.nbytes for t in plans)
-        if sparse:
-            end = fout.tell() + sum(t.nbytes + (-t.nbytes) % align for t in plans)
-            fout.flush()
-            fout.truncate(end)
-            fout.seek(end)
-        else:
-            done = 0
-            for t in plans:
-                written = 0
-                for chunk in _chunks(t, seed, p):
-                    fout.write(chunk.tobytes())
-                    written += chunk.nbytes
-                    done += chunk.nbytes
-                    if progress is not None:
-                        progress(done, total)
-                assert written == t.nbytes, (t.name, written, t.nbytes)
-                fout.write(b"\0" * ((-written) % align))
+    meta = model_metadata(p, seed)
+    override_metadata(meta, metadata_overrides)
+    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+               lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse, progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              n_mtp=p.n_mtp, expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
     return path

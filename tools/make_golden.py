@@ -50,6 +50,7 @@ from moe_service.synth import (  # noqa: E402
     write_vocab_only,
 )
 from moe_service.synth_deepseek2 import write_deepseek2  # noqa: E402
+from tools.golden_deepseek4 import greedy_chain  # noqa: E402
 
 N_THREADS = 2
 N_CTX = 512
@@ -219,14 +220,7 @@ def run_model(path: Path, prompt_ids: list[int]) -> dict:
     t0 = time.monotonic()
     llm.eval(prompt_ids)
     logits = np.array(llm.scores[len(prompt_ids) - 1], dtype=np.float32)
-    chain, gaps = [], []
-    for _ in range(N_GREEDY):
-        s = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-        tok = int(np.argmax(s))
-        top2 = np.partition(s, -2)[-2:]
-        chain.append(tok)
-        gaps.append(float(top2[1] - top2[0]))
-        llm.eval([tok])
+    chain, gaps = greedy_chain(llm, N_GREEDY)
     seconds = time.monotonic() - t0
     llm.reset()
     for t in prompt_ids:  # one token per decode call: other kernels (gemv), other summation order
