@@ -103,7 +103,7 @@ class NumaConfig(_Table):
     )
 
 
-DEFAULT_STAGES = ["fastload", "placement", "replication", "pin", "warmup", "serve"]
+DEFAULT_STAGES = ["fastload", "placement", "replication", "pin", "engine", "warmup", "serve"]
 
 
 class PipelineConfig(_Table):
@@ -134,8 +134,8 @@ class PipelineConfig(_Table):
         default_factory=dict,
         description="Per stage (e.g. {fastload = 60}): most seconds without progress (bytes loaded, a "
         "new phase) before EXTEND_TIMEOUT_USEC stops and systemd's start timeout ends a hung start. "
-        "Unset stages use their own limit: fastload 60, warmup 900 (a first kernel compile reports "
-        "nothing for minutes), others 600.",
+        "Unset stages use their own limit: fastload 60, engine and warmup 900 (a first kernel "
+        "compile reports nothing for minutes), others 600.",
     )
 
     @model_validator(mode="after")

@@ -204,6 +204,24 @@ class Watchdog:
             self._thread.join(timeout=5)
 
 
+TEST_STALL_ENV = "MOE_SERVICE_TEST_STALL_AFTER_S"
+"""Test hook: after this many seconds of being ready, the liveness signal stops advancing, so
+the watchdog stops pinging and systemd restarts the service (tests/systemd, tests/e2e)."""
+
+
+def start_watchdog(notifier: Notifier, liveness: Liveness) -> Watchdog:
+    """Start WATCHDOG=1 pings driven by ``liveness`` (no-op without WATCHDOG_USEC), and arm
+    the stall test hook (:data:`TEST_STALL_ENV`) when its environment variable is set."""
+    wd = Watchdog(notifier, liveness).start()
+    stall_after = os.environ.get(TEST_STALL_ENV)
+    if stall_after:
+        log.warning("test_stall_armed", after_s=float(stall_after))
+        t = threading.Timer(float(stall_after), liveness.freeze)
+        t.daemon = True
+        t.start()
+    return wd
+
+
 class TimeoutExtender:
     """Context manager: while its body runs longer than ``after_s``, send
     EXTEND_TIMEOUT_USEC=<extend_s> every ``interval_s`` (``extend_s`` > ``interval_s``, so each
