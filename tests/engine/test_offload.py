@@ -67,7 +67,7 @@ class SynthLayer:
                             types={k: int(v) for k, v in types.items()}, copies=copies)
 
     def reference(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """sum_k w_k * down_e(SiLU(gate_e x) * up_e x) in float64 (REFERENCE.md MoE step 7)."""
+        """sum_k w_k * down_e(SiLU(gate_e x) * up_e x) in float64 (llama.cpp build_moe_ffn's combine)."""
         x = h.astype(np.float64)
         out = np.zeros_like(x)
         for t in range(x.shape[0]):
