@@ -50,9 +50,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-MiB = 1024**2
-GiB = 1024**3
-
+from moe_service.sizes import GiB, MiB  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Results

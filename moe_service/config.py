@@ -28,13 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from moe_service.errors import ConfigError
+from moe_service.sizes import GiB, MiB
 
 ENV_PREFIX = "MOE_SERVICE__"
 ENV_CONFIG_PATH = "MOE_SERVICE_CONFIG"
 REPO_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
-
-GiB = 1024**3
-MiB = 1024**2
 
 WORK_CHUNK_BYTES = 64 * MiB
 """Default unit of load work (fastload.chunk_bytes) and of copy work (replication.chunk_bytes)."""

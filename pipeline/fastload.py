@@ -1016,7 +1016,7 @@ def _progress_bar(total: int, wanted: bool | None):
     if not wanted:
         return None
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # optional (a progress bar on a TTY), no stubs
     except ImportError:
         return None
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fastload", file=sys.stderr)

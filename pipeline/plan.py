@@ -59,7 +59,7 @@ from moe_service.layout import (
     region_align_bytes,
 )
 from moe_service.numa import Topology, hugepage_pool_path
-from moe_service.sizes import GiB, gib_text
+from moe_service.sizes import GiB, KiB, MiB, gib_text
 
 if TYPE_CHECKING:
     from moe_service.gguf_model import GGUFModel
@@ -441,7 +441,8 @@ def _gib(n: int) -> str:
 
 
 def _page_name(page_kib: int) -> str:
-    return f"{page_kib // (1024 * 1024)} GiB" if page_kib >= 1024 * 1024 else f"{page_kib // 1024} MiB"
+    page_bytes = page_kib * KiB
+    return f"{page_bytes // GiB} GiB" if page_bytes >= GiB else f"{page_bytes // MiB} MiB"
 
 
 @dataclass(frozen=True)
