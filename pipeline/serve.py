@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 from moe_service.errors import StageError
 from moe_service.log import get_logger
 from moe_service.notify import start_watchdog
-from moe_service.sizes import GiB
 from pipeline.context import PipelineContext
 from pipeline.spec import Stage, register_stage
 
@@ -197,7 +196,7 @@ def make_prefix_cache(engine, cfg, metrics):
     if not getattr(kv, "host_rows", False):
         log.info("prefix_cache_off", reason="the KV cache is on a torch device (the prefix cache runs on the CPU path)")
         return None
-    pc = PrefixCache(kv, int(cfg.prefix_cache_gib * GiB), metrics=metrics)
+    pc = PrefixCache(kv, int(cfg.prefix_cache_gib * 1024**3), metrics=metrics)
     log.info("prefix_cache_on", budget_bytes=pc.budget_bytes, block_tokens=pc.block_tokens, block_bytes=pc.block_bytes)
     return pc
 

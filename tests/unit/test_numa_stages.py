@@ -6,7 +6,6 @@ are in tests/numa (lab VM)."""
 
 from __future__ import annotations
 
-import torch
 from numa_fixtures import cfg, fake_catalog, write_sysfs
 
 import pipeline.fastload  # noqa: F401  (registers the stage)
@@ -14,7 +13,6 @@ import pipeline.placement  # noqa: F401
 import pipeline.replication  # noqa: F401
 from bench.placement import synthetic_topology
 from moe_service.config import load_config
-from moe_service.engine import device as device_mod
 from moe_service.numa import Topology
 from pipeline.context import PipelineContext
 from pipeline.placement import PlacementStage, single_node_reason
@@ -84,6 +82,10 @@ def prepared(tmp_path, gpus=None, **tables):
 
 
 def test_dense_tensors_bound_to_the_gpus_node(tmp_path, clean_env, monkeypatch):
+    import torch
+
+    from moe_service.engine import device as device_mod
+
     gpus = [("0000:17:00.0", 1), ("0000:65:00.0", 0)]
     ctx = prepared(tmp_path / "cpu", gpus=gpus)  # this host has no CUDA: the dense part runs on the CPU
     dense = next(r for r in ctx.layout.regions if r.name == "dense")
