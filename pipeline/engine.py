@@ -107,7 +107,7 @@ class EngineStage(Stage):
     reads_if_present = ("topology", "pins")
     writes = ("engine",)
     stall_limit_s = 900.0  # building the model may compile kernels (numba), which reports nothing for minutes
-    summary = "builds ctx.engine (model, tokenizer, KV cache) over ctx.weights on ctx.device"
+    summary = "builds the model (KV cache, dense part on the resolved device) and the tokenizer"
 
     def run(self, ctx: PipelineContext) -> None:
         import time

@@ -1051,10 +1051,7 @@ class FastloadStage(Stage):
     reads = ("catalog",)
     reads_if_present = ("layout",)
     writes = ("arena", "weights")
-    summary = (
-        "needs catalog + layout; fills arena and weights (populate + pread, N threads, THP or hugetlb pages, "
-        "bound per region)"
-    )
+    summary = "read the model into the placed arena (populate + pread, N threads, THP or hugetlb pages, bound per region)"
 
     stall_limit_s = 60.0  # no byte loaded for a minute: a dead disk or a hung NFS server
     progress_from_status = False  # its status line's GB/s changes while no byte arrives

@@ -441,7 +441,7 @@ class PinStage(Stage):
     requires = ("placement",)
     reads = ("arena", "layout")
     writes = ("pins",)
-    summary = "page-lock the placed regions for the GPU (cudaHostRegister); needs arena, layout; sets pins"
+    summary = "page-lock the placed regions for the GPU (cudaHostRegister)"
 
     runtime_factory: Callable[[], CudaRuntime] = TorchCudart
     cuda_reason: Callable[[], str | None] = staticmethod(cuda_absent_reason)

@@ -308,7 +308,7 @@ class PlacementStage(Stage):
     reads = ("arena", "layout")
     reads_if_present = ("topology",)
     writes = ("residency",)
-    summary = "verify every region's pages are on their planned node(s), migrate strays; sets ctx.residency"
+    summary = "verify every region's pages are on their planned node(s), migrate strays"
 
     def skip_reason(self, ctx: PipelineContext) -> str | None:
         return None if ctx.config.placement.verify else "placement.verify = false"

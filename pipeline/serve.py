@@ -209,7 +209,7 @@ class ServeStage(Stage):
     requires = ("warmup",)
     reads = ("engine",)
     writes = ("server",)
-    summary = ("needs ctx.engine; binds serve.host:serve.port, runs the engine loop and the HTTP API, "
+    summary = ("binds serve.host:serve.port, runs the engine loop and the HTTP API, "
                "sends READY=1 once /health answers 200, drains in-flight requests on SIGTERM")
 
     def __init__(self) -> None:

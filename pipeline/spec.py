@@ -36,8 +36,8 @@ class Stage(abc.ABC):
     Class attributes: ``name`` (the name used in ``[pipeline] stages``), ``requires`` (stages
     that must appear earlier in the list whenever this one is present, for a reason other than
     data), ``reads`` / ``reads_if_present`` / ``writes`` (context fields, see the module doc;
-    the runner checks ``reads`` are filled before :meth:`run`), ``summary`` (what it does;
-    shown by ``moe-service config validate``).
+    the runner checks ``reads`` are filled before :meth:`run`), ``summary`` (what it does,
+    one line; what it reads and writes is in the declarations, not restated here).
 
     Methods: :meth:`skip_reason` (None to run, else the logged reason: a disabled stage),
     :meth:`run` (does the work, reading and filling the :class:`~pipeline.context.PipelineContext`;

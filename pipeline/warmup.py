@@ -70,7 +70,7 @@ class WarmupStage(Stage):
     name = "warmup"
     reads = ("engine",)
     stall_limit_s = 900.0  # a first numba compile reports nothing for minutes
-    summary = ("needs ctx.engine; touches every expert once and runs warmup.prompt so the first request is as "
+    summary = ("touches every expert once and runs warmup.prompt so the first request is as "
                "fast as the hundredth")
 
     def run(self, ctx: PipelineContext) -> None:
