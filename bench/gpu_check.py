@@ -227,7 +227,7 @@ def check_h2d(report: Report, device: torch.device, sizes_mib: list[int], reps: 
 
 
 def make_cpu_ops():
-    """The CPU kernel backend as the warmup stage builds it (every usable core, fused MoE)."""
+    """The CPU kernel backend as the engine stage builds it (every usable core, fused MoE)."""
     from moe_service.engine.ops import CpuOps
     from moe_service.numa import Topology
 
