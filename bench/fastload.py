@@ -59,6 +59,7 @@ from bench.peer import _CpuWindow, llama_cpp_unavailable_reason
 from moe_service import fileio, memory
 from moe_service.gguf_model import GGUFModel
 from moe_service.layout import plain_layout
+from moe_service.sizes import GiB, MiB
 from moe_service.weights import WeightStore
 from pipeline.fastload import choose_io, fastload, reread
 
@@ -377,7 +378,7 @@ def run_bench(
         return runs
 
     log(
-        f"model {model}: {nbytes / 2**30:.2f} GiB of tensors in {len(paths)} file(s); catalog opened in {open_s:.3f} s"
+        f"model {model}: {nbytes / GiB:.2f} GiB of tensors in {len(paths)} file(s); catalog opened in {open_s:.3f} s"
     )
     with _CpuWindow(threads) as window:
         warm(paths)
@@ -472,7 +473,7 @@ def format_table(r: dict) -> str:
 
 
 def _mib(v) -> str:
-    return "-" if v is None else f"{v / 2**20:+.0f} MiB"
+    return "-" if v is None else f"{v / MiB:+.0f} MiB"
 
 
 def _pct(v) -> str:
@@ -496,7 +497,7 @@ def make_synthetic(path: Path, size_gib: float, seed: int = 0) -> Path:
         sum(t.nbytes for t in tensor_plan(resolve_preset("qwen3-30b-a3b", n_layer=n))) for n in (1, 2)
     )
     per_layer, fixed = two - one, 2 * one - two
-    n_layer = max(1, round((size_gib * 2**30 - fixed) / per_layer))
+    n_layer = max(1, round((size_gib * GiB - fixed) / per_layer))
     return write_synthetic(path, "qwen3-30b-a3b", n_layer=n_layer, seed=seed)
 
 
@@ -530,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         make_synthetic(args.make_synthetic, args.size_gib)
         say(
-            f"wrote {args.make_synthetic} ({args.make_synthetic.stat().st_size / 2**30:.2f} GiB) "
+            f"wrote {args.make_synthetic} ({args.make_synthetic.stat().st_size / GiB:.2f} GiB) "
             f"in {time.perf_counter() - t0:.1f} s"
         )
         return 0

@@ -50,9 +50,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-MiB = 1024**2
-GiB = 1024**3
-
+from moe_service.sizes import GiB, MiB  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Results
@@ -229,7 +227,7 @@ def check_h2d(report: Report, device: torch.device, sizes_mib: list[int], reps: 
 
 
 def make_cpu_ops():
-    """The CPU kernel backend as the warmup stage builds it (every usable core, fused MoE)."""
+    """The CPU kernel backend as the engine stage builds it (every usable core, fused MoE)."""
     from moe_service.engine.ops import CpuOps
     from moe_service.numa import Topology
 

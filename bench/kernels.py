@@ -42,6 +42,7 @@ from moe_service.engine import quant as q
 from moe_service.engine.pool import Job, WorkerPool
 from moe_service.engine.quant import ld
 from moe_service.memory import reserve_thp_arena
+from moe_service.sizes import GiB
 
 DEFAULT_FORMATS = "Q8_0,Q4_K,Q4_1,Q6_K,Q4_0,Q5_K,Q5_0,Q5_1,MXFP4,F16,BF16,F32"
 BY_NAME = {f.name: t for t, f in q.FORMATS.items()}
@@ -67,7 +68,7 @@ def memory_bandwidth_gbps(n_threads: int, gib: float = 1.0, repeats: int = 3, pa
     its own run. Bandwidth = bytes read by all / the slowest thread's time; best of
     ``repeats``. (The former probe, one scalar-chain integer reduction per unpinned thread
     timed with thread start-up included, read 1.07-1.25x below what our decode streams.)"""
-    a = reserve_thp_arena(int(gib * (1 << 30)) // 4 * 4).view(np.float32)
+    a = reserve_thp_arena(int(gib * GiB) // 4 * 4).view(np.float32)
     a[:] = 1.0
     _stream_f32(a, 0, 4096, 1)  # compile
     cpus = sorted(os.sched_getaffinity(0))
@@ -99,7 +100,7 @@ def memory_bandwidth_gbps(n_threads: int, gib: float = 1.0, repeats: int = 3, pa
 
 
 def numpy_sum_gbps(gib: float = 1.0) -> float:
-    a = np.ones(int(gib * (1 << 30)) // 8, np.float64)
+    a = np.ones(int(gib * GiB) // 8, np.float64)
     a.sum()
     best = float("inf")
     for _ in range(3):

@@ -1,7 +1,8 @@
 """moe-service: serve huge Mixture-of-Experts GGUF models from multi-socket NUMA hosts.
 
-See DESIGN.md for the run path (config -> preflight -> plan -> fastload -> placement ->
-replication -> pin -> warmup -> serve). `pipeline` depends on this package, never the reverse.
+README.md ("What `moe-service serve` does") draws the run path (config -> catalog -> topology
+-> plan -> preflight -> fastload -> placement -> replication -> pin -> engine -> warmup -> serve).
+`pipeline` depends on this package; only the CLI (cli.py) imports `pipeline`, to run it.
 """
 
 __version__ = "0.1.0"

@@ -28,13 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from moe_service.errors import ConfigError
+from moe_service.sizes import GiB, MiB
 
 ENV_PREFIX = "MOE_SERVICE__"
 ENV_CONFIG_PATH = "MOE_SERVICE_CONFIG"
 REPO_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
-
-GiB = 1024**3
-MiB = 1024**2
 
 WORK_CHUNK_BYTES = 64 * MiB
 """Default unit of load work (fastload.chunk_bytes) and of copy work (replication.chunk_bytes)."""
@@ -103,7 +101,7 @@ class NumaConfig(_Table):
     )
 
 
-DEFAULT_STAGES = ["fastload", "placement", "replication", "pin", "warmup", "serve"]
+DEFAULT_STAGES = ["fastload", "placement", "replication", "pin", "engine", "warmup", "serve"]
 
 
 class PipelineConfig(_Table):
@@ -134,8 +132,8 @@ class PipelineConfig(_Table):
         default_factory=dict,
         description="Per stage (e.g. {fastload = 60}): most seconds without progress (bytes loaded, a "
         "new phase) before EXTEND_TIMEOUT_USEC stops and systemd's start timeout ends a hung start. "
-        "Unset stages use their own limit: fastload 60, warmup 900 (a first kernel compile reports "
-        "nothing for minutes), others 600.",
+        "Unset stages use their own limit: fastload 60, engine and warmup 900 (a first kernel "
+        "compile reports nothing for minutes), others 600.",
     )
 
     @model_validator(mode="after")

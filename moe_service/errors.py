@@ -58,9 +58,11 @@ class CapacityError(PreflightError):
 
 
 class StageError(MoeServiceError):
-    """A pipeline stage failed while running."""
+    """A pipeline stage failed while running. ``errno``: the OS error behind it, when there is
+    one (the runner sends it to systemd as ERRNO=)."""
 
     exit_code = 5
+    errno: int | None = None
 
 
 class NumaError(StageError):
@@ -68,7 +70,12 @@ class NumaError(StageError):
 
 
 class PinError(StageError):
-    """cudaHostRegister failed or the pin mode cannot be honoured."""
+    """cudaHostRegister failed or the pin mode cannot be honoured. A failed call sets ``chunk``
+    (the pipeline.pin.PinChunk), ``flags`` and ``cuda_error`` (the cudaError_t number)."""
+
+    chunk: object = None
+    flags: int | None = None
+    cuda_error: int | None = None
 
 
 class Interrupted(MoeServiceError):

@@ -33,11 +33,12 @@ import numpy as np
 
 from moe_service.errors import ModelFileError
 from moe_service.layout import align_up
+from moe_service.sizes import MiB
 
 DIRECT_ALIGN_BYTES = 4096
 """Alignment of address, offset and length of every O_DIRECT read made here."""
 
-DIRECT_CALL_BYTES = 8 * 2**20
+DIRECT_CALL_BYTES = 8 * MiB
 """Bytes one O_DIRECT read asks for. The block layer cuts it into requests of at most
 max_sectors_kb (4096 on the test VM's virtio disk, often 128-1280 on NVMe) that are all in
 flight together: the call itself is a thread's queue depth (2 requests here, 8-64 on NVMe),

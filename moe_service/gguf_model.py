@@ -41,6 +41,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moe_service.engine.quant.formats import FORMATS
 from moe_service.errors import ModelFileError
+from moe_service.sizes import gib_text
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -1129,10 +1130,6 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 @dataclass
 class CatalogReport:
     """What ``moe-service check`` prints about the model files: ``summary`` lines (one fact
@@ -1172,7 +1169,7 @@ def verdict(
     p = model.params
     size = sum(s.size_bytes for s in model.shards)
     summary = [
-        f"model: {model.path} ({len(model.shards)} shard(s), {_gib(size)} on disk)",
+        f"model: {model.path} ({len(model.shards)} shard(s), {gib_text(size)} on disk)",
         f"architecture: {p.arch or '?'}, {p.n_layer} layers, hidden {p.n_embd}, heads {p.n_head}/{p.n_head_kv} "
         f"(head_dim {p.head_dim}), vocab {p.n_vocab}, context {p.n_ctx_train}",
     ]
@@ -1180,17 +1177,17 @@ def verdict(
         eb = model.expert_bytes
         summary.append(
             f"experts: {p.n_expert} per layer, top-{p.n_expert_used}, width {p.n_ff_exp}, "
-            f"{len(model.expert_layers)} expert layers, {_gib(eb)} in experts "
+            f"{len(model.expert_layers)} expert layers, {gib_text(eb)} in experts "
             f"({100 * eb / max(model.total_bytes, 1):.1f}% of the weights)"
         )
     else:
         summary.append("experts: none (dense model)")
-    summary.append(f"tensors: {len(model.tensors)}, {_gib(model.total_bytes)} ({model.total_bytes} bytes)")
+    summary.append(f"tensors: {len(model.tensors)}, {gib_text(model.total_bytes)} ({model.total_bytes} bytes)")
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     for t in model.tensors.values():
         counts[t.type_name] += 1
         nbytes[t.type_name] += t.nbytes
-    hist = ", ".join(f"{name} {counts[name]} ({_gib(nbytes[name])})" for name, _ in nbytes.most_common())
+    hist = ", ".join(f"{name} {counts[name]} ({gib_text(nbytes[name])})" for name, _ in nbytes.most_common())
     summary.append(f"types: {hist}")
     return CatalogReport(model.path, summary, model.problems())

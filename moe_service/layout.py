@@ -32,10 +32,12 @@ from typing import Literal
 
 import numpy as np
 
-REGION_ALIGN_BYTES = 2 * 1024 * 1024
+from moe_service.sizes import GiB, MiB
+
+REGION_ALIGN_BYTES = 2 * MiB
 """Regions start and end on 2 MiB boundaries (one x86-64 transparent huge page) at least."""
 
-HUGETLB_PAGE_BYTES = {"2m": 2 * 1024 * 1024, "1g": 1024 * 1024 * 1024}
+HUGETLB_PAGE_BYTES = {"2m": 2 * MiB, "1g": GiB}
 """fastload.pages values that take hugetlb pages, and their page size in bytes."""
 
 SLAB_ALIGN_BYTES = 64

@@ -25,6 +25,7 @@ import numpy as np
 
 from moe_service.errors import CapacityError, ModelFileError
 from moe_service.layout import REGION_ALIGN_BYTES, align_up
+from moe_service.sizes import gib_text
 
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
@@ -128,12 +129,12 @@ def reserve_arena(nbytes: int, align: int = REGION_ALIGN_BYTES, *,
         if hugetlb_page_bytes:
             kib = hugetlb_page_bytes // 1024
             raise CapacityError(
-                f"cannot map {nbytes // hugetlb_page_bytes} hugetlb pages of {kib} kB ({nbytes / 2**30:.1f} GiB) "
+                f"cannot map {nbytes // hugetlb_page_bytes} hugetlb pages of {kib} kB ({gib_text(nbytes, 1)}) "
                 f"for the arena: {os.strerror(e.errno or 0)}; the pools hold fewer free pages than that "
                 f"(/sys/devices/system/node/node*/hugepages/hugepages-{kib}kB/free_hugepages)"
             ) from None
         raise CapacityError(
-            f"cannot reserve {nbytes} bytes ({nbytes / 2**30:.1f} GiB) of anonymous memory for the "
+            f"cannot reserve {nbytes} bytes ({gib_text(nbytes, 1)}) of anonymous memory for the "
             f"arena: {os.strerror(e.errno or 0)} (see /proc/sys/vm/overcommit_memory)"
         ) from None
     probe = np.frombuffer(mm, dtype=np.uint8, count=1)

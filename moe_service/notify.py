@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import sdnotify
 
@@ -109,9 +110,9 @@ class Liveness:
     def __init__(self) -> None:
         self._count = 0
         self._frozen = False
-        self._checks: dict[str, object] = {}
+        self._checks: dict[str, Callable[[], str | None]] = {}
 
-    def add_check(self, name: str, check) -> None:
+    def add_check(self, name: str, check: Callable[[], str | None]) -> None:
         """Register ``check() -> str | None`` under ``name`` (replaces one of the same name)."""
         self._checks[name] = check
 
@@ -175,15 +176,17 @@ class Watchdog:
         return self
 
     def _run(self) -> None:
+        period_s = self.period_s
+        assert period_s is not None  # start() runs this thread only with an interval
         last = self.liveness.count
         self.notifier.watchdog()  # the service just became ready: first ping now
         self.pings += 1
         stalled_logged = False
-        next_t = time.monotonic() + self.period_s
+        next_t = time.monotonic() + period_s
         while not self._stop.wait(max(0.0, next_t - time.monotonic())):
-            next_t += self.period_s
+            next_t += period_s
             if next_t < time.monotonic():  # we were descheduled past a slot: do not burst
-                next_t = time.monotonic() + self.period_s
+                next_t = time.monotonic() + period_s
             now_count = self.liveness.count
             problem = self.liveness.problem()
             if now_count != last and problem is None:
@@ -202,6 +205,24 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+TEST_STALL_ENV = "MOE_SERVICE_TEST_STALL_AFTER_S"
+"""Test hook: after this many seconds of being ready, the liveness signal stops advancing, so
+the watchdog stops pinging and systemd restarts the service (tests/systemd, tests/e2e)."""
+
+
+def start_watchdog(notifier: Notifier, liveness: Liveness) -> Watchdog:
+    """Start WATCHDOG=1 pings driven by ``liveness`` (no-op without WATCHDOG_USEC), and arm
+    the stall test hook (:data:`TEST_STALL_ENV`) when its environment variable is set."""
+    wd = Watchdog(notifier, liveness).start()
+    stall_after = os.environ.get(TEST_STALL_ENV)
+    if stall_after:
+        log.warning("test_stall_armed", after_s=float(stall_after))
+        t = threading.Timer(float(stall_after), liveness.freeze)
+        t.daemon = True
+        t.start()
+    return wd
 
 
 class TimeoutExtender:

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_service.errors import NumaError
+from moe_service.sizes import MiB
 
 # --- memory policy constants (linux/mempolicy.h) -------------------------------------------
 
@@ -69,7 +70,7 @@ MODE_NAMES = {
 }
 
 PAGE_BYTES = 4096
-SAMPLE_STEP_BYTES = 2 * 1024 * 1024
+SAMPLE_STEP_BYTES = 2 * MiB
 """Default residency sampling step: one 4 KiB page per 2 MiB (one per x86-64 huge page)."""
 
 NODEMASK_BITS = 1024
@@ -103,6 +104,30 @@ def parse_cpulist(text: str) -> list[int]:
             out.extend(range(int(lo), int(hi) + 1, step))
         else:
             out.append(int(part))
+    return out
+
+
+def node_ids_in(node_dir: Path) -> list[int]:
+    """Ids of the ``nodeN`` directories under ``node_dir`` (``/sys/devices/system/node``),
+    ascending; [] when it cannot be listed."""
+    try:
+        names = [p.name for p in node_dir.iterdir()]
+    except OSError:
+        return []
+    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+
+
+def node_cpus(root: Path | str = Path("/")) -> dict[int, list[int]]:
+    """node -> its CPUs (``nodeN/cpulist``, every CPU, allowed or not) for every node directory
+    under ``root/sys/devices/system/node``, CPU-less nodes included (empty list); a node whose
+    cpulist cannot be read is left out; {} without NUMA sysfs. (:meth:`Topology.read` is the
+    full picture: memory nodes, allowed CPUs, meminfo; this is the CPU map a worker pool needs.)"""
+    node_dir = Path(root) / "sys/devices/system/node"
+    out: dict[int, list[int]] = {}
+    for nid in node_ids_in(node_dir):
+        text = _read(node_dir / f"node{nid}" / "cpulist")
+        if text is not None:
+            out[nid] = parse_cpulist(text)
     return out
 
 
@@ -319,7 +344,7 @@ class Topology:
             if has_mem is not None:
                 ids = parse_cpulist(has_mem)
             else:
-                ids = sorted(int(p.name[4:]) for p in node_dir.glob("node[0-9]*"))
+                ids = node_ids_in(node_dir)
             mems_allowed = cg_mems
             if mems_allowed is None:
                 status = _read(root / "proc/self/status") or ""

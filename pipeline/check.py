@@ -20,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_service.config import Settings
+from moe_service.engine.device import DevicePlan, resolve_device
 from moe_service.errors import ModelFileError, PreflightError
 from moe_service.gguf_model import CatalogReport, GGUFModel, verdict
 from moe_service.numa import Topology
+from pipeline.checks import PreflightReport, format_report
 from pipeline.plan import format_plan, plan_summary
-from pipeline.preflight import PreflightReport, format_report, run_preflight
-from pipeline.prepare import dense_gpu_node, plan_layout
+from pipeline.preflight import run_preflight
+from pipeline.prepare import plan_layout
 
 EXIT_MODEL_FILE = 3
 EXIT_PREFLIGHT = 4
@@ -98,13 +100,14 @@ def run_check(config: Settings) -> CheckResult:
                           f"{'supported' if runnable else 'declared (not run by this engine yet)'}, "
                           f"hyperparameters and {len(model.tensors)} tensors agree")
     topology = Topology.read(root=config.numa.sysfs_root)
+    device: DevicePlan | PreflightError
     try:
-        gpu_node = dense_gpu_node(config, topology)
-    except PreflightError:  # engine.device = cuda without a GPU: preflight's engine.device check says so
-        gpu_node = None
-    layout = plan_layout(model, topology, config, gpu_node)
+        device = resolve_device(config.engine.device, topology.gpus)
+    except PreflightError as e:  # engine.device = cuda without a GPU: preflight's engine.device check says so
+        device = e
+    layout = plan_layout(model, topology, config, device.gpu_node if isinstance(device, DevicePlan) else None)
     summary = plan_summary(layout, topology, config)
-    pre = run_preflight(model, topology, layout, config, raise_on_fail=False)
+    pre = run_preflight(model, topology, layout, config, device=device, raise_on_fail=False)
     return CheckResult(report, summary, pre)
 
 

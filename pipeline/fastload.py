@@ -82,14 +82,15 @@ from moe_service.layout import (
 )
 from moe_service.log import get_logger
 from moe_service.numa import HugepagePool
+from moe_service.sizes import GiB, MiB
 from moe_service.weights import WeightStore
+from pipeline.context import PipelineContext
 from pipeline.plan import node_need_bytes
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
 
-GiB = 2**30
-POPULATE_STEP_BYTES = 2 * 2**20
+POPULATE_STEP_BYTES = 2 * MiB
 """Populate and fill go 2 MiB (one huge page) at a time inside a chunk: the page the kernel
 just zeroed is still in cache when preadv overwrites it, so memory sees one write, not two."""
 
@@ -134,7 +135,7 @@ def choose_io(catalog, io: str = "auto", *, pipeline: str = "auto", direct_above
     if pipeline not in ("auto", "on", "off"):
         raise ConfigError(f"fastload.pipeline: must be one of auto, on, off (got {pipeline!r})")
     file_bytes = sum(s.size_bytes for s in catalog.shards)
-    cached = None
+    cached: float | None = None
     if io == "auto" or pipeline == "auto":
         sizes = [max(s.size_bytes, 1) for s in catalog.shards]
         fracs = [fileio.cached_fraction_sampled(s.path) for s in catalog.shards]
@@ -142,6 +143,7 @@ def choose_io(catalog, io: str = "auto", *, pipeline: str = "auto", direct_above
     if io == "auto":
         if available_bytes is None:
             available_bytes = fileio.meminfo().get("MemAvailable", 0)
+        assert cached is not None  # sampled above for io = auto
         if cached >= WARM_CACHED_FRACTION:
             chosen, reason = "buffered", f"{100 * cached:.0f}% of the file is in the page cache"
         elif file_bytes > direct_above_free_fraction * available_bytes:
@@ -153,6 +155,7 @@ def choose_io(catalog, io: str = "auto", *, pipeline: str = "auto", direct_above
     else:
         chosen, reason = io, f"fastload.io = {io}"
     if pipeline == "auto":
+        assert cached is not None  # sampled above for pipeline = auto
         pipelined = chosen == "direct" or cached < WARM_CACHED_FRACTION
     else:
         pipelined = pipeline == "on"
@@ -249,7 +252,7 @@ class _Chunk:
                     out[-1][4] += n
                     continue
             out.append([shard, file_off, n, arena_off, n])
-        return [tuple(r) for r in out]
+        return [(r[0], r[1], r[2], r[3], r[4]) for r in out]
 
     def file_ranges(self) -> list[tuple[int, int, int]]:
         """(shard, file_offset, nbytes) of the chunk's reads, contiguous ones merged."""
@@ -259,7 +262,7 @@ class _Chunk:
                 out[-1][2] += n
             else:
                 out.append([shard, file_off, n])
-        return [tuple(r) for r in out]
+        return [(r[0], r[1], r[2]) for r in out]
 
 
 def _cpu_s() -> float:
@@ -415,7 +418,7 @@ def populate_range(base: int, region: Region, lo: int, hi: int, layout: Layout, 
     try:
         memory.populate_write(base + lo, hi - lo)
     except OSError as e:
-        if e.errno in memory.SHORTAGE_ERRNOS:
+        if e.errno is not None and e.errno in memory.SHORTAGE_ERRNOS:
             raise shortage_error(stage, region, lo, hi, e.errno, layout, page_kib, pools) from None
         raise StageError(f"{stage}: madvise(MADV_POPULATE_WRITE) failed: {e}") from e
 
@@ -460,7 +463,8 @@ class _Loader:
         self.call_bytes = min(fileio.DIRECT_CALL_BYTES, max_read_bytes)
         self.next_chunk = itertools.count()
         # pipelined, per chunk: 0 nobody has it, 1 being populated, 2 populated (ready to read)
-        self.state = [0] * len(chunks) if self.populate_threads else None
+        # pipelined: per chunk 0 free, 1 being populated, 2 ready (empty when not pipelined)
+        self.state: list[int] = [0] * len(chunks) if self.populate_threads else []
         self.populate_cursor = 0
         self.ready_cv = threading.Condition()
         self.taken = 0  # chunks handed to workers so far (the prefetcher stays a window ahead)
@@ -553,7 +557,7 @@ class _Loader:
         (the populate threads fell behind): populate it here, which keeps a slow populate
         (a VM's host faults, few populate threads) from holding the readers up. Another
         thread is at it: wait. False when the load stops first."""
-        if self.state is None:
+        if not self.populate_threads:
             return True
         t0 = time.perf_counter()
         with self.ready_cv:
@@ -575,7 +579,7 @@ class _Loader:
     def _work(self, w: int) -> None:
         fds: dict[int, int] = {}
         dfds: dict[int, int] = {}
-        view = memoryview(self.arena)
+        view = memoryview(self.arena)  # type: ignore[arg-type]  # numpy's stubs: __buffer__ on Python >= 3.12 only
         done = self.done_bytes
         bounce = None
 
@@ -708,6 +712,7 @@ class _Loader:
 
     def _populate(self, r: Region, lo: int, hi: int) -> None:
         if self.populate == "madvise":
+            assert self.layout is not None  # every load that populates has a layout (fastload())
             populate_range(self.base, r, lo, hi, self.layout, stage="fastload", page_kib=self.page_kib,
                            pools=self.pools)
         elif self.populate == "touch":
@@ -1011,17 +1016,15 @@ def _progress_bar(total: int, wanted: bool | None):
     if not wanted:
         return None
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # optional (a progress bar on a TTY), no stubs
     except ImportError:
         return None
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fastload", file=sys.stderr)
 
 
-def _progress(ctx, done: int, total: int, gbps: float) -> None:
+def _progress(ctx: PipelineContext, done: int, total: int, gbps: float) -> None:
     ctx.status(status_line(done, total, gbps))
-    report = getattr(ctx, "report_progress", None)
-    if report is not None:  # bytes loaded: what keeps systemd's start timeout extended
-        report(done)
+    ctx.report_progress(done)  # bytes loaded: what keeps systemd's start timeout extended
 
 
 def _check_model_unchanged(catalog, when: str) -> None:
@@ -1038,18 +1041,17 @@ def _check_model_unchanged(catalog, when: str) -> None:
 
 @register_stage
 class FastloadStage(Stage):
-    """Reads the model into the arena the plan laid out (``ctx.catalog``, ``ctx.layout``;
-    without a layout, one ``local`` region in file order) and sets ``ctx.arena`` and
-    ``ctx.weights``. Settings: ``[fastload]`` threads, pages, populate, chunk_bytes,
+    """Reads the model into the arena the plan laid out (reads ``ctx.catalog`` and ``ctx.layout``,
+    which the prepare step fills; when a caller left the layout out, one ``local`` region in
+    file order) and writes ``ctx.arena`` and ``ctx.weights``. Settings: ``[fastload]`` threads, pages, populate, chunk_bytes,
     max_read_bytes, progress_interval_s, prefetch, io, pipeline, populate_threads,
     direct_threads, direct_above_free_fraction."""
 
     name = "fastload"
-    requires: tuple[str, ...] = ()
-    summary = (
-        "needs catalog + layout; fills arena and weights (populate + pread, N threads, THP or hugetlb pages, "
-        "bound per region)"
-    )
+    reads = ("catalog",)
+    reads_if_present = ("layout",)
+    writes = ("arena", "weights")
+    summary = "read the model into the placed arena (populate + pread, N threads, THP or hugetlb pages, bound per region)"
 
     stall_limit_s = 60.0  # no byte loaded for a minute: a dead disk or a hung NFS server
     progress_from_status = False  # its status line's GB/s changes while no byte arrives
@@ -1057,21 +1059,22 @@ class FastloadStage(Stage):
     def __init__(self) -> None:
         self.stats: LoadStats | None = None
 
-    def run(self, ctx) -> None:
+    def run(self, ctx: PipelineContext) -> None:
         from moe_service.layout import plain_layout
 
-        if ctx.catalog is None:
+        catalog = ctx.catalog
+        if catalog is None:
             raise StageError("fastload: no model catalog (the prepare step did not run)")
         cfg = ctx.config.fastload
         layout = ctx.layout
         if layout is None:
-            layout = ctx.layout = plain_layout(ctx.catalog, region_align_bytes(cfg.pages))
+            layout = ctx.layout = plain_layout(catalog, region_align_bytes(cfg.pages))
             log.info(
                 "fastload_plain_layout", stage="fastload", reason="no plan in the context: one local region"
             )
-        _check_model_unchanged(ctx.catalog, "before the load")
+        _check_model_unchanged(catalog, "before the load")
         arena, weights, self.stats = fastload(
-            ctx.catalog,
+            catalog,
             layout,
             threads=cfg.threads,
             pages=cfg.pages,
@@ -1089,13 +1092,13 @@ class FastloadStage(Stage):
             direct_above_free_fraction=cfg.direct_above_free_fraction,
         )
         try:
-            _check_model_unchanged(ctx.catalog, "during the load")
+            _check_model_unchanged(catalog, "during the load")
         except StageError:
             memory.free_arena(arena)
             raise
         ctx.arena, ctx.weights = arena, weights
 
-    def close(self, ctx) -> None:
+    def close(self, ctx: PipelineContext) -> None:
         arena = ctx.arena
         ctx.arena = ctx.weights = None
         if arena is not None:

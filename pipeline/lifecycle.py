@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
+import pipeline.stages  # noqa: F401  (registers every stage that exists)
 from moe_service.config import Settings
 from moe_service.errors import ConfigError, Interrupted, MoeServiceError
 from moe_service.log import get_logger
-from moe_service.notify import Watchdog
+from moe_service.notify import start_watchdog
 from pipeline.context import PipelineContext
 from pipeline.runner import PipelineRunner
 
 log = get_logger(__name__)
-
-TEST_STALL_ENV = "MOE_SERVICE_TEST_STALL_AFTER_S"
-"""Test hook: after this many seconds of being ready, the liveness signal stops advancing, so
-the watchdog stops pinging and systemd restarts the service (tests/systemd)."""
-
 
 def install_signal_handlers(ctx: PipelineContext) -> None:
     """SIGTERM/SIGINT request a graceful shutdown; a second SIGINT exits at once (130)."""
@@ -45,25 +40,12 @@ def install_signal_handlers(ctx: PipelineContext) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
-def start_watchdog(ctx: PipelineContext) -> Watchdog:
-    """Start WATCHDOG=1 pings driven by ``ctx.liveness`` (no-op without WATCHDOG_USEC), and arm
-    the stall test hook when its environment variable is set."""
-    wd = Watchdog(ctx.notifier, ctx.liveness).start()
-    stall_after = os.environ.get(TEST_STALL_ENV)
-    if stall_after:
-        log.warning("test_stall_armed", after_s=float(stall_after))
-        t = threading.Timer(float(stall_after), ctx.liveness.freeze)
-        t.daemon = True
-        t.start()
-    return wd
-
-
 def wait_until_shutdown(ctx: PipelineContext) -> None:
     """Stay up with everything loaded when no stage serves (e.g. a load-only pipeline): READY=1,
     watchdog pings while this loop lives, return on shutdown."""
     ctx.notifier.ready(f"ready: {len(ctx.stage_durations_s)} stage(s) done, no serve stage")
     log.info("service_ready", serve=False)
-    wd = start_watchdog(ctx)
+    wd = start_watchdog(ctx.notifier, ctx.liveness)
     try:
         while not ctx.shutdown.wait(0.2):
             ctx.liveness.beat()
@@ -79,8 +61,6 @@ def run_service(settings: Settings, *, handle_signals: bool = True, registry=Non
     stages that ran, in reverse order, and tells systemd STOPPING=1 / ERRNO= as fits.
     ``registry`` and ``prepare`` replace the stage registry and the prepare step (tests).
     """
-    import pipeline.stages  # noqa: F401  (registers every stage that exists)
-
     if prepare is None:
         from pipeline.prepare import prepare
 

@@ -37,16 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from moe_service.config import Settings
 from moe_service.engine.device import cuda_absent_reason
 from moe_service.errors import PinError
 from moe_service.layout import PAGE_BYTES, Layout, align_up
 from moe_service.log import get_logger
-from pipeline.preflight import Check
+from moe_service.sizes import gib_text
+from pipeline.checks import Check, Status
+from pipeline.context import PipelineContext
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
-
-GiB = 1024**3
 
 # CUDA runtime constants (driver_types.h)
 CUDA_SUCCESS = 0
@@ -60,10 +61,6 @@ FLAG_NAMES = {CUDA_HOST_REGISTER_DEFAULT: "cudaHostRegisterDefault", CUDA_HOST_R
 
 def flags_name(flags: int) -> str:
     return FLAG_NAMES.get(flags, f"{flags:#x}")
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +328,7 @@ def pin_chunks(
                 registered = len(pinned.chunks)
                 error = PinError(
                     f"cudaHostRegister failed for region {c.region!r} ({c.role}) at region offset "
-                    f"{c.region_offset} (address {ptr:#x}), {c.nbytes} bytes ({_gib(c.nbytes)}), "
+                    f"{c.region_offset} (address {ptr:#x}), {c.nbytes} bytes ({gib_text(c.nbytes)}), "
                     f"flags {flags} ({flags_name(flags)}), chunk {i + 1} of {len(chunks)}: {what}; "
                     f"the {registered} chunk(s) registered before it were unregistered"
                 )
@@ -361,7 +358,7 @@ def _probe_flags() -> tuple[int | None, str]:
 
 
 def pin_preflight(
-    config,
+    config: Settings,
     layout: Layout,
     *,
     cuda_reason: Callable[[], str | None] = cuda_absent_reason,
@@ -382,7 +379,7 @@ def pin_preflight(
     mode = config.pin.mode
     chunks = plan_pin_chunks(layout, config.pin.chunk_bytes)
     pin_bytes = sum(c.nbytes for c in chunks)
-    numbers = {"pin_bytes": pin_bytes, "chunks": len(chunks), "chunk_bytes": config.pin.chunk_bytes,
+    numbers: dict[str, int | None] = {"pin_bytes": pin_bytes, "chunks": len(chunks), "chunk_bytes": config.pin.chunk_bytes,
                "regions": len({c.region for c in chunks})}
     if mode == "off":
         return [Check("pin", "ok", "pin.mode = off: nothing is pinned", numbers)]
@@ -402,18 +399,18 @@ def pin_preflight(
         shown = f"flags {flags} ({flags_name(flags)}: {why})" if flags is not None else why
         checks.append(Check(
             "pin", "ok",
-            f"pin registers {_gib(pin_bytes)} ({pin_bytes} bytes) of {numbers['regions']} region(s) in "
-            f"{len(chunks)} call(s) of at most {_gib(config.pin.chunk_bytes)}, {shown}",
+            f"pin registers {gib_text(pin_bytes)} ({pin_bytes} bytes) of {numbers['regions']} region(s) in "
+            f"{len(chunks)} call(s) of at most {gib_text(config.pin.chunk_bytes)}, {shown}",
             numbers))
     soft, hard = memlock()
     unlimited = soft == resource.RLIM_INFINITY
     ok = unlimited or soft >= pin_bytes
-    shown = "unlimited" if unlimited else f"{soft} bytes ({_gib(soft)})"
-    status = "ok" if ok else ("fail" if mode == "required" else "warn")
+    shown = "unlimited" if unlimited else f"{soft} bytes ({gib_text(soft)})"
+    status: Status = "ok" if ok else ("fail" if mode == "required" else "warn")
     checks.append(Check(
         "memlock", status,
         f"RLIMIT_MEMLOCK is {shown}" + ("" if ok else
-            f", less than the {pin_bytes} bytes ({_gib(pin_bytes)}) pin registers; set "
+            f", less than the {pin_bytes} bytes ({gib_text(pin_bytes)}) pin registers; set "
             "LimitMEMLOCK=infinity in the unit (ulimit -l unlimited outside systemd)"),
         {"needed_bytes": pin_bytes, "available_bytes": -1 if unlimited else soft,
          "hard_bytes": -1 if hard == resource.RLIM_INFINITY else hard}))
@@ -424,11 +421,10 @@ def pin_preflight(
 # The stage
 
 
-def _arena_and_layout(ctx) -> tuple[int, int, Layout]:
-    """(base address, arena bytes, layout) from ``ctx.arena`` (uint8 numpy array) or
-    ``ctx.weights`` (WeightStore)."""
-    arena = ctx.arena if ctx.arena is not None else getattr(ctx.weights, "arena", None)
-    layout = ctx.layout if ctx.layout is not None else getattr(ctx.weights, "layout", None)
+def _arena_and_layout(ctx: PipelineContext) -> tuple[int, int, Layout]:
+    """(base address, arena bytes, layout) from ``ctx.arena`` (uint8 numpy array) and
+    ``ctx.layout`` (the stage's declared reads)."""
+    arena, layout = ctx.arena, ctx.layout
     if arena is None or layout is None:
         raise PinError("pin needs the loaded arena and its layout, but no earlier stage provided them")
     return int(arena.ctypes.data), int(arena.nbytes), layout
@@ -436,18 +432,25 @@ def _arena_and_layout(ctx) -> tuple[int, int, Layout]:
 
 @register_stage
 class PinStage(Stage):
-    """cudaHostRegister every placed region (module docstring). Needs ``ctx.arena`` and
-    ``ctx.layout``; sets ``ctx.pins`` (:class:`PinnedRegions`). Settings: ``[pin]`` mode,
-    chunk_bytes. ``runtime_factory`` builds the CUDA runtime (tests replace it)."""
+    """cudaHostRegister every placed region (module docstring). Reads ``ctx.arena`` and
+    ``ctx.layout``; writes ``ctx.pins`` (:class:`PinnedRegions`). Settings: ``[pin]`` mode,
+    chunk_bytes. ``runtime_factory`` builds the CUDA runtime (tests replace it). Its preflight
+    checks are :func:`pin_preflight`."""
 
     name = "pin"
     requires = ("placement",)
-    summary = "page-lock the placed regions for the GPU (cudaHostRegister); needs arena, layout; sets pins"
+    reads = ("arena", "layout")
+    writes = ("pins",)
+    summary = "page-lock the placed regions for the GPU (cudaHostRegister)"
 
     runtime_factory: Callable[[], CudaRuntime] = TorchCudart
     cuda_reason: Callable[[], str | None] = staticmethod(cuda_absent_reason)
 
-    def skip_reason(self, ctx) -> str | None:
+    @classmethod
+    def preflight_checks(cls, config: Settings, layout: Layout) -> list[Check]:
+        return pin_preflight(config, layout)
+
+    def skip_reason(self, ctx: PipelineContext) -> str | None:
         mode = ctx.config.pin.mode
         if mode == "off":
             return "pin.mode = off"
@@ -457,7 +460,7 @@ class PinStage(Stage):
                 return f"pin.mode = auto and {reason}; expert regions stay pageable"
         return None
 
-    def run(self, ctx) -> None:
+    def run(self, ctx: PipelineContext) -> None:
         cfg = ctx.config.pin
         reason = self.cuda_reason()
         if reason is not None:  # mode required (auto skipped, off skipped)
@@ -480,17 +483,18 @@ class PinStage(Stage):
             if now - last_status[0] >= 1.0 or done == total_bytes:
                 last_status[0] = now
                 gbps = done / seconds / 1e9 if seconds > 0 else 0.0
-                ctx.status(f"pin: {done * 100 // max(total_bytes, 1)}% of {_gib(total_bytes)} ({gbps:.1f} GB/s)")
+                ctx.status(f"pin: {done * 100 // max(total_bytes, 1)}% of {gib_text(total_bytes)} ({gbps:.1f} GB/s)")
                 log.info("pin_progress", stage="pin", bytes=done, total_bytes=total_bytes,
                          seconds=round(seconds, 3), gbps=round(gbps, 2))
 
-        ctx.pins = pin_chunks(rt, base, chunks, flags, check_shutdown=ctx.check_shutdown, on_progress=progress)
-        gbps = total / ctx.pins.seconds / 1e9 if ctx.pins.seconds > 0 else 0.0
+        pins = ctx.pins = pin_chunks(rt, base, chunks, flags, check_shutdown=ctx.check_shutdown,
+                                     on_progress=progress)
+        gbps = total / pins.seconds / 1e9 if pins.seconds > 0 else 0.0
         log.info("pin_done", stage="pin", bytes=total, chunks=len(chunks), flags=flags,
-                 seconds=round(ctx.pins.seconds, 3), gbps=round(gbps, 2))
-        ctx.status(f"pin: {_gib(total)} pinned in {len(chunks)} call(s), flags {flags}")
+                 seconds=round(pins.seconds, 3), gbps=round(gbps, 2))
+        ctx.status(f"pin: {gib_text(total)} pinned in {len(chunks)} call(s), flags {flags}")
 
-    def close(self, ctx) -> None:
+    def close(self, ctx: PipelineContext) -> None:
         pins = ctx.pins
         if pins is None:
             return

@@ -35,6 +35,9 @@ from moe_service import numa
 from moe_service.errors import NumaError, StageError
 from moe_service.layout import Layout, Region
 from moe_service.log import get_logger
+from moe_service.numa import Topology
+from moe_service.sizes import GiB
+from pipeline.context import PipelineContext
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
@@ -104,6 +107,12 @@ class ResidencyReport:
     before: list[RegionResidency] = field(default_factory=list)
     seconds: float = 0.0
     note: str = ""
+
+    def merge(self, other: ResidencyReport) -> None:
+        """Add ``other``'s regions and migrations (the replication stage's check of the replica
+        regions) to this report (placement's, of the primaries)."""
+        self.regions.extend(other.regions)
+        self.migrated.extend(other.migrated)
 
     def bytes_per_node(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -256,7 +265,7 @@ def format_residency(report: ResidencyReport) -> str:
         flag = "" if r.ok else f"  stray {r.stray}, absent {r.absent}"
         lines.append(f"{r.name:<18} {r.policy:<10} {str(list(r.planned_nodes)):<12} {row}{flag}")
     bpn = report.bytes_per_node()
-    lines.append(f"{'bytes':<18} {'':<10} {'':<12} " + " ".join(f"{bpn.get(n, 0) / 2**30:>6.2f}G" for n in nodes))
+    lines.append(f"{'bytes':<18} {'':<10} {'':<12} " + " ".join(f"{bpn.get(n, 0) / GiB:>6.2f}G" for n in nodes))
     return "\n".join(lines)
 
 
@@ -271,13 +280,12 @@ def log_residency(report: ResidencyReport, stage: str = "placement") -> None:
 
 def status_line(report: ResidencyReport) -> str:
     """ASCII STATUS text for systemd, e.g. ``placement: 100.0% of sampled pages on plan; N0 12.1G N1 12.1G``."""
-    bpn = " ".join(f"N{n} {b / 2**30:.1f}G" for n, b in report.bytes_per_node().items())
+    bpn = " ".join(f"N{n} {b / GiB:.1f}G" for n, b in report.bytes_per_node().items())
     moved = f", migrated {len(report.migrated)} region(s)" if report.migrated else ""
     return f"placement: {100 * report.on_plan_fraction():.1f}% of sampled pages on plan{moved}; {bpn}"
 
 
-
-def single_node_reason(layout: Layout | None, topology) -> str | None:
+def single_node_reason(layout: Layout | None, topology: Topology | None) -> str | None:
     """Why there is nothing to place (one-node host, one-node plan, only local regions), or None."""
     if topology is not None and not topology.is_multi_node:
         return f"one NUMA node on this host (node {topology.node_ids[0]})"
@@ -297,23 +305,27 @@ class PlacementStage(Stage):
 
     name = "placement"
     requires = ("fastload",)
-    summary = "verify every region's pages are on their planned node(s), migrate strays; sets ctx.residency"
+    reads = ("arena", "layout")
+    reads_if_present = ("topology",)
+    writes = ("residency",)
+    summary = "verify every region's pages are on their planned node(s), migrate strays"
 
-    def skip_reason(self, ctx) -> str | None:
+    def skip_reason(self, ctx: PipelineContext) -> str | None:
         return None if ctx.config.placement.verify else "placement.verify = false"
 
-    def run(self, ctx) -> None:
-        if ctx.arena is None or ctx.layout is None:
+    def run(self, ctx: PipelineContext) -> None:
+        arena, layout = ctx.arena, ctx.layout
+        if arena is None or layout is None:
             raise StageError("placement: there is no loaded arena to check (fastload did not fill ctx.arena)")
-        reason = single_node_reason(ctx.layout, ctx.topology)
+        reason = single_node_reason(layout, ctx.topology)
         if reason:
             ctx.residency = ResidencyReport(note=f"nothing to place: {reason}")
             log.info("placement_nothing_to_place", stage=self.name, reason=reason)
             ctx.status(f"placement: nothing to place ({reason})")
             return
         cfg = ctx.config.placement
-        ctx.status(f"placement: checking {len(ctx.layout.primary_regions())} regions")
-        report = place(ctx.arena, ctx.layout, migrate=cfg.migrate, strict=cfg.strict,
+        ctx.status(f"placement: checking {len(layout.primary_regions())} regions")
+        report = place(arena, layout, migrate=cfg.migrate, strict=cfg.strict,
                        step_bytes=cfg.sample_stride_bytes, interleave_tolerance=cfg.interleave_tolerance,
                        stage=self.name)
         ctx.residency = report

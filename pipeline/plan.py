@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -52,12 +53,16 @@ from moe_service.layout import (
     Extent,
     Layout,
     Region,
+    RegionPolicy,
+    RegionRole,
     align_up,
     region_align_bytes,
 )
 from moe_service.numa import Topology, hugepage_pool_path
+from moe_service.sizes import GiB, KiB, MiB, gib_text
 
-GIB = 1024**3
+if TYPE_CHECKING:
+    from moe_service.gguf_model import GGUFModel
 
 
 def expert_home(e: int, n_expert: int, n_nodes: int) -> int:
@@ -144,7 +149,7 @@ def replica_chunks(home: int, candidates: Iterable[int], k: int, topology: Topol
 class _RegionBuilder:
     """Accumulates a region's contents at region-relative offsets, merging adjacent extents."""
 
-    def __init__(self, name: str, role: str, policy: str, nodes: tuple[int, ...]):
+    def __init__(self, name: str, role: RegionRole, policy: RegionPolicy, nodes: tuple[int, ...]):
         self.region = Region(name=name, role=role, policy=policy, nodes=nodes, arena_offset=0, nbytes=0)
         self.off = 0
 
@@ -204,8 +209,8 @@ def select_nodes(topology: Topology, numa: NumaConfig) -> tuple[int, ...]:
     return with_cpus or ids
 
 
-def plan(catalog, topology: Topology, config: Settings, *, gpu_node: int | None = None,
-         strict: bool = True) -> Layout:
+def plan(catalog: GGUFModel, topology: Topology, config: Settings, *, gpu_node: int | None = None,
+         strict: bool = True, replicate: bool = True) -> Layout:
     """Compute the :class:`Layout` of ``catalog`` on ``topology`` (allocates nothing).
 
     ``catalog``: a GGUFModel (or any object with ``tensors`` {name: TensorInfo with shard,
@@ -213,8 +218,11 @@ def plan(catalog, topology: Topology, config: Settings, *, gpu_node: int | None 
     n_expert, slab_bytes, slab(e)}}). ``config``: the Settings (module docstring lists what is
     read). ``gpu_node``: when a GPU runs the dense part, its NUMA node: dense tensors are bound
     there instead of interleaved. ``strict``: raise CapacityError when a node cannot hold its
-    share (else the caller reads :func:`check_capacity`). Raises ConfigError for a bad node
-    list, too many replicas or a GPU node outside the plan.
+    share (else the caller reads :func:`check_capacity`). ``replicate``: plan the copies on
+    other nodes (``replication.replicas``, the ``mirror`` copies); False when no replication
+    stage will fill them (pipeline.prepare.plan_layout): then no replica region exists, a
+    ``mirror`` plan holds only its first node's copy, and a warning says what was left out.
+    Raises ConfigError for a bad node list, too many replicas or a GPU node outside the plan.
     """
     policy = config.numa.policy
     replicas = config.replication.replicas
@@ -241,10 +249,17 @@ def plan(catalog, topology: Topology, config: Settings, *, gpu_node: int | None 
     elif policy == "interleave":
         layout = _plan_interleave(catalog, nodes, align)
     elif policy == "mirror":
-        layout = _plan_mirror(catalog, nodes, align)
+        layout = _plan_mirror(catalog, nodes, align, with_copies=replicate)
+        if not replicate:
+            warnings.append(f"numa.policy = mirror keeps one copy of the model, on node {nodes[0]}: the declared "
+                            "stages lack replication, which copies it to the other nodes")
     else:
-        layout = _plan_expert_shard(catalog, topology, nodes, replicas, gpu_node, config.numa.expert_homes, align)
-    if replicas and layout.replicas != replicas:
+        layout = _plan_expert_shard(catalog, topology, nodes, replicas if replicate else 0, gpu_node,
+                                    config.numa.expert_homes, align)
+        if replicas and not replicate:
+            warnings.append(f"replication.replicas = {replicas}: no replica regions planned, the declared stages "
+                            "lack replication, which fills them")
+    if replicas and replicate and layout.replicas != replicas:
         warnings.append(f"replication.replicas={replicas} ignored: policy {policy!r} on {len(nodes)} node(s) "
                         "has no per-node expert homes to replicate")
     layout.warnings.extend(warnings)
@@ -319,11 +334,13 @@ def _plan_interleave(catalog, nodes: tuple[int, ...], align: int) -> Layout:
     return _resolve([b], slots, catalog, 1, nodes, "interleave", 0, align)
 
 
-def _plan_mirror(catalog, nodes: tuple[int, ...], align: int) -> Layout:
+def _plan_mirror(catalog, nodes: tuple[int, ...], align: int, with_copies: bool = True) -> Layout:
     first = _RegionBuilder(f"mirror.node{nodes[0]}", "primary", "bind", (nodes[0],))
     slots = _Slots()
     _whole_tensors(first, catalog, slots, nodes[0])
     _lay_out([first], align)
+    if not with_copies:
+        return _resolve([first], slots, catalog, 1, nodes, "mirror", 0, align)
     builders = [first]
     for n in nodes[1:]:
         b = _RegionBuilder(f"mirror.node{n}", "replica", "bind", (n,))
@@ -337,9 +354,9 @@ def _plan_mirror(catalog, nodes: tuple[int, ...], align: int) -> Layout:
         copies.extend((b, off) for b in builders[1:])
         slots.tensors[name] = copies
     for per in slots.experts.values():
-        for copies in per:
-            _b0, off, _n = copies[0]
-            copies.extend((b, off, b.region.nodes[0]) for b in builders[1:])
+        for expert_copies in per:
+            _b0, off, _n = expert_copies[0]
+            expert_copies.extend((b, off, b.region.nodes[0]) for b in builders[1:])
     return _resolve(builders, slots, catalog, len(nodes), nodes, "mirror", len(nodes) - 1, align)
 
 
@@ -419,11 +436,13 @@ def node_need_bytes(layout: Layout, regions: list[Region] | None = None) -> dict
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB ({n} bytes)"
+    """A size in the capacity sentences: one decimal and the exact byte count."""
+    return gib_text(n, 1, exact=True)
 
 
 def _page_name(page_kib: int) -> str:
-    return f"{page_kib // (1024 * 1024)} GiB" if page_kib >= 1024 * 1024 else f"{page_kib // 1024} MiB"
+    page_bytes = page_kib * KiB
+    return f"{page_bytes // GiB} GiB" if page_bytes >= GiB else f"{page_bytes // MiB} MiB"
 
 
 @dataclass(frozen=True)
@@ -488,7 +507,7 @@ class NodeCapacity:
         if self.ok:
             return f"node {self.node}: {_gib(self.needed_bytes)} needed of {_gib(self.available_bytes)} available"
         return (f"node {self.node} needs {_gib(self.needed_bytes)} but has {_gib(self.available_bytes)} available "
-                f"(MemFree + reclaimable less {self.reserve_bytes / GIB:.1f} GiB reserve)")
+                f"(MemFree + reclaimable less {self.reserve_bytes / GiB:.1f} GiB reserve)")
 
     def numbers(self) -> dict:
         out = {"needed_bytes": self.needed_bytes, "available_bytes": self.available_bytes}
@@ -507,7 +526,7 @@ def node_capacity(layout: Layout, topology: Topology, config: Settings) -> list[
     has, in ordinary memory or, with ``fastload.pages`` = 2m / 1g, in its hugetlb pool."""
     page_bytes = HUGETLB_PAGE_BYTES.get(config.fastload.pages, 0)
     page_kib = page_bytes // 1024
-    reserve = 0 if page_kib else int(config.numa.node_reserve_gib * GIB)
+    reserve = 0 if page_kib else int(config.numa.node_reserve_gib * GiB)
     out: list[NodeCapacity] = []
     for node, need in sorted(node_need_bytes(layout).items()):
         if page_bytes:  # an interleaved share is whole pages too
@@ -557,9 +576,9 @@ def kv_capacity(catalog, layout: Layout, topology: Topology, config: Settings) -
     avail = None
     if cap is not None:  # with hugetlb weights, the KV cache (ordinary pages) competes with nothing planned
         avail = cap.available_bytes if not cap.page_kib else None
-    if avail is not None and need > avail:
-        reasons.append(f"node {node} cannot hold the KV cache beside its weights: weights {cap.needed_bytes / GIB:.2f} "
-                       f"GiB + KV {kvp.total_bytes / GIB:.2f} GiB = {need / GIB:.2f} GiB > {avail / GIB:.2f} GiB "
+    if cap is not None and avail is not None and need > avail:
+        reasons.append(f"node {node} cannot hold the KV cache beside its weights: weights {cap.needed_bytes / GiB:.2f} "
+                       f"GiB + KV {kvp.total_bytes / GiB:.2f} GiB = {need / GiB:.2f} GiB > {avail / GiB:.2f} GiB "
                        f"available (lower engine.kv_cache_gib, model.context_tokens or serve.parallel, or use "
                        f"engine.kv_type = q8_0)")
     out.update(node_need_bytes=need, node_available_bytes=avail, fits=not reasons, reasons=reasons)
@@ -617,7 +636,7 @@ def plan_summary(layout: Layout, topology: Topology, config: Settings) -> dict:
 
 def format_plan(summary: dict, regions: bool = True) -> str:
     """Human table of a :func:`plan_summary` for ``moe-service plan`` (``regions``: list them)."""
-    g = GIB
+    g = GiB
     lines = [
         f"policy {summary['policy']}, replicas {summary['replicas']}, pages {summary['pages']}, "
         f"arena {summary['arena_bytes'] / g:.2f} GiB, {summary.get('moe_layers', 0)} MoE layers",

@@ -14,9 +14,11 @@ numbers (needed vs available). Checks::
     hugepages.host      the arena's pages vs the free pages of every pool             fail
     thp                 transparent_hugepage/enabled: never -> 4 KiB faults, 512x more  warn
                         (fastload.pages = thp)
-    pin, memlock        what the pin stage will register and RLIMIT_MEMLOCK for it   warn, fail
-                        (pipeline.pin.pin_preflight)
+    <stage checks>      each declared stage's own checks (Stage.preflight_checks):    warn, fail
+                        pin, memlock: what the pin stage will register and
+                        RLIMIT_MEMLOCK for it (pipeline.pin.pin_preflight)
     engine.device       engine.device = cuda without a usable CUDA device              fail
+                        (the prepare step's DevicePlan, or its refusal)
     numa_balancing      kernel.numa_balancing=1 on a multi-node plan migrates pages     warn
     cpu_flags           :data:`CPU_FLAGS` in /proc/cpuinfo (x86-64)                     fail
     catalog             every shard present with its size, every tensor inside its      fail
@@ -33,19 +35,20 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import asdict, dataclass, field
-from typing import Literal
 
 from moe_service.config import Settings
-from moe_service.errors import CapacityError, PreflightError
+from moe_service.engine.device import DevicePlan, resolve_device
+from moe_service.errors import PreflightError
+from moe_service.gguf_model import GGUFModel
 from moe_service.layout import Layout
 from moe_service.log import get_logger
 from moe_service.numa import Topology
-from pipeline.plan import node_capacity
+from pipeline.checks import Check, PreflightReport, Status, format_report
+from pipeline.plan import kv_capacity, node_capacity
+
+__all__ = ["CPU_FLAGS", "Check", "PreflightReport", "Status", "catalog_problems", "format_report", "run_preflight"]
 
 log = get_logger(__name__)
-
-Status = Literal["ok", "warn", "fail"]
 
 CPU_FLAGS = ("avx2", "fma", "f16c")
 """CPU features the expert kernels are compiled for (moe_service/engine/quant/): AVX2
@@ -54,71 +57,18 @@ vpmaddubsw/vpmaddwd block dot products (SSSE3 pshufb comes with it), FMA accumul
 faults with an illegal instruction)."""
 
 
-@dataclass
-class Check:
-    """One preflight check: ``name`` (``memory.node1``), ``status``, a one-sentence ``message``
-    and the numbers behind it (``needed_bytes``, ``available_bytes``, ...)."""
-
-    name: str
-    status: Status
-    message: str
-    numbers: dict = field(default_factory=dict)
-    capacity: bool = False  # a memory shortfall: raises CapacityError rather than PreflightError
-
-
-@dataclass
-class PreflightReport:
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if c.status == "fail"]
-
-    @property
-    def warnings(self) -> list[Check]:
-        return [c for c in self.checks if c.status == "warn"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "checks": [{k: v for k, v in asdict(c).items() if k != "capacity"}
-                                          for c in self.checks]}
-
-    def raise_for_failures(self) -> None:
-        """Raise CapacityError when a memory check failed, else PreflightError, else nothing."""
-        fails = self.failures
-        if not fails:
-            return
-        msg = "preflight refused the start: " + "; ".join(c.message for c in fails)
-        if any(c.capacity for c in fails):
-            raise CapacityError(msg)
-        raise PreflightError(msg)
-
-
-def format_report(report: PreflightReport, numbers: bool = False) -> str:
-    """Human table for ``moe-service check``: one line per check (``numbers``: then its
-    numbers, ``key=value``), and a last line with the verdict."""
-    lines = []
-    for c in report.checks:
-        lines.append(f"{c.status.upper():<5} {c.name:<18} {c.message}")
-        if numbers and c.numbers:
-            lines.append(" " * 25 + "  ".join(f"{k}={v}" for k, v in c.numbers.items()))
-    lines.append("preflight: " + ("passed" if report.ok else f"{len(report.failures)} check(s) failed"))
-    return "\n".join(lines)
-
-
-def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings, *,
-                  raise_on_fail: bool = True) -> PreflightReport:
+def run_preflight(catalog: GGUFModel, topology: Topology, layout: Layout, config: Settings, *,
+                  device: DevicePlan | PreflightError | None = None, raise_on_fail: bool = True) -> PreflightReport:
     """Run every check (module docstring) for starting ``layout`` of ``catalog`` on ``topology``.
 
-    ``config``: the Settings (numa.node_reserve_gib, fastload.pages, pin, engine.device).
-    Raises CapacityError / PreflightError when a check fails and ``raise_on_fail``; returns
-    the report otherwise.
+    ``config``: the Settings (numa.node_reserve_gib, fastload.pages, pipeline.stages and what
+    their checks read, engine.device). ``device``: what the prepare step resolved
+    engine.device to (moe_service.engine.device.resolve_device), or the PreflightError it
+    raised; None resolves it here. Raises CapacityError / PreflightError when a check fails
+    and ``raise_on_fail``; returns the report otherwise.
     """
-    from moe_service.engine.device import resolve_device
-    from pipeline.pin import pin_preflight
+    import pipeline.stages  # noqa: F401  (registers every stage: their checks)
+    from pipeline.spec import STAGES
 
     report = PreflightReport()
     add = report.checks.append
@@ -128,8 +78,6 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings,
         add(Check(cap.name, "ok" if cap.ok else "fail", cap.sentence(), cap.numbers(), capacity=True))
 
     # -- the KV cache: its budget, and its node's memory beside the weights (pipeline.plan.kv_capacity) --
-    from pipeline.plan import kv_capacity
-
     if getattr(catalog, "params", None) is not None:  # (placement-only test catalogs have no model params)
         try:
             kv = kv_capacity(catalog, layout, topology, config)
@@ -150,16 +98,23 @@ def run_preflight(catalog, topology: Topology, layout: Layout, config: Settings,
         else:
             add(Check("thp", "ok", f"transparent_hugepage/enabled is {thp}", {"thp_enabled": thp}))
 
-    # -- pinning and memlock --
-    report.checks.extend(pin_preflight(config, layout))
+    # -- the declared stages' own checks (pin: pinning and memlock) --
+    for name in config.pipeline.stages:
+        stage = STAGES.get(name)
+        if stage is not None:
+            report.checks.extend(stage.preflight_checks(config, layout))
 
     # -- the dense part's device --
-    try:
-        device, dense = resolve_device(config)
+    if device is None:
+        try:
+            device = resolve_device(config.engine.device, topology.gpus)
+        except PreflightError as e:
+            device = e
+    if isinstance(device, PreflightError):
+        add(Check("engine.device", "fail", str(device)))
+    else:
         add(Check("engine.device", "ok", f"engine.device = {config.engine.device}: the dense part runs on "
-                  f"{device} ({dense})", {"device": device}))
-    except PreflightError as e:
-        add(Check("engine.device", "fail", str(e)))
+                  f"{device.device} ({device.dense})", {"device": device.device}))
 
     # -- numa balancing --
     if topology.numa_balancing == 1 and len(layout.nodes) > 1:
@@ -230,10 +185,10 @@ def catalog_problems(catalog) -> list[str]:
         sizes[shard.index] = min(size, shard.size_bytes)
     by_index = {s.index: s for s in getattr(catalog, "shards", [])}
     for t in catalog.tensors.values():
-        size = sizes.get(t.shard)
-        if size is not None and t.file_offset + t.nbytes > size:
+        shard_bytes = sizes.get(t.shard)
+        if shard_bytes is not None and t.file_offset + t.nbytes > shard_bytes:
             out.append(f"{by_index[t.shard].path}: tensor {t.name} ends at byte {t.file_offset + t.nbytes}, "
-                       f"past the end of the file ({size} bytes)")
+                       f"past the end of the file ({shard_bytes} bytes)")
     extra = getattr(catalog, "problems", None)
     if callable(extra):
         extra = extra()

@@ -38,7 +38,9 @@ from moe_service.config import WORK_CHUNK_BYTES
 from moe_service.errors import StageError
 from moe_service.layout import HUGETLB_PAGE_BYTES, PAGE_BYTES, Layout, Region, align_up
 from moe_service.log import get_logger
-from moe_service.numa import Topology
+from moe_service.numa import HugepagePool, Topology
+from moe_service.sizes import GiB
+from pipeline.context import PipelineContext
 from pipeline.fastload import pool_snapshot, populate_range
 from pipeline.placement import ResidencyReport, arena_address, log_residency, place
 from pipeline.spec import Stage, register_stage
@@ -130,7 +132,7 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
     if bind:
         bind_regions(arena, regions)
     page_kib = HUGETLB_PAGE_BYTES.get(pages, 0) // 1024
-    pools = pool_snapshot(layout, page_kib)
+    pools: dict[int, HugepagePool] = pool_snapshot(layout, page_kib)
     populate = populate and memory.populate_write_supported()
     if page_kib and not populate:
         raise StageError(f"replication: fastload.pages = {pages} needs MADV_POPULATE_WRITE (Linux 5.14+)")
@@ -158,7 +160,7 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
             progress(now, total)
 
     t0 = time.monotonic()
-    pools = []
+    executors: list[ThreadPoolExecutor] = []
     try:
         futures = []
         for node, node_tasks in by_node.items():
@@ -166,15 +168,15 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
             if topology is not None and node >= 0 and node in topology.node_ids:
                 cpus = tuple(topology.node(node).cpus)
             n_threads = threads_per_node if threads_per_node is not None else len(cpus)
-            pool = ThreadPoolExecutor(max_workers=max(1, n_threads), initializer=_pin_thread,
-                                      initargs=(cpus,), thread_name_prefix=f"replicate-n{node}")
-            pools.append(pool)
-            futures += [pool.submit(run, t) for t in node_tasks]
+            executor = ThreadPoolExecutor(max_workers=max(1, n_threads), initializer=_pin_thread,
+                                          initargs=(cpus,), thread_name_prefix=f"replicate-n{node}")
+            executors.append(executor)
+            futures += [executor.submit(run, t) for t in node_tasks]
         for f in futures:
             f.result()
     finally:
-        for pool in pools:  # on an error or interrupt: drop the chunks not started yet
-            pool.shutdown(wait=True, cancel_futures=True)
+        for executor in executors:  # on an error or interrupt: drop the chunks not started yet
+            executor.shutdown(wait=True, cancel_futures=True)
     report.seconds = time.monotonic() - t0
     report.bytes_copied = total
     for node, node_tasks in by_node.items():
@@ -185,22 +187,6 @@ def replicate(arena, layout: Layout, topology: Topology | None = None, *, thread
         report.residency = place(arena, layout, regions, migrate=migrate, strict=strict, step_bytes=step_bytes,
                                  interleave_tolerance=interleave_tolerance, stage="replication")
     return report
-
-
-def drop_replicas(layout: Layout) -> Layout:
-    """Forget every replica of ``layout`` in place (replica regions removed, copy columns
-    beyond the primary set to -1, the arena cut after the last primary region) and return it:
-    for a pipeline that plans replicas but does not run this stage, so that the engine never
-    reads a copy that was not filled and no memory (no hugetlb page) is reserved for one."""
-    layout.regions = [r for r in layout.regions if r.role != "replica"]
-    layout.arena_bytes = max((r.arena_offset + r.nbytes for r in layout.regions), default=0)
-    for p in layout.experts.values():
-        p.offsets[:, 1:] = -1
-        p.nodes[:, 1:] = -1
-    for name, offs in layout.tensors.items():
-        layout.tensors[name] = offs[:1]
-    layout.replicas = 0
-    return layout
 
 
 @register_stage
@@ -215,18 +201,22 @@ class ReplicationStage(Stage):
 
     name = "replication"
     requires = ("placement",)
+    reads = ("arena", "layout")
+    reads_if_present = ("topology", "residency")
+    writes = ("residency",)
     summary = "copy expert replicas / mirror copies node to node, verify their residency"
 
-    def skip_reason(self, ctx) -> str | None:
+    def skip_reason(self, ctx: PipelineContext) -> str | None:
         if ctx.layout is not None and not ctx.layout.replica_regions():
             return "the plan has no replica regions (replication.replicas = 0 and numa.policy is not mirror)"
         return None
 
-    def run(self, ctx) -> None:
-        if ctx.arena is None or ctx.layout is None:
+    def run(self, ctx: PipelineContext) -> None:
+        arena, layout = ctx.arena, ctx.layout
+        if arena is None or layout is None:
             raise StageError("replication: there is no loaded arena to copy within (fastload did not run)")
         cfg, placement = ctx.config.replication, ctx.config.placement
-        dest = {r.home_node for r in ctx.layout.replica_regions()}
+        dest = {r.home_node for r in layout.replica_regions()}
         per_node = max(1, cfg.threads // max(len(dest), 1)) if cfg.threads else None
         last = {"t": 0.0}
         t0 = time.monotonic()
@@ -236,22 +226,21 @@ class ReplicationStage(Stage):
             if now - last["t"] >= 2.0 or done == total:
                 last["t"] = now
                 gbps = done / max(now - t0, 1e-9) / 1e9
-                ctx.status(f"replication {100 * done // max(total, 1)}% {done / 2**30:.1f}/{total / 2**30:.1f} GiB "
+                ctx.status(f"replication {100 * done // max(total, 1)}% {done / GiB:.1f}/{total / GiB:.1f} GiB "
                            f"{gbps:.1f} GB/s")
                 log.info("replication_progress", stage=self.name, bytes=done, total=total, gbps=round(gbps, 3))
             ctx.check_shutdown()
 
-        report = replicate(ctx.arena, ctx.layout, ctx.topology, threads_per_node=per_node,
+        report = replicate(arena, layout, ctx.topology, threads_per_node=per_node,
                            chunk_bytes=cfg.chunk_bytes, migrate=placement.migrate, strict=placement.strict,
                            step_bytes=placement.sample_stride_bytes,
                            interleave_tolerance=placement.interleave_tolerance, pages=ctx.config.fastload.pages,
                            progress=progress)
         if report.residency is not None:
             log_residency(report.residency, self.name)
-            if ctx.residency is not None and hasattr(ctx.residency, "regions"):
-                ctx.residency.regions.extend(report.residency.regions)
-                ctx.residency.migrated.extend(report.residency.migrated)
+            if ctx.residency is not None:
+                ctx.residency.merge(report.residency)
             else:
                 ctx.residency = report.residency
-        ctx.status(f"replication: {report.bytes_copied / 2**30:.1f} GiB copied in {report.seconds:.1f} s "
+        ctx.status(f"replication: {report.bytes_copied / GiB:.1f} GiB copied in {report.seconds:.1f} s "
                    f"({report.gbps:.1f} GB/s)")

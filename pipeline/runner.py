@@ -4,7 +4,9 @@ extensions; on failure or shutdown close what ran, in reverse order."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+from moe_service.config import PipelineConfig
 from moe_service.errors import Interrupted, MoeServiceError, StageError
 from moe_service.log import get_logger
 from moe_service.notify import TimeoutExtender
@@ -14,13 +16,13 @@ from pipeline.spec import STAGES, Stage, check_stages
 log = get_logger(__name__)
 
 
-def stall_limit_s(stage: Stage, cfg) -> float:
+def stall_limit_s(stage: Stage, cfg: PipelineConfig) -> float:
     """The stage's stall limit: ``pipeline.stall_limit_s[name]`` when set, else its class's."""
     overrides = getattr(cfg, "stall_limit_s", None) or {}
     return float(overrides.get(stage.name, stage.stall_limit_s))
 
 
-def _progress_marker(ctx: PipelineContext, stage: Stage):
+def _progress_marker(ctx: PipelineContext, stage: Stage) -> Callable[[], object]:
     """What changes when ``stage`` progresses: its progress reports (and, for stages that
     allow it, its STATUS text)."""
     if stage.progress_from_status:
@@ -60,6 +62,12 @@ class PipelineRunner:
                 log.info("stage_skipped", stage=stage.name, reason=reason)
                 ctx.status(f"{stage.name} skipped: {reason}")
                 continue
+            missing = [f"ctx.{f}" for f in stage.reads if getattr(ctx, f) is None]
+            if missing:
+                err = StageError(f"stage {stage.name} reads {', '.join(missing)}, which no earlier stage "
+                                 f"filled (skipped: {', '.join(ctx.skipped) or 'none'})")
+                self._failed(stage, err, 0.0)
+                raise err
             log.info("stage_start", stage=stage.name, index=i, stages=total)
             ctx.status(f"{stage.name} ({i}/{total})")
             t0 = time.monotonic()

@@ -20,12 +20,20 @@ import signal
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from moe_service.errors import StageError
 from moe_service.log import get_logger
+from moe_service.notify import start_watchdog
 from pipeline.context import PipelineContext
-from pipeline.lifecycle import start_watchdog
 from pipeline.spec import Stage, register_stage
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from moe_service.engine.batch import BatchLoop
+    from moe_service.engine.engine import Engine
+    from moe_service.server import Service
 
 log = get_logger(__name__)
 
@@ -157,8 +165,8 @@ def _uvicorn_server(app, grace_s: float, *, max_connections: int | None = None, 
 
     http = header_timeout_protocol(header_timeout_s) if header_timeout_s else "h11"
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http=http, ws="none",
-                            timeout_graceful_shutdown=grace_s, server_header=False,
-                            limit_concurrency=max_connections, timeout_keep_alive=keepalive_timeout_s)
+                            timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]  # a float works (asyncio.wait_for)
+                            server_header=False, limit_concurrency=max_connections, timeout_keep_alive=keepalive_timeout_s)
     return Server(config)
 
 
@@ -199,13 +207,15 @@ class ServeStage(Stage):
 
     name = "serve"
     requires = ("warmup",)
-    summary = ("needs ctx.engine; binds serve.host:serve.port, runs the engine loop and the HTTP API, "
+    reads = ("engine",)
+    writes = ("server",)
+    summary = ("binds serve.host:serve.port, runs the engine loop and the HTTP API, "
                "sends READY=1 once /health answers 200, drains in-flight requests on SIGTERM")
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
-        self.batch = None
-        self.service = None
+        self.batch: BatchLoop | None = None
+        self.service: Service | None = None
         self.url = ""
 
     def run(self, ctx: PipelineContext) -> None:
@@ -214,8 +224,9 @@ class ServeStage(Stage):
         from moe_service.server import Service, create_app
 
         cfg = ctx.config.serve
-        if ctx.engine is None:
-            raise StageError("serve needs ctx.engine, which the warmup stage builds")
+        engine = ctx.engine
+        if engine is None:
+            raise StageError("serve needs ctx.engine, which the engine stage builds")
         from moe_service.api.auth import ApiKeyFileError, ApiKeys, warn_if_open
 
         try:
@@ -229,37 +240,38 @@ class ServeStage(Stage):
         log.info("serve_listening", host=cfg.host, port=port, url=self.url)
         metrics = Metrics()
         metrics.attach_context(ctx)
-        self.batch = BatchLoop(ctx.engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
-                               retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics,
-                               max_failed_steps=cfg.max_failed_steps, stall_s=cfg.engine_stall_s,
-                               prefix_cache=make_prefix_cache(ctx.engine, cfg, metrics)).start()
-        self.service = Service(engine=ctx.engine, batch=self.batch, metrics=metrics,
-                               model_name=ctx.engine.model_name, stage=lambda: ctx.current_stage,
-                               keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,
-                               allowed_hosts=tuple(cfg.allowed_hosts), cors_origins=tuple(cfg.cors_origins))
-        self.service.max_body_bytes = cfg.max_body_bytes or None
-        self.service.body_timeout_s = cfg.body_timeout_s
-        ctx.server = self.service
-        app = create_app(self.service)
+        batch = self.batch = BatchLoop(engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
+                                       retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics,
+                                       max_failed_steps=cfg.max_failed_steps, stall_s=cfg.engine_stall_s,
+                                       prefix_cache=make_prefix_cache(engine, cfg, metrics)).start()
+        service = self.service = Service(engine=engine, batch=batch, metrics=metrics,
+                                         model_name=engine.model_name, stage=lambda: ctx.current_stage,
+                                         keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,
+                                         allowed_hosts=tuple(cfg.allowed_hosts), cors_origins=tuple(cfg.cors_origins))
+        service.max_body_bytes = cfg.max_body_bytes or None
+        service.body_timeout_s = cfg.body_timeout_s
+        ctx.server = service
+        app = create_app(service)
         previous = _on_sighup(keys)
         try:
-            asyncio.run(self._serve(ctx, app, (host, port)))
+            asyncio.run(self._serve(ctx, app, (host, port), engine, batch, service))
         finally:
             if previous is not None:
                 signal.signal(signal.SIGHUP, previous)
-        self.batch.stop()
+        batch.stop()
 
-    async def _serve(self, ctx: PipelineContext, app, addr: tuple[str, int]) -> None:
+    async def _serve(self, ctx: PipelineContext, app: FastAPI, addr: tuple[str, int], engine: Engine,
+                     batch: BatchLoop, service: Service) -> None:
         cfg = ctx.config.serve
         server = _uvicorn_server(app, cfg.shutdown_grace_s, max_connections=cfg.max_connections,
                                  keepalive_timeout_s=cfg.keepalive_timeout_s, header_timeout_s=cfg.header_timeout_s)
-        task = asyncio.create_task(server.serve(sockets=[self.sock]))
+        task = asyncio.create_task(server.serve(sockets=[self.sock] if self.sock is not None else None))
         while not server.started:
             if task.done():
                 task.result()
                 raise StageError(f"the HTTP server stopped during startup on {self.url}")
             await asyncio.sleep(0.01)
-        self.service.ready = True
+        service.ready = True
         try:
             status, body = await fetch_health(*addr)
         except (OSError, TimeoutError) as e:
@@ -268,9 +280,9 @@ class ServeStage(Stage):
         if status != 200:
             await self._stop_server(server, task)
             raise StageError(f"serve: {self.url}/health answered {status}: {body[:200]!r}")
-        ctx.notifier.ready(f"serving {self.service.model_name} on {self.url}")
-        log.info("service_ready", url=self.url, model=self.service.model_name, parallel=cfg.parallel,
-                 n_ctx=ctx.engine.n_ctx, stage_durations_s={k: round(v, 3) for k, v in ctx.stage_durations_s.items()})
+        ctx.notifier.ready(f"serving {service.model_name} on {self.url}")
+        log.info("service_ready", url=self.url, model=service.model_name, parallel=cfg.parallel,
+                 n_ctx=engine.n_ctx, stage_durations_s={k: round(v, 3) for k, v in ctx.stage_durations_s.items()})
         loop_beat = [time.monotonic()]  # the HTTP event loop's own liveness
 
         def http_loop_check() -> str | None:
@@ -278,7 +290,7 @@ class ServeStage(Stage):
             return f"the HTTP event loop has not run for {late_s:.0f} s" if late_s > HTTP_LOOP_STALL_S else None
 
         ctx.liveness.add_check("http", http_loop_check)
-        watchdog = start_watchdog(ctx)
+        watchdog = start_watchdog(ctx.notifier, ctx.liveness)
         try:
             while not ctx.shutdown.is_set() and not task.done():
                 await asyncio.sleep(0.1)
@@ -287,10 +299,10 @@ class ServeStage(Stage):
                 task.result()
                 raise StageError(f"the HTTP server on {self.url} stopped on its own")
             t0 = time.monotonic()
-            ctx.notifier.stopping(f"stopping: finishing {self.batch.active + self.batch.waiting} request(s)")
-            log.info("serve_stopping", signal=ctx.shutdown_signal, active=self.batch.active,
-                     queued=self.batch.waiting, grace_s=cfg.shutdown_grace_s)
-            self.service.stopping = True
+            ctx.notifier.stopping(f"stopping: finishing {batch.active + batch.waiting} request(s)")
+            log.info("serve_stopping", signal=ctx.shutdown_signal, active=batch.active,
+                     queued=batch.waiting, grace_s=cfg.shutdown_grace_s)
+            service.stopping = True
             await self._stop_server(server, task)
             log.info("serve_stopped", seconds=round(time.monotonic() - t0, 3))
         finally:

@@ -191,7 +191,7 @@ def silu_mul(g, u, out):
 
 @njit(**_JIT)
 def route(logits, k, gating, norm, scale, bias, has_bias, n_group, n_group_used, ids, weights):
-    """Router (REFERENCE.md "MoE routing"; arch.base.Routing), per token of logits float32
+    """Router (arch.base.Routing, after llama.cpp's build_moe_ffn), per token of logits float32
     [T, E]:
 
     - probabilities: gating 0 softmax, 1 sigmoid, 2 the logits themselves (gpt-oss: softmax

@@ -12,11 +12,41 @@ cuda:0     ``torch``           dense matrices dequantized once on the GPU (torch
                                big prefills optionally offloaded (engine.offload)
 cpu        ``quant``           dense matrices read in place by the quantized CPU kernels
 =========  ==================  ===========================================================
+
+The service resolves it once, in the prepare step, into ``ctx.device`` (a :class:`DevicePlan`,
+which also names the GPU's NUMA node for the plan's dense region); preflight reports it and
+the engine stage builds the model there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
 from moe_service.errors import PreflightError
+
+if TYPE_CHECKING:
+    from moe_service.numa import GpuInfo
+
+DenseMode = Literal["torch", "quant"]
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where the dense part runs: ``device`` (torch device string, ``cpu`` or ``cuda:N``),
+    ``dense`` (the Model's dense mode there), ``wanted`` (the ``engine.device`` it came from)
+    and ``gpu_node``: the NUMA node of the first NVIDIA GPU in sysfs when the device is a GPU
+    and the firmware gives it one, else None (the plan binds the dense tensors there)."""
+
+    device: str
+    dense: DenseMode
+    wanted: str = "auto"
+    gpu_node: int | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
 
 def cuda_absent_reason() -> str | None:
@@ -39,21 +69,22 @@ def cuda_available() -> bool:
     return cuda_absent_reason() is None
 
 
-def resolve_device(config) -> tuple[str, str]:
-    """``engine.device`` -> (torch device string, dense mode): ``("cuda:0", "torch")`` or
-    ``("cpu", "quant")`` (module docstring). ``config``: the Settings (reads
-    ``config.engine.device``: auto | cpu | cuda).
+def resolve_device(wanted: str, gpus: Sequence[GpuInfo] = ()) -> DevicePlan:
+    """``engine.device`` (``wanted``: auto | cpu | cuda) -> the :class:`DevicePlan`:
+    ``cuda:<current>`` with dense mode ``torch``, or ``cpu`` with ``quant`` (module docstring).
+    ``gpus``: the host's NVIDIA GPUs from sysfs (moe_service.numa.Topology.gpus), which give
+    ``gpu_node`` when the device is a GPU.
 
-    Raises PreflightError when ``engine.device = cuda`` and no CUDA device is usable.
+    Raises PreflightError when ``wanted`` is ``cuda`` and no CUDA device is usable.
     """
-    wanted = config.engine.device
     if wanted == "cpu":
-        return "cpu", "quant"
+        return DevicePlan("cpu", "quant", wanted)
     import torch
 
     reason = cuda_absent_reason()
     if reason is None:
-        return f"cuda:{torch.cuda.current_device()}", "torch"
+        node = gpus[0].numa_node if gpus else -1
+        return DevicePlan(f"cuda:{torch.cuda.current_device()}", "torch", wanted, node if node >= 0 else None)
     if wanted == "cuda":
         raise PreflightError(f"engine.device = cuda but {reason}; set engine.device = auto or cpu on this host")
-    return "cpu", "quant"
+    return DevicePlan("cpu", "quant", wanted)

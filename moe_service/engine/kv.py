@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moe_service.log import get_logger
+from moe_service.sizes import GiB as GIB
 
 log = get_logger(__name__)
 
@@ -42,7 +43,6 @@ CONTEXT_ALIGN = 256
 """A context derived from the memory budget is rounded down to a multiple of this."""
 MIN_CONTEXT = 256
 """The least context a budget-derived plan accepts."""
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

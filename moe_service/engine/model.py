@@ -758,6 +758,6 @@ class Model:
             return path.logits_out(logits)
 
     def route(self, lw: LayerWeights, h) -> tuple[np.ndarray, np.ndarray]:
-        """Router (REFERENCE.md "MoE routing") by the model's Routing: ids int32 [T, K] and
+        """Router (arch.base.Routing, after llama.cpp's build_moe_ffn) by the model's Routing: ids int32 [T, K] and
         weights float32 [T, K]."""
         return self.path.route(lw, h, self.routing)

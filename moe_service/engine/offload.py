@@ -44,6 +44,7 @@ import torch
 
 from moe_service.engine import torch_quant
 from moe_service.log import get_logger
+from moe_service.sizes import GiB
 
 log = get_logger(__name__)
 
@@ -136,7 +137,7 @@ class ExpertOffload:
         compute_dtype: torch.dtype | None = None,
         only_selected: bool = False,
         prefetch: bool = True,
-        group_bytes: int = 1 << 30,
+        group_bytes: int = GiB,
         pins=None,
     ):
         self.device = torch.device(device)

@@ -63,6 +63,7 @@ from moe_service.engine.quant import (
     view_u8,
 )
 from moe_service.log import get_logger
+from moe_service.numa import node_cpus
 
 log = get_logger(__name__)
 
@@ -416,40 +417,18 @@ not shrink the next pool's default."""
 
 
 def default_nodes() -> dict[int, list[int]]:
-    """node -> sorted CPUs this process may run on, from sysfs (one node 0 when absent)."""
+    """node -> sorted CPUs this process may run on, from sysfs (moe_service.numa.node_cpus;
+    one node 0 holding every allowed CPU when sysfs is absent or does not cover them)."""
     allowed = set(_PROCESS_CPUS)
     nodes: dict[int, list[int]] = {}
-    root = "/sys/devices/system/node"
-    try:
-        names = sorted(n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit())
-    except OSError:
-        names = []
-    for name in names:
-        try:
-            with open(f"{root}/{name}/cpulist") as fh:
-                cpus = _parse_cpulist(fh.read())
-        except OSError:
-            continue
+    for node, cpus in node_cpus().items():
         mine = sorted(c for c in cpus if c in allowed)
         if mine:
-            nodes[int(name[4:])] = mine
+            nodes[node] = mine
     covered = {c for cs in nodes.values() for c in cs}
     if not nodes or covered != allowed:
         return {0: sorted(allowed)}
     return nodes
-
-
-def _parse_cpulist(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        if "-" in part:
-            a, b = part.split("-")
-            out.extend(range(int(a), int(b) + 1))
-        else:
-            out.append(int(part))
-    return out
 
 
 @dataclass

@@ -12,6 +12,7 @@ import pytest
 
 from moe_service.engine import pool as P
 from moe_service.engine import quant as q
+from moe_service.numa import parse_cpulist
 
 CPUS = sorted(os.sched_getaffinity(0))
 
@@ -20,7 +21,7 @@ def _allowed_cpus(native_id: int) -> set[int]:
     with open(f"/proc/self/task/{native_id}/status") as fh:
         for line in fh:
             if line.startswith("Cpus_allowed_list:"):
-                return set(P._parse_cpulist(line.split(":", 1)[1]))
+                return set(parse_cpulist(line.split(":", 1)[1]))
     raise AssertionError("no Cpus_allowed_list")
 
 
@@ -37,7 +38,7 @@ def test_default_nodes_cover_this_process_cpus():
 
 
 def test_parse_cpulist():
-    assert P._parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
 
 
 def test_workers_pinned_once_each_and_never_per_op(monkeypatch):

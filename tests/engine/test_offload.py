@@ -67,7 +67,7 @@ class SynthLayer:
                             types={k: int(v) for k, v in types.items()}, copies=copies)
 
     def reference(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """sum_k w_k * down_e(SiLU(gate_e x) * up_e x) in float64 (REFERENCE.md MoE step 7)."""
+        """sum_k w_k * down_e(SiLU(gate_e x) * up_e x) in float64 (llama.cpp build_moe_ffn's combine)."""
         x = h.astype(np.float64)
         out = np.zeros_like(x)
         for t in range(x.shape[0]):
@@ -261,7 +261,7 @@ def test_model_ffn_offload_matches_the_cpu_fused_moe():
     layer = SynthLayer(E=8)
     off = ExpertOffload(layer.arena, [layer.es], "cpu", min_batch_tokens=16)
     m, lw = _bare_model(layer, off)
-    m.ops = ops_mod.CpuOps(numa.Topology.read(), threads=0, fused_moe=True)  # as the warmup stage builds it
+    m.ops = ops_mod.CpuOps(numa.Topology.read(), threads=0, fused_moe=True)  # as the engine stage builds it
     h = torch.from_numpy(np.random.default_rng(8).standard_normal((16, 64)).astype(np.float32))
     ids, w = m.route(lw, h)
     cpu = m.ops.moe(layer.arena, np.ascontiguousarray(h.numpy()), ids, w, layer.es)

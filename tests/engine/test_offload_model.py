@@ -57,7 +57,7 @@ class ReferenceOps:
 
 
 def _cpu_kernels():
-    """The CPU kernel backend as the warmup stage builds it (moe_service.engine.ops.CpuOps)."""
+    """The CPU kernel backend as the engine stage builds it (moe_service.engine.ops.CpuOps)."""
     from moe_service.engine.ops import CpuOps
     from moe_service.numa import Topology
 

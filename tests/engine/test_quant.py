@@ -1,6 +1,6 @@
 """Block kernels against gguf-py (the exact reference for every format) and float64 math.
 
-Tolerances (see also moe_service/engine/quant.py):
+Tolerances (see also moe_service/engine/quant/):
 
 - dequantize: bit-exact with gguf.quants.dequantize (same float32 operations, same order).
 - activation quantization: bit-exact with what llama.cpp computes on x86 (Q8_0 / Q8_1: the

@@ -40,8 +40,9 @@ def make_stage(stage_name, requires=(), skip=None, fail=None, sleep_s=0.0, then=
     return _S
 
 
-REAL_NAMES = ["fastload", "placement", "replication", "pin", "warmup", "serve"]
-REQUIRES = {"placement": ("fastload",), "replication": ("placement",), "pin": ("placement",), "warmup": ("fastload",), "serve": ("warmup",)}
+REAL_NAMES = ["fastload", "placement", "replication", "pin", "engine", "warmup", "serve"]
+REQUIRES = {"placement": ("fastload",), "replication": ("placement",), "pin": ("placement",), "engine": ("fastload",),
+            "warmup": ("fastload",), "serve": ("warmup",)}
 REGISTRY = {n: make_stage(n, REQUIRES.get(n, ())) for n in REAL_NAMES}
 
 
@@ -77,7 +78,7 @@ def test_pin_before_placement_names_the_reason():
 
 def test_unknown_duplicate_and_missing_prerequisite():
     problems = validate_stages(["fastload", "fastload", "warmup", "serve", "frobnicate"], REGISTRY)
-    assert any("unknown stage 'frobnicate'" in p and "known stages: fastload" in p for p in problems)
+    assert any("unknown stage 'frobnicate'" in p and "known stages: engine, fastload" in p for p in problems)
     assert any("stage 'fastload' is declared twice (positions 1 and 2)" in p for p in problems)
     problems = validate_stages(["warmup", "serve"], REGISTRY)
     assert "pipeline.stages: stage 'warmup' requires 'fastload', which is not declared" in problems
@@ -85,7 +86,7 @@ def test_unknown_duplicate_and_missing_prerequisite():
 
 def test_runner_refuses_before_running_anything():
     with pytest.raises(ConfigError):
-        PipelineRunner(ctx_for(["warmup", "fastload"]), REGISTRY)
+        PipelineRunner(ctx_for(["engine", "fastload"]), REGISTRY)
     assert CALLS == []
 
 

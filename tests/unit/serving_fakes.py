@@ -155,6 +155,7 @@ def run_fake_service() -> int:
 
     class FakeWarmup(Stage):
         name = "warmup"
+        writes = ("engine",)
 
         def run(self, ctx):
             cfg = ctx.config

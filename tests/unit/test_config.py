@@ -145,10 +145,11 @@ def test_cli_validate_exit_codes(tmp_path):
 
 
 def test_cli_validate_refuses_a_broken_stage_order(tmp_path):
-    bad = write(tmp_path, '[pipeline]\nstages = ["warmup", "serve", "fastload"]\n', "order.toml")
+    bad = write(tmp_path, '[pipeline]\nstages = ["engine", "warmup", "serve", "fastload"]\n', "order.toml")
     r = run_cli("config", "validate", str(bad), env=_env_without_moe())
     assert r.returncode == 2
-    assert "warmup must come after fastload" in r.stderr
+    assert "engine must come after fastload" in r.stderr
+    assert "stage 'engine' reads ctx.weights, which stage 'fastload' writes after it" in r.stderr
 
 
 def test_cli_show_prints_effective_toml(tmp_path):

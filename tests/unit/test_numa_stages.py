@@ -1,7 +1,7 @@
 """The placement and replication stages through the declared runner on this host (one node):
 fastload fills the arena, placement records that there is nothing to place, replication is
 skipped with its reason. The prepare step on fake multi-node hosts: the GPU's node for the
-dense tensors, replicas dropped when no stage fills them. Multi-node runs of the same stages
+dense tensors, no replicas planned when no stage fills them. Multi-node runs of the same stages
 are in tests/numa (lab VM)."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import pipeline.replication  # noqa: F401
 from bench.placement import synthetic_topology
 from moe_service.config import load_config
 from moe_service.numa import Topology
-from pipeline import prepare as prepare_mod
 from pipeline.context import PipelineContext
 from pipeline.placement import PlacementStage, single_node_reason
 from pipeline.plan import format_plan, plan, plan_summary
-from pipeline.prepare import dense_gpu_node, plan_layout, prepare
+from pipeline.prepare import plan_layout, prepare
 from pipeline.runner import PipelineRunner
 from tests.gguf_factory import write_moe_gguf
 
@@ -76,32 +75,39 @@ def prepared(tmp_path, gpus=None, **tables):
     """prepare() on a fake two-node host (8 GiB and two CPUs per node, ``gpus``: [(pci, node)])."""
     root = write_sysfs(tmp_path / "host", [[0, 1], [2, 3]], [8.0, 8.0], gpus=gpus)
     path = write_moe_gguf(tmp_path / "moe.gguf", n_expert=8, n_embd=128, n_ff_exp=64)[0]
-    data = {"model": {"path": str(path)}, "numa": {"sysfs_root": str(root)}, **tables}
+    data = {"model": {"path": str(path)}, **tables, "numa": {**tables.get("numa", {}), "sysfs_root": str(root)}}
     ctx = PipelineContext(load_config(data=data))
     prepare(ctx)
     return ctx
 
 
 def test_dense_tensors_bound_to_the_gpus_node(tmp_path, clean_env, monkeypatch):
+    import torch
+
+    from moe_service.engine import device as device_mod
+
     gpus = [("0000:17:00.0", 1), ("0000:65:00.0", 0)]
     ctx = prepared(tmp_path / "cpu", gpus=gpus)  # this host has no CUDA: the dense part runs on the CPU
     dense = next(r for r in ctx.layout.regions if r.name == "dense")
     assert dense.policy == "interleave" and dense.nodes == (0, 1)
+    assert ctx.device.device == "cpu" and ctx.device.gpu_node is None
     # the engine resolves to a GPU: the first NVIDIA GPU's node gets the dense region
-    monkeypatch.setattr(prepare_mod, "resolve_device", lambda config: ("cuda:0", "torch"))
+    monkeypatch.setattr(device_mod, "cuda_absent_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ctx = prepared(tmp_path / "gpu", gpus=gpus)
+    assert ctx.device == device_mod.DevicePlan("cuda:0", "torch", "auto", 1)  # resolved once, in prepare
     dense = next(r for r in ctx.layout.regions if r.name == "dense")
     assert dense.policy == "bind" and dense.nodes == (1,)
     assert ctx.preflight.ok
     topo = Topology.read(write_sysfs(tmp_path / "nonode", [[0], [1]], [4.0, 4.0], gpus=[("0000:17:00.0", -1)]))
-    assert dense_gpu_node(ctx.config, topo) is None  # firmware gave the GPU no node
-    assert dense_gpu_node(ctx.config, synthetic_topology(2)) is None  # no GPU in sysfs
+    assert device_mod.resolve_device("auto", topo.gpus).gpu_node is None  # firmware gave the GPU no node
+    assert device_mod.resolve_device("auto", synthetic_topology(2).gpus).gpu_node is None  # no GPU in sysfs
     # a GPU on a node the config leaves out: interleave over the chosen nodes, not a refusal
     layout = plan_layout(fake_catalog(), topo, load_config(data={"numa": {"nodes": [0]}}), gpu_node=1)
     assert layout.nodes == (0,)
 
 
-def test_replicas_dropped_without_the_replication_stage(tmp_path, clean_env):
+def test_no_replicas_planned_without_the_replication_stage(tmp_path, clean_env):
     kept = prepared(tmp_path / "kept", replication={"replicas": 1},
                     pipeline={"stages": ["fastload", "placement", "replication"]})
     assert {r.name for r in kept.layout.replica_regions()} == {"replicas.node0", "replicas.node1"}
@@ -113,5 +119,10 @@ def test_replicas_dropped_without_the_replication_stage(tmp_path, clean_env):
         assert (p.offsets[:, 0] >= 0).all() and (p.offsets[:, 1:] == -1).all() and (p.nodes[:, 1:] == -1).all()
     assert layout.arena_bytes == max(r.arena_offset + r.nbytes for r in layout.primary_regions())
     assert layout.arena_bytes < kept.layout.arena_bytes
-    assert any("replica region(s) were dropped" in w for w in layout.warnings)
-    assert any(c.name == "plan" and "dropped" in c.message for c in ctx.preflight.warnings)
+    assert "replication.replicas = 1: no replica regions planned, the declared stages lack replication, " \
+        "which fills them" in layout.warnings
+    assert any(c.name == "plan" and "no replica regions planned" in c.message for c in ctx.preflight.warnings)
+    mirror = prepared(tmp_path / "mirror", numa={"policy": "mirror"}, pipeline={"stages": ["fastload", "placement"]})
+    assert [(r.name, r.role) for r in mirror.layout.regions] == [("mirror.node0", "primary")]
+    assert mirror.layout.replicas == 0 and mirror.layout.nodes == (0, 1)
+    assert any("mirror keeps one copy of the model, on node 0" in w for w in mirror.layout.warnings)

@@ -287,6 +287,7 @@ def test_stage_refuses_a_layout_larger_than_the_arena():
 def _fake_stage(stage_name, requires=()):
     class _S(Stage):
         name = stage_name
+        writes = ("arena",) if stage_name == "fastload" else ()  # the real one does (tests set ctx.arena)
 
         def run(self, ctx):
             pass
@@ -315,6 +316,7 @@ def test_required_without_cuda_fails_the_start_with_exit_5_and_tells_systemd(not
 
     class Load(Stage):
         name = "fastload"
+        writes = ("arena",)
 
         def run(self, ctx):
             ctx.arena = np.zeros(layout.arena_bytes, dtype=np.uint8)

@@ -212,7 +212,7 @@ GATING_SOFTMAX_WEIGHT = 2  # select by logits, weights = softmax over the K sele
 
 @dataclass(frozen=True)
 class Routing:
-    """The routing rule of an MoE layer (llama.cpp build_moe_ffn; REFERENCE.md "MoE routing").
+    """The routing rule of an MoE layer (llama.cpp build_moe_ffn, src/llama-graph.cpp).
 
     ``k`` experts per token; ``gating``: GATING_*; selection score = probability + the
     layer's ``exp_probs_b`` when it has one (selects, does not weight); ``n_group`` /
