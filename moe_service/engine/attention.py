@@ -49,7 +49,7 @@ scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) betw
 pass over K and the pass over V. The only freedom taken against the scalar kernel is the
 summation order inside a dot product (vector lanes), which moves a probability across a
 float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
-float16 ulp of one probability (tests/engine/test_attention.py), plus, for a split decode,
+float16 ulp of one probability (tests/moe_service/engine/test_attention.py), plus, for a split decode,
 the order of the float32 additions of the parts' P.V; the goldens are unchanged.
 
 Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.fastload import cached_fraction, evict, format_table, run_bench, warm
-from tests.gguf_factory import write_moe_gguf
+from tests.support.gguf_factory import write_moe_gguf
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from math import comb
 
 import numpy as np
 import pytest
-from numa_fixtures import cfg, fake_catalog
 
 from bench.placement import (
     SNC4_DISTANCES,
@@ -21,6 +20,7 @@ from bench.placement import (
     uniform_picks,
 )
 from pipeline.plan import plan
+from tests.support.numa_fixtures import cfg, fake_catalog
 
 
 def test_greedy_takes_the_least_loaded_copy_primary_first():

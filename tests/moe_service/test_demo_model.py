@@ -11,7 +11,7 @@ from moe_service import demo_model
 from moe_service.demo_model import Q4_1_BLOCK_BYTES, build_demo_model, smollm2_gguf_path, split_down_q4_1
 from moe_service.errors import ModelFileError
 from tests.fixtures.golden import golden_model, load_manifest
-from tests.smollm2 import have_smollm2, needs_smollm2
+from tests.support.smollm2 import have_smollm2, needs_smollm2
 
 
 @pytest.fixture(scope="module")

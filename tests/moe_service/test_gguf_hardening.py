@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from moe_service.cli import main as cli_main
 from moe_service.errors import ModelFileError
 from moe_service.gguf_model import GGUFModel, verdict
-from tests.gguf_factory import write_moe_gguf
+from tests.support.gguf_factory import write_moe_gguf
 
 
 def _s(b: bytes) -> bytes:
@@ -147,8 +147,8 @@ def test_the_catalog_records_each_shards_identity(tmp_path):
 
 def test_fuzzed_headers_never_crash_hang_or_balloon(tmp_path):
     """10,000 mutated headers of real files through the `check` logic, in this process (module
-    tests/gguf_fuzz.py); the case count, time and exit codes are printed (-s shows them)."""
-    from tests.gguf_fuzz import default_seeds, run_fuzz
+    tests/support/gguf_fuzz.py); the case count, time and exit codes are printed (-s shows them)."""
+    from tests.support.gguf_fuzz import default_seeds, run_fuzz
 
     seeds, weights = default_seeds(tmp_path / "seeds")
     rep = run_fuzz(seeds, 10_000, seed=15, workdir=tmp_path / "cases", weights=weights)
@@ -163,7 +163,7 @@ def test_the_fuzz_finds_the_old_crashers():
     """The mutator produces the known crasher shapes (so a regression would be found)."""
     import random
 
-    from tests.gguf_fuzz import Seed, mutate, walk_header
+    from tests.support.gguf_fuzz import Seed, mutate, walk_header
 
     (path,) = write_moe_gguf(Path(__import__("tempfile").mkdtemp()) / "m.gguf")
     raw = path.read_bytes()

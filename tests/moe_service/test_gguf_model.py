@@ -12,8 +12,8 @@ import pytest
 
 from moe_service.errors import ModelFileError
 from moe_service.gguf_model import GGUFModel, verdict
-from tests.gguf_factory import patch_tensor_info, write_moe_gguf
-from tests.smollm2 import needs_smollm2
+from tests.support.gguf_factory import patch_tensor_info, write_moe_gguf
+from tests.support.smollm2 import needs_smollm2
 
 
 def _kinds(problems, kind):

@@ -14,14 +14,14 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from serving_fakes import FakeTokenizer
-from test_server import Stack
 
 from moe_service.engine.sampler import StopSequenceMatcher
 from moe_service.engine.tokenizer import ChatTemplate
 from moe_service.notify import Liveness, Watchdog
 from moe_service.request_limits import MAX_STOP_CHARS
 from pipeline.serve import _uvicorn_server
+from tests.moe_service.test_server import Stack
+from tests.support.serving_fakes import FakeTokenizer
 
 CHAT_OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -7,7 +7,7 @@ import time
 import uuid
 
 from moe_service.notify import Liveness, Notifier, TimeoutExtender, Watchdog, watchdog_interval_s
-from tests.conftest import DatagramSink
+from tests.support.datagram import DatagramSink
 
 
 def test_path_socket_receives_exactly_the_messages(notify_socket):

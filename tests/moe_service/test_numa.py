@@ -6,11 +6,11 @@ import mmap
 
 import numpy as np
 import pytest
-from numa_fixtures import GIB, write_sysfs
 
 from moe_service import numa
 from moe_service.errors import NumaError
 from moe_service.numa import Topology, format_cpulist, parse_cpulist
+from tests.support.numa_fixtures import GIB, write_sysfs
 
 
 def test_cpulist_round_trip():

@@ -1,4 +1,4 @@
-"""The HTTP API over the real engine loop and a fake model (tests/unit/serving_fakes.py):
+"""The HTTP API over the real engine loop and a fake model (tests/support/serving_fakes.py):
 answers, SSE streams, error objects, 429, health, metrics, disconnects, the openai client."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from serving_fakes import FakeTokenizer, expected_chain, make_engine
 
 from moe_service.engine.batch import BatchLoop
 from moe_service.metrics import Metrics
 from moe_service.server import Service, create_app
 from pipeline.serve import _uvicorn_server, bind_socket, fetch_health, local_address
+from tests.support.serving_fakes import FakeTokenizer, expected_chain, make_engine
 
 TOK = FakeTokenizer()
 MODEL = "fake-moe"

@@ -21,7 +21,7 @@ from moe_service.synth import (
     write_synthetic,
 )
 from tests.fixtures.golden import golden_model, golden_model_names, model_file
-from tests.smollm2 import needs_smollm2
+from tests.support.smollm2 import needs_smollm2
 
 SYNTH_GOLDEN = [n for n in golden_model_names() if golden_model(n).source["kind"] == "synth"]
 FAST_GOLDEN = [n for n in SYNTH_GOLDEN if not golden_model(n).slow]

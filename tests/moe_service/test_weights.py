@@ -8,7 +8,7 @@ import pytest
 from moe_service.errors import ModelFileError
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
-from tests.gguf_factory import write_moe_gguf
+from tests.support.gguf_factory import write_moe_gguf
 
 
 def test_load_simple_reads_every_tensor_of_every_shard(tmp_path):

@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from numa_fixtures import write_sysfs
 
 from moe_service.demo_model import build_demo_model
 from tests.conftest import REPO
-from tests.smollm2 import needs_smollm2
+from tests.support.numa_fixtures import write_sysfs
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 

@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from numa_fixtures import write_sysfs
 
 from moe_service.synth_deepseek2 import write_deepseek2
 from tests.conftest import REPO
-from tests.smollm2 import needs_smollm2
+from tests.support.numa_fixtures import write_sysfs
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 

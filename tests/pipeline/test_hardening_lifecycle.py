@@ -20,7 +20,7 @@ from moe_service.notify import TimeoutExtender
 from pipeline.context import PipelineContext
 from pipeline.runner import PipelineRunner
 from pipeline.spec import Stage
-from tests.gguf_factory import write_moe_gguf
+from tests.support.gguf_factory import write_moe_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 

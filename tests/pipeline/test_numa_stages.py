@@ -6,8 +6,6 @@ are in tests/numa (lab VM)."""
 
 from __future__ import annotations
 
-from numa_fixtures import cfg, fake_catalog, write_sysfs
-
 import pipeline.fastload  # noqa: F401  (registers the stage)
 import pipeline.placement  # noqa: F401
 import pipeline.replication  # noqa: F401
@@ -20,7 +18,8 @@ from pipeline.placement import PlacementStage, single_node_reason
 from pipeline.plan import format_plan, plan, plan_summary
 from pipeline.prepare import dense_gpu_node, plan_layout, prepare
 from pipeline.runner import PipelineRunner
-from tests.gguf_factory import write_moe_gguf
+from tests.support.gguf_factory import write_moe_gguf
+from tests.support.numa_fixtures import cfg, fake_catalog, write_sysfs
 
 
 def run_stages(tmp_path, **tables):

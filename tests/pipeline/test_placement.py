@@ -10,7 +10,6 @@ import mmap
 
 import numpy as np
 import pytest
-from numa_fixtures import cfg, fake_catalog, write_sysfs
 
 from moe_service.errors import StageError
 from moe_service.layout import Layout, Region
@@ -18,6 +17,7 @@ from moe_service.numa import Topology
 from pipeline.placement import format_residency, place, status_line, verify_residency
 from pipeline.plan import plan
 from pipeline.replication import copy_tasks, replicate
+from tests.support.numa_fixtures import cfg, fake_catalog, write_sysfs
 
 SNC = [[10, 12, 21, 21], [12, 10, 21, 21], [21, 21, 10, 12], [21, 21, 12, 10]]
 

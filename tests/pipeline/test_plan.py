@@ -6,12 +6,12 @@ import json
 
 import numpy as np
 import pytest
-from numa_fixtures import GIB, cfg, fake_catalog, write_sysfs
 
 from moe_service.errors import CapacityError, ConfigError
 from moe_service.layout import REGION_ALIGN_BYTES
 from moe_service.numa import Topology, hugepage_pool_path
 from pipeline.plan import check_capacity, format_plan, home_ranges, plan, plan_summary
+from tests.support.numa_fixtures import GIB, cfg, fake_catalog, write_sysfs
 
 SNC_DIST = [[10, 12, 21, 21], [12, 10, 21, 21], [21, 21, 10, 12], [21, 21, 12, 10]]
 

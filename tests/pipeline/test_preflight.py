@@ -5,7 +5,6 @@ from __future__ import annotations
 import resource
 
 import pytest
-from numa_fixtures import GIB, cfg, fake_catalog, write_sysfs
 
 from moe_service.config import load_config
 from moe_service.engine.device import cuda_absent_reason
@@ -13,6 +12,7 @@ from moe_service.errors import CapacityError, PreflightError
 from moe_service.numa import Topology, hugepage_pool_path
 from pipeline.plan import plan
 from pipeline.preflight import CPU_FLAGS, format_report, run_preflight
+from tests.support.numa_fixtures import GIB, cfg, fake_catalog, write_sysfs
 
 
 def sparse_model(tmp_path, total_gib: float, n_expert=8):

@@ -19,20 +19,20 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FAKES = Path(__file__).resolve().parent / "serving_fakes.py"
+FAKES_MODULE = "tests.support.serving_fakes"
 
 
 def start(env_extra: dict[str, str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("MOE_SERVICE")}
     env.update({
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(FAKES.parent)]),
+        "PYTHONPATH": str(REPO),
         "MOE_SERVICE__PIPELINE__STAGES": '["warmup", "serve"]',
         "MOE_SERVICE__SERVE__PORT": "0",
         "MOE_SERVICE__LOG__TARGET": "json",
         "FAKE_STEP_DELAY_S": "0.01",
         **env_extra,
     })
-    return subprocess.Popen([sys.executable, str(FAKES)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", FAKES_MODULE], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

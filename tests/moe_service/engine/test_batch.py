@@ -1,5 +1,5 @@
 """The engine (prompts, context policy, finish reasons) and the continuous-batching loop, on a
-fake model with the real step()/kv interface (tests/unit/serving_fakes.py)."""
+fake model with the real step()/kv interface (tests/support/serving_fakes.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import time
 
 import numpy as np
 import pytest
-from serving_fakes import ALPHABET, BOS_ID, EOS_ID, N_VOCAB, FakeTokenizer, expected_chain, make_engine
 
 from moe_service.engine.batch import BatchLoop, QueueFull
 from moe_service.engine.engine import GenerationRequest, RequestError, served_model_name
 from moe_service.engine.sampler import SamplingParams
 from moe_service.notify import Liveness
+from tests.support.serving_fakes import (
+    ALPHABET,
+    BOS_ID,
+    EOS_ID,
+    N_VOCAB,
+    FakeTokenizer,
+    expected_chain,
+    make_engine,
+)
 
 TOK = FakeTokenizer()
 

@@ -16,6 +16,8 @@ from gguf.quants import quantize as gguf_quantize
 from moe_service.engine.arch import Routing
 from moe_service.engine.model import ExpertSet, LayerWeights, Model, TorchPath
 from moe_service.engine.offload import ExpertOffload
+from moe_service.engine.ops import CpuOps
+from moe_service.numa import Topology
 
 Q = GGMLQuantizationType
 
@@ -253,15 +255,13 @@ def test_model_ffn_sends_big_batches_to_the_offload_and_small_ones_to_the_cpu():
 
 
 def test_model_ffn_offload_matches_the_cpu_fused_moe():
-    """Offload vs the CPU fused MoE kernels (branch `kernels`): runs once moe_service.engine.ops
-    is on main. The CPU kernels quantize activations to 8 bits (as llama.cpp), the offload
-    does not: agreement to ~1% relative."""
-    ops_mod = pytest.importorskip("moe_service.engine.ops")
-    numa = pytest.importorskip("moe_service.numa")
+    """Offload vs the CPU fused MoE kernels (moe_service.engine.ops.CpuOps). The CPU kernels
+    quantize activations to 8 bits (as llama.cpp), the offload does not: agreement to ~1%
+    relative."""
     layer = SynthLayer(E=8)
     off = ExpertOffload(layer.arena, [layer.es], "cpu", min_batch_tokens=16)
     m, lw = _bare_model(layer, off)
-    m.ops = ops_mod.CpuOps(numa.Topology.read(), threads=0, fused_moe=True)  # as the warmup stage builds it
+    m.ops = CpuOps(Topology.read(), threads=0, fused_moe=True)  # as the warmup stage builds it
     h = torch.from_numpy(np.random.default_rng(8).standard_normal((16, 64)).astype(np.float32))
     ids, w = m.route(lw, h)
     cpu = m.ops.moe(layer.arena, np.ascontiguousarray(h.numpy()), ids, w, layer.es)

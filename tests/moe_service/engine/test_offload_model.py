@@ -1,10 +1,7 @@
 """The whole Model on a small synthetic MoE GGUF, on the CPU device: the dense "torch" path
 (dense matrices dequantized by torch_quant on the device) against the "quant" path, and a big
-batch through the expert offload against the same batch through the CPU experts.
-
-Needs the catalog (moe_service.gguf_model, branch load); runs with the reference ops below
-at once and with the CPU kernels (moe_service.engine.ops.CpuOps, branch kernels) once they
-are on main.
+batch through the expert offload against the same batch through the CPU experts, each with
+the reference ops below and with the CPU kernels (moe_service.engine.ops.CpuOps).
 """
 
 from __future__ import annotations
@@ -13,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from moe_service import gguf_model
 from moe_service.engine import torch_quant
 from moe_service.engine.model import Model
 from moe_service.engine.offload import ExpertOffload
+from moe_service.engine.ops import CpuOps
+from moe_service.numa import Topology
 from moe_service.synth import write_synthetic
 from moe_service.weights import WeightStore
-
-gguf_model = pytest.importorskip("moe_service.gguf_model")
 
 
 class ReferenceOps:
@@ -58,19 +56,11 @@ class ReferenceOps:
 
 def _cpu_kernels():
     """The CPU kernel backend as the warmup stage builds it (moe_service.engine.ops.CpuOps)."""
-    from moe_service.engine.ops import CpuOps
-    from moe_service.numa import Topology
-
     return CpuOps(Topology.read(), threads=0, fused_moe=True)
 
 
 def _ops_choices():
     yield pytest.param(ReferenceOps, id="reference-ops")
-    try:
-        import moe_service.engine.ops  # noqa: F401
-        import moe_service.numa  # noqa: F401
-    except ImportError:
-        return
     yield pytest.param(_cpu_kernels, id="cpu-kernels")
 
 

@@ -19,7 +19,7 @@ from tests.fixtures.golden import (
     tokenize_fixture_names,
     vocab_metadata_for,
 )
-from tests.smollm2 import needs_smollm2
+from tests.support.smollm2 import needs_smollm2
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 

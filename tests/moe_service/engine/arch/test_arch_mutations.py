@@ -2,7 +2,7 @@
 +1, -1): the file is either refused cleanly (the catalog's or the architecture's check names
 the file and the key or tensor; ``moe-service check`` exits 3 with that sentence) or it
 runs to finite logits. Never a crash: the runs happen in a subprocess
-(tests/engine/arch_mutation_runner.py), and it must exit 0 having reported every case.
+(tests/support/arch_mutation_runner.py), and it must exit 0 having reported every case.
 
 Which mutations run: those no check refuses (up to RUNS_PER_KEY per architecture and key;
 ``general.*`` and ``tokenizer.*`` values go through the tokenizer only), e.g. a different rope.freq_base or epsilon
@@ -27,7 +27,7 @@ from moe_service.engine.tokenizer import Tokenizer
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth import write_synthetic
 from tests.conftest import REPO
-from tests.engine.arch_mutation_runner import patch, scalar_fields, set_metadata
+from tests.support.arch_mutation_runner import patch, scalar_fields, set_metadata
 
 ARCH_PRESETS = {"llama": "tiny-llama", "qwen3moe": "tiny-qwen3moe", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
                 "deepseek2": "tiny-deepseek2", "deepseek4": "tiny-deepseek4"}
@@ -97,7 +97,7 @@ def test_every_numeric_hyperparameter_mutation_is_refused_cleanly_or_runs(models
     cases = tmp_path / "cases.json"
     cases.write_text(json.dumps(to_run))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "tests.engine.arch_mutation_runner", str(cases)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tests.support.arch_mutation_runner", str(cases)], capture_output=True,
                        text=True, timeout=600, cwd=REPO, env=env)
     lines = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     started = [ln for ln in r.stdout.splitlines() if ln.startswith("start ")]

@@ -36,8 +36,8 @@ from moe_service.engine.model import Model
 from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
-from tests.engine import ds2_reference
 from tests.fixtures.golden import GOLDEN_DIR, golden_model, golden_model_names, load_manifest, model_file
+from tests.support import ds2_reference
 
 DS2 = (1.0, 0.2)  # max, mean |logit difference| vs llama.cpp, CPU path
 DS2_TORCH = (2.0, 0.4)  # the torch path (float activations)

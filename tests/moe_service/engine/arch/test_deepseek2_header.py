@@ -1,5 +1,5 @@
 """deepseek2 header checks beyond shapes (the x0/x2/x64/+1/-1 mutation of every numeric key
-runs in tests/engine/test_arch_mutations.py with the other architectures): multi-token
+runs in tests/moe_service/engine/arch/test_arch_mutations.py with the other architectures): multi-token
 prediction blocks, unsupported query temperature, KV head count of each MLA form."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from moe_service.engine import arch as archs
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth_deepseek2 import resolve_preset, write_deepseek2
-from tests.smollm2 import needs_smollm2
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 

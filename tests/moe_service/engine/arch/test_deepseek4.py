@@ -25,7 +25,7 @@ from moe_service.synth import sha256_file
 from moe_service.synth_deepseek4 import write_deepseek4
 from moe_service.weights import WeightStore
 from tests.conftest import REPO
-from tests.smollm2 import needs_smollm2
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 

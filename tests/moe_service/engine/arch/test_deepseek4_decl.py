@@ -21,7 +21,8 @@ from moe_service.errors import ModelFileError
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth_deepseek4 import resolve_preset, tensor_plan, write_deepseek4
 from tests.conftest import REPO
-from tests.smollm2 import needs_smollm2
+from tests.support.numa_fixtures import write_sysfs
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 
@@ -118,9 +119,6 @@ def _check(model, host) -> subprocess.CompletedProcess:
 
 
 def test_check_on_a_v4_flash_shaped_file(tmp_path):
-    sys.path.insert(0, str(REPO / "tests" / "unit"))
-    from numa_fixtures import write_sysfs
-
     host = write_sysfs(tmp_path / "host", [[0, 1]], [64.0])
     path = write_deepseek4(tmp_path / "v4f.gguf", "deepseek-v4-flash", sparse=True)
     r = _check(path, host)

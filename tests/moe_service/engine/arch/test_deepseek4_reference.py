@@ -1,7 +1,7 @@
 """The deepseek4 facts (moe_service/engine/ds4_ops.py: hyper-connections with Sinkhorn,
 compressed KV with overlap and the indexer's top-k, inverse RoPE and the grouped output,
 hash routing, sqrt-softplus gating, SwiGLU clamps) against llama.cpp 0.3.36's goldens, through
-the whole-sequence numpy reference (tests/engine/ds4_reference.py).
+the whole-sequence numpy reference (tests/support/ds4_reference.py).
 
 One forward over prompt (647 tokens) + the 48-token greedy chain: the logits at the last prompt
 position and at the end match llama.cpp's within (1.0 max, 0.2 mean) (measured 0.32 / 0.07 at
@@ -19,7 +19,7 @@ import pytest
 
 from moe_service.synth_deepseek4 import write_deepseek4
 from tests.conftest import REPO
-from tests.smollm2 import needs_smollm2
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 
@@ -29,7 +29,7 @@ MAX_ABS, MEAN_ABS = 1.0, 0.2
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from tests.engine.ds4_reference import Ds4Reference
+    from tests.support.ds4_reference import Ds4Reference
 
     man = json.loads((GOLDEN / "deepseek4.json").read_text())
     (name, m), = man["models"].items()

@@ -35,8 +35,8 @@ from moe_service.synth_gpt_oss import write_gpt_oss
 from moe_service.weights import WeightStore
 from tests.conftest import REPO
 from tests.fixtures.golden import GOLDEN_DIR, arch_golden_model, load_arch_manifest, model_file
-from tests.gpt_oss_reference import GptOssReference
-from tests.smollm2 import needs_smollm2
+from tests.support.gpt_oss_reference import GptOssReference
+from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 

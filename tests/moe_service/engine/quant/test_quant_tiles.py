@@ -13,7 +13,7 @@ row on AVX2). Every row's float32 steps follow one fixed per-lane order, so:
   one-token matmuls bit for bit, for row ranges that start and end off the tile grid, with
   activation/output row indirection (the MoE's token groups) and repeated items.
 
-Run as a script (``python tests/engine/test_quant_tiles.py``) it prints the digests of the
+Run as a script (``python tests/moe_service/engine/quant/test_quant_tiles.py``) it prints the digests of the
 current kernels as JSON.
 """
 
