@@ -895,6 +895,13 @@ def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, n_kv: int 
 
 class _Plan:
     __slots__ = ("items", "bounds", "tasks", "pml", "pacc", "n_tasks", "serial")
+    items: np.ndarray | None  # None when serial
+    bounds: np.ndarray | None
+    tasks: np.ndarray
+    pml: np.ndarray
+    pacc: np.ndarray
+    n_tasks: int
+    serial: bool
 
 
 def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int) -> _Plan:
@@ -1130,6 +1137,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     if serial:
         _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
     elif online:
+        assert pool is not None and pl.items is not None and pl.bounds is not None  # not serial: workers
         pool.run_arrays(pl.items, pl.bounds, op)
     else:
         n_parts, n_groups = n_tasks - n_direct, meta.shape[0]
@@ -1150,6 +1158,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
                 k += idx.size
             e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
             bounds = np.array([[[0, e0]], [[e0, e1]], [[e1, e2]], [[e2, n_items]]], np.int64)
+        assert pool is not None  # not serial: more than one worker
         pool.run_arrays(items, bounds, op)
     if o32 is not out:
         out[...] = o32

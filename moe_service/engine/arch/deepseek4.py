@@ -495,9 +495,10 @@ class Deepseek4(Architecture):
     def _state(self, be, il: int) -> dict:
         """Per-layer compressed-KV state for every sequence slot (allocated at first use):
         ring buffers of the last 2*ratio tokens' compressor inputs and the compressed rows."""
-        st = getattr(self, "_kvstate", None)
+        st: dict[int, dict[str, np.ndarray]] | None = getattr(self, "_kvstate", None)
         if st is None:
-            st = self._kvstate = {}
+            st = {}
+            self._kvstate = st
         if il not in st:
             hp, m = self.hp, be.m
             n_seq, n_ctx = len(m.kv.length), m.n_ctx
@@ -581,12 +582,14 @@ class Deepseek4(Architecture):
             j = np.arange(lo, n0 + n)
             mask = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] < hp.window)
             if ratio:
+                assert comp_in is not None  # built above for every compressed layer (ratio > 0)
                 state = self._state(be, il)
                 comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:e], comp_in[1][a:e],
                                       ratio, d["attn_compressor_norm"], cos, sin)
                 nb = (n0 + n) // ratio
                 visible = np.arange(nb)[None, :] < ((p + 1) // ratio)[:, None]
                 if ratio == 4:
+                    assert idx_in is not None  # the indexer's inputs, built above when ratio == 4
                     ik = self._compress(state, "iring_kv", "iring_sc", "icomp", s, n0, idx_in[0][a:e],
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
                     visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
