@@ -69,6 +69,7 @@ query head that joins the softmax's denominator and contributes no value.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 from numba import carray, cfunc, njit, types
@@ -1107,7 +1108,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     o32 = out if (out.dtype == np.float32 and out.flags.c_contiguous) else np.empty(out.shape, np.float32)
     s = np.ascontiguousarray(sinks, dtype=np.float32) if sinks is not None else _NO_SINKS
-    pool = getattr(ops, "pool", None)
+    pool: Any = getattr(ops, "pool", None)  # a WorkerPool, or None (one thread: every plan is serial)
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
     window = int(window)
@@ -1137,7 +1138,6 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     if serial:
         _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
     elif online:
-        assert pool is not None and pl.items is not None and pl.bounds is not None  # not serial: workers
         pool.run_arrays(pl.items, pl.bounds, op)
     else:
         n_parts, n_groups = n_tasks - n_direct, meta.shape[0]
@@ -1158,7 +1158,6 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
                 k += idx.size
             e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
             bounds = np.array([[[0, e0]], [[e0, e1]], [[e1, e2]], [[e2, n_items]]], np.int64)
-        assert pool is not None  # not serial: more than one worker
         pool.run_arrays(items, bounds, op)
     if o32 is not out:
         out[...] = o32
