@@ -182,9 +182,9 @@ def kv_layers_of(catalog) -> list:
     architecture package (moe_service.engine.arch) knows the file, else the classic layout
     from the GGUF params."""
     try:  # the per-architecture seam (issue 11), when present
-        from moe_service.engine import arch as _arch
+        from moe_service.engine import arch as _arch  # type: ignore[attr-defined]
 
-        return list(_arch.for_model(catalog).kv_layers())
+        return list(_arch.for_model(catalog).kv_layers())  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - no seam, or it cannot describe the file: the classic layout
         return layers_from_params(catalog.params)
 

@@ -74,6 +74,7 @@ probes it) and never run (speculative decoding comes later).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as _GT
@@ -198,6 +199,7 @@ class Deepseek4(Architecture):
     kv_types = ("f16",)  # _raw_cache views the cache rows as float16 by absolute position (no q8_0)
 
     names = ("deepseek4",)
+    _kvstate: Any  # the compressed-KV state, made by _state at first use
 
     def read_hparams(self, r: HParamReader) -> Deepseek4HParams:
         n_all = r.int("block_count", lo=1, hi=512)  # LLAMA_MAX_LAYERS
@@ -495,10 +497,9 @@ class Deepseek4(Architecture):
     def _state(self, be, il: int) -> dict:
         """Per-layer compressed-KV state for every sequence slot (allocated at first use):
         ring buffers of the last 2*ratio tokens' compressor inputs and the compressed rows."""
-        st: dict[int, dict[str, np.ndarray]] | None = getattr(self, "_kvstate", None)
+        st = getattr(self, "_kvstate", None)
         if st is None:
-            st = {}
-            self._kvstate = st
+            st = self._kvstate = {}
         if il not in st:
             hp, m = self.hp, be.m
             n_seq, n_ctx = len(m.kv.length), m.n_ctx
