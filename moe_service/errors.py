@@ -45,6 +45,7 @@ class ModelFileError(MoeServiceError):
     """A GGUF file or split set is unusable (missing shard, truncated, unknown type, ...)."""
 
     exit_code = 3
+    problems: list  # every problem found, where the raiser collected several (set on the instance)
 
 
 class PreflightError(MoeServiceError):

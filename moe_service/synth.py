@@ -23,7 +23,7 @@ I expert width, V vocab, Dh head dim, Nh / Nkv heads):
 ``llama`` is the Mixtral layout (adjacent-pair RoPE, I = llama.feed_forward_length);
 ``qwen3moe`` adds per-head q/k RMSNorm, NEOX RoPE and ``expert_feed_forward_length``;
 ``qwen2`` (dense) has Q/K/V biases and NEOX RoPE; ``qwen3`` (dense) q/k norms and NEOX RoPE.
-The tensor lists agree with moe_service.engine.arch's (tests/engine/test_arch.py checks).
+The tensor lists agree with moe_service.engine.arch's (tests/moe_service/engine/arch/test_arch.py checks).
 
 Weights (per output element std s): blocks are random bytes with the scale fields set so
 the dequantized values have std ~ s, with s = 1/sqrt(fan_in) for projections, so each

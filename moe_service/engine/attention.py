@@ -49,7 +49,7 @@ scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) betw
 pass over K and the pass over V. The only freedom taken against the scalar kernel is the
 summation order inside a dot product (vector lanes), which moves a probability across a
 float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
-float16 ulp of one probability (tests/engine/test_attention.py), plus, for a split decode,
+float16 ulp of one probability (tests/moe_service/engine/test_attention.py), plus, for a split decode,
 the order of the float32 additions of the parts' P.V; the goldens are unchanged.
 
 Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
@@ -69,6 +69,7 @@ query head that joins the softmax's denominator and contributes no value.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 from numba import carray, cfunc, njit, types
@@ -895,6 +896,13 @@ def plan_tasks(spans, group: int, n_workers: int, window: int = 0, *, n_kv: int 
 
 class _Plan:
     __slots__ = ("items", "bounds", "tasks", "pml", "pacc", "n_tasks", "serial")
+    items: np.ndarray | None  # None when serial
+    bounds: np.ndarray | None
+    tasks: np.ndarray
+    pml: np.ndarray
+    pacc: np.ndarray
+    n_tasks: int
+    serial: bool
 
 
 def _build(spans, nkv: int, group: int, dv: int, n_workers: int, window: int, rmax: int) -> _Plan:
@@ -1100,7 +1108,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     o32 = out if (out.dtype == np.float32 and out.flags.c_contiguous) else np.empty(out.shape, np.float32)
     s = np.ascontiguousarray(sinks, dtype=np.float32) if sinks is not None else _NO_SINKS
-    pool = getattr(ops, "pool", None)
+    pool: Any = getattr(ops, "pool", None)  # a WorkerPool, or None (one thread: every plan is serial)
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
     window = int(window)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from moe_service.engine.engine import Engine, Event, GenerationRequest, RequestError, Sequence
 from moe_service.log import get_logger
@@ -86,7 +87,7 @@ class BatchLoop:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.failed_steps = 0
-        self._mask_pool = None  # grammar mask worker, started by the first constrained step
+        self._mask_pool: ThreadPoolExecutor | None = None  # grammar mask worker, started by the first constrained step
         self.max_failed_steps = max(1, int(max_failed_steps))
         self.stall_s = float(stall_s)
         self.consecutive_failed_steps = 0
@@ -221,18 +222,19 @@ class BatchLoop:
                     self._cv.wait(self.idle_wait_s)
                     self._beat()
                     continue
-                admit = []
+                admit: list[GenerationRequest | None] = []  # None once accounted for (below)
                 while self._waiting and self._n_active + len(admit) < self.parallel:
                     req = self._waiting.popleft()
                     if not req.cancelled:
                         admit.append(req)
                 self._n_active += len(admit)  # reserved now, so submit() counts them
             try:
-                for i, req in enumerate(admit):
+                for i, new in enumerate(admit):
+                    assert new is not None  # set to None only after this iteration
                     try:
-                        self._admit(req)
+                        self._admit(new)
                     except Exception as e:  # noqa: BLE001 - the request fails, its place is freed
-                        self._admit_failed(req, e)
+                        self._admit_failed(new, e)
                     finally:
                         admit[i] = None  # accounted for: admitted, or failed and released
                 self._reap_cancelled()
@@ -240,9 +242,9 @@ class BatchLoop:
                     self._step()
             except Exception as e:  # a bug outside model.step: fail what runs, keep serving
                 log.error("engine_iteration_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
-                for req in admit:  # reserved but never admitted: answer them, free their places
-                    if req is not None:
-                        self._admit_failed(req, e)
+                for left in admit:  # reserved but never admitted: answer them, free their places
+                    if left is not None:
+                        self._admit_failed(left, e)
                 for seq in list(self._active):
                     self._fail(seq, RequestError(f"internal engine error: {type(e).__name__}: {e}",
                                                  status=500, type="server_error", code="engine_error"))
@@ -323,6 +325,7 @@ class BatchLoop:
         entries: list[tuple[Sequence, int]] = []  # (sequence, prompt tokens in this step; 0 = decode)
         budget = self.ubatch_tokens
         for seq in self._active:
+            assert seq.slot is not None  # an active sequence holds its slot (_admit) until _finish
             if seq.prefilling:
                 if budget <= 0:
                     continue
@@ -396,8 +399,6 @@ class BatchLoop:
         if not todo:
             return None
         if self._mask_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
         def run() -> None:

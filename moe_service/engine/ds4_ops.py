@@ -4,7 +4,7 @@ out; no quantized activations (llama.cpp quantizes matmul activations to q8 for 
 weights: differences of that order are expected against it).
 
 These are the pieces :mod:`moe_service.engine.arch.deepseek4`'s forward pass is to be
-composed of; tests/engine/ds4_reference.py runs a whole model through them against
+composed of; tests/support/ds4_reference.py runs a whole model through them against
 llama.cpp's goldens. Shapes: T tokens, C hyper-connection streams, H hidden, M = (2 + C) C.
 """
 

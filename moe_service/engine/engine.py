@@ -204,13 +204,14 @@ class Sequence:
         that allows nothing).
         """
         req = self.request
-        logp = log_softmax(logits) if req.logprobs is not None else None
+        n_top = req.logprobs
+        logp = log_softmax(logits) if n_top is not None else None
         constraint = req.constraint
         tok = self.sampler.sample(constraint.apply(logits) if constraint is not None else logits)
         self.generated.append(tok)
         n = len(self.generated)
         is_eog = self.engine.tokenizer.is_eog(tok)
-        lp = [token_logprob(logp, tok, req.logprobs)] if logp is not None and not is_eog else None
+        lp = [token_logprob(logp, tok, n_top)] if logp is not None and n_top is not None and not is_eog else None
         if constraint is not None and not is_eog:
             constraint.consume(tok)
         if is_eog and not req.ignore_eos:
@@ -406,6 +407,8 @@ class Engine:
                 logits = self.model.step([(slot, seq.prompt_ids[a : a + self.ubatch_tokens])])
             seq.n_prefilled = len(seq.prompt_ids)
             t1 = time.monotonic()
+            if logits is None:
+                raise ValueError("generate: empty prompt (no token to prefill)")
             while True:
                 row = logits[0]
                 ev = seq.accept(row.numpy() if hasattr(row, "numpy") else row)

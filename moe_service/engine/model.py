@@ -131,8 +131,16 @@ class LayerWeights:
         self.vecs: dict = {}
         self.dense: dict[str, torch.Tensor] = {}  # dequantized on the torch device (dense="torch")
         self.experts: ExpertSet | None = None
-        self.router = None  # [E, H] float32
-        self.router_bias = None  # [E] selection bias (exp_probs_b), or None
+        # numpy on the CPU path, torch on the device path (like ``vecs``)
+        self.router: Any = None  # [E, H] float32
+        self.router_bias: Any = None  # [E] selection bias (exp_probs_b), or None
+
+
+def _value_dim(v) -> int:
+    """Dv of the values v [T, NKV, Dv]; a latent cache passes v None and says value_dim."""
+    if v is None:
+        raise ValueError("attention: a latent cache (v None) needs value_dim")
+    return v.shape[2]
 
 
 def _dequantize(weights, name: str) -> np.ndarray:
@@ -268,7 +276,7 @@ class CpuPath:
                   window: int = 0, sinks: np.ndarray | None = None, value_dim: int = 0) -> np.ndarray:
         """Store k, v in layer ``layer``'s cache, attend (engine/attention.py): [T, NH, Dv]."""
         kc, vc = self.m.kv.k[layer], self.m.kv.v[layer]
-        dv = value_dim or v.shape[2]
+        dv = value_dim or _value_dim(v)
         out = np.empty((q.shape[0], q.shape[1], dv), np.float32)
         attention.store(kc, vc, k, v, spans)
         attention.attend(self.m.ops, np.ascontiguousarray(q, dtype=np.float32), kc, vc, spans, scale, out,
@@ -443,7 +451,7 @@ class TorchPath:
         kc, vc = m.kv.k[layer], m.kv.v[layer]
         latent = vc is kc
         T, nh = q.shape[0], q.shape[1]
-        dv = value_dim or v.shape[2]
+        dv = value_dim or _value_dim(v)
         out = torch.empty(T, nh, dv, dtype=torch.float32, device=m.device)
         nkv = kc.shape[2]
         group = nh // nkv
@@ -451,6 +459,7 @@ class TorchPath:
             n = e - a
             kc[s, n0 : n0 + n] = k[a:e].to(torch.float16)
             if not latent:
+                assert v is not None  # only a latent cache (vc is kc) comes without values
                 vc[s, n0 : n0 + n] = v[a:e].to(torch.float16)
             # K/V heads are not repeated per query head (an MLA layer has one shared row of
             # NH x more values than a head would: repeating it cost NH x the cache in memory)
@@ -732,7 +741,9 @@ class Model:
         Raises ValueError naming the slot when a sequence would exceed the context.
         """
         with self._lock:
-            spans, tokens, pos = [], [], []
+            spans: list[tuple[int, int, int, int]] = []
+            tokens: list[int] = []
+            pos: list[int] = []
             t0 = 0
             for s, toks in batch:
                 n0 = self.kv.length[s]
@@ -744,7 +755,9 @@ class Model:
                 tokens.extend(toks)
                 pos.extend(range(n0, n0 + len(toks)))
                 t0 += len(toks)
-            path, arch = self.path, self.arch
+            # CpuPath or TorchPath: each takes and returns its own array type (numpy / torch)
+            path: Any = self.path
+            arch = self.arch
             st = Step(path.positions(pos), spans, self._rope, self.route, np.asarray(tokens, dtype=np.int64))
             if self.offload is not None and len(tokens) >= self.offload.min_batch_tokens:
                 self.offload.start_step()  # the first MoE layer's slabs start moving during attention
@@ -760,4 +773,5 @@ class Model:
     def route(self, lw: LayerWeights, h) -> tuple[np.ndarray, np.ndarray]:
         """Router (arch.base.Routing, after llama.cpp's build_moe_ffn) by the model's Routing: ids int32 [T, K] and
         weights float32 [T, K]."""
+        assert self.routing is not None  # route runs only for MoE layers, which have a routing rule
         return self.path.route(lw, h, self.routing)

@@ -656,8 +656,8 @@ class MoE:
         n_tok, k_n = ids.shape
         h, i_w = spec.h, spec.i_w
         out = np.zeros((n_tok, h), np.float32)
-        act, alpha, limit = self._act(spec)
-        alpha, limit = np.float32(alpha), np.float32(limit)
+        act, alpha_f, limit_f = self._act(spec)
+        alpha, limit = np.float32(alpha_f), np.float32(limit_f)
         for t in range(n_tok):
             xt = _q.Activations(x[t: t + 1])
             acc = None

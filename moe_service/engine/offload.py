@@ -203,9 +203,10 @@ class ExpertOffload:
         return 2 * self.buffer_bytes
 
     def _buffer(self, b: int) -> torch.Tensor:
-        if self.staging[b] is None:
-            self.staging[b] = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
-        return self.staging[b]
+        buf = self.staging[b]
+        if buf is None:
+            buf = self.staging[b] = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
+        return buf
 
     # -- copying -----------------------------------------------------------------------------
 
@@ -222,10 +223,10 @@ class ExpertOffload:
                     run[2] += k.slab_bytes
                 else:
                     if run is not None:
-                        runs.append(tuple(run))
+                        runs.append((run[0], run[1], run[2]))
                     run = [dst, s, k.slab_bytes]
             if run is not None:
-                runs.append(tuple(run))
+                runs.append((run[0], run[1], run[2]))
         return runs
 
     def _issue_copy(self, i: int, b: int, experts: np.ndarray | None) -> None:

@@ -451,7 +451,7 @@ class Job:
         if not 1 <= n_phases <= MAX_PHASES or n_nodes > MAX_NODES:
             raise ValueError(f"a job has 1..{MAX_PHASES} phases and <= {MAX_NODES} nodes "
                              f"(got {n_phases} phases, {n_nodes} nodes)")
-        rows = []
+        rows: list[list[int]] = []
         bounds = np.zeros((n_phases, n_nodes, 2), np.int64)
         for p, per_node in enumerate(phases):
             for nd in range(n_nodes):
@@ -793,7 +793,7 @@ _EMPTY_F32 = np.zeros(1, np.float32)
 
 
 def _spread(items: list, n_nodes: int) -> list[list]:
-    per = [[] for _ in range(n_nodes)]
+    per: list[list] = [[] for _ in range(n_nodes)]
     for i, it in enumerate(items):
         per[i % n_nodes].append(it)
     return per

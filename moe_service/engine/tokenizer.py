@@ -456,6 +456,7 @@ class Tokenizer:
                 elif self._missing_bytes and self._missing_bytes.intersection(frag.encode("utf-8")):
                     self._bpe_slow(frag, out)
                 else:
+                    assert self._hf is not None  # built for every gpt2 vocabulary (__init__)
                     out.extend(self._hf.encode(frag, add_special_tokens=False).ids)
         else:
             is_prev_special = True
@@ -482,6 +483,7 @@ class Tokenizer:
         (llm_tokenizer_bpe_session: no token and no byte token). Words come from the same
         pre-tokenizer; merges run here, best rank first, leftmost first on ties.
         """
+        assert self._hf is not None  # gpt2 vocabularies only (encode)
         for word, _ in self._hf.pre_tokenizer.pre_tokenize_str(text):
             if self.pre_rule.ignore_merges and word in self.token_to_id:
                 out.append(self.token_to_id[word])
@@ -743,7 +745,7 @@ def _bounded_sandbox(base):
     the current thread's :class:`_RenderBudget` and refuses ``*``/``**`` results past its size
     limit (the sandbox's own limits stop at range(): 'a' * 10**9 is allowed)."""
 
-    class BoundedSandbox(base):
+    class BoundedSandbox(base):  # type: ignore[valid-type,misc]  # a base chosen at run time
         intercepted_binops = frozenset(["*", "**"])
 
         def _tick(self) -> None:

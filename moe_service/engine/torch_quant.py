@@ -7,7 +7,7 @@ streamed by the prefill offload (moe_service.engine.offload).
 Every format is one function from a uint8 tensor of whole blocks ``[N, type_size]`` to float32
 values ``[N, block_size]``, vectorized over blocks, with the same float32 operations in the
 same order as gguf-py's ``gguf.quants.dequantize`` (the reference: results are bit-identical
-for finite inputs, tests/engine/test_torch_quant.py). Output in float16/bfloat16 is the float32
+for finite inputs, tests/moe_service/engine/test_torch_quant.py). Output in float16/bfloat16 is the float32
 result rounded once at the end.
 
 Block layouts (bytes, as ggml-common.h; d, m, dmin are float16)::

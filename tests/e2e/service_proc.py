@@ -4,7 +4,6 @@ READY=1 STATUS line). Shared by the e2e tests and bench/serve.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -19,16 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.datagram import DatagramSink
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _datagram_sink_class():
-    """tests/conftest.py's DatagramSink, loaded by path (module names of conftests collide)."""
-    spec = importlib.util.spec_from_file_location("moe_tests_root_conftest", REPO / "tests" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["moe_tests_root_conftest"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod.DatagramSink
 
 
 def default_numba_cache_dir() -> str:
@@ -100,7 +92,6 @@ def start_service(model_path: Path, cache_root: Path, *, numba_cache_dir: str, e
     kept in ``health_at_ready``. Raises AssertionError with the service log when the process
     exits or times out first.
     """
-    DatagramSink = _datagram_sink_class()
     workdir = Path(tempfile.mkdtemp(prefix="moe-e2e-"))
     notify_path = str(workdir / "notify.sock")
     sink = DatagramSink(notify_path)

@@ -36,7 +36,6 @@ timeout; 125 when the container could not run it.
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -44,7 +43,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.lab.vm import RC_TIMEOUT, RC_VM_FAILED, _job_script
+from tests.lab.vm import RC_TIMEOUT, RC_VM_FAILED, _job_script, lab_main
 
 APT_PACKAGES = ("systemd-container",)
 INSTALL_COMMAND = "apt-get install -y " + " ".join(APT_PACKAGES)
@@ -187,27 +186,11 @@ def _read(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(description="Run one command under systemd in a container (module docstring).")
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out")
     p.add_argument("--bind", action="append", default=[])
-    p.add_argument("--check", action="store_true", help="say whether the container lab can run here")
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
-    if a.check:
-        ok, reason = container_available()
-        print(reason)
-        return 0 if ok else 1
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    if not cmd:
-        p.error("no command given")
-    rc, output, out = run_in_container(" ".join(shlex.quote(c) for c in cmd), timeout_s=a.timeout, out_dir=a.out,
-                                       binds=a.bind)
-    sys.stdout.write(output)
-    print(f"moe-lab: exit {rc}; files in {out}", file=sys.stderr)
-    return rc
+    return lab_main(p, argv, container_available,
+                    lambda a, cmd: run_in_container(cmd, timeout_s=a.timeout, out_dir=a.out, binds=a.bind))
 
 
 if __name__ == "__main__":

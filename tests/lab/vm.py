@@ -303,6 +303,33 @@ def run_in_vm(cmd: str, nodes: int = 4, mem_gib: float = 4, *, cpus: int | None 
     return int(rc_file.read_text().strip()), output, out
 
 
+def lab_main(p, argv: list[str] | None, available, run) -> int:
+    """The command line both labs share (this VM and tests/lab/container.py): ``p`` (an
+    argparse parser with the lab's own options) gets --timeout, --out, --check and the command;
+    --check prints ``available()``'s reason (exit 0 when ready, 1 when not); otherwise
+    ``run(args, command line)`` -> (status, output, out folder) runs it, the output goes to
+    stdout and the status is the exit status."""
+    import argparse
+
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out")
+    p.add_argument("--check", action="store_true", help="say whether the lab can run here")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    if a.check:
+        ok, reason = available()
+        print(reason)
+        return 0 if ok else 1
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        p.error("no command given")
+    t0 = time.monotonic()
+    rc, output, out = run(a, " ".join(shlex.quote(c) for c in cmd))
+    sys.stdout.write(output)
+    print(f"moe-lab: exit {rc} after {time.monotonic() - t0:.1f} s; files in {out}", file=sys.stderr)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -311,24 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-gib", type=float, default=4)
     p.add_argument("--cpus", type=int)
     p.add_argument("--systemd", action="store_true")
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out")
-    p.add_argument("--check", action="store_true", help="say whether the lab can run here")
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = p.parse_args(argv)
-    if a.check:
-        ok, reason = lab_available()
-        print(reason)
-        return 0 if ok else 1
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    if not cmd:
-        p.error("no command given")
-    t0 = time.monotonic()
-    rc, output, out = run_in_vm(" ".join(shlex.quote(c) for c in cmd), a.nodes, a.mem_gib, cpus=a.cpus,
-                                systemd=a.systemd, timeout_s=a.timeout, out_dir=a.out)
-    sys.stdout.write(output)
-    print(f"moe-lab: exit {rc} after {time.monotonic() - t0:.1f} s; files in {out}", file=sys.stderr)
-    return rc
+    return lab_main(p, argv, lab_available,
+                    lambda a, cmd: run_in_vm(cmd, a.nodes, a.mem_gib, cpus=a.cpus, systemd=a.systemd,
+                                             timeout_s=a.timeout, out_dir=a.out))
 
 
 if __name__ == "__main__":

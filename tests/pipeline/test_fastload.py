@@ -39,7 +39,7 @@ from pipeline.fastload import (
     reread,
     status_line,
 )
-from tests.gguf_factory import write_moe_gguf, write_sparse_gguf
+from tests.support.gguf_factory import write_moe_gguf, write_sparse_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20

@@ -23,8 +23,8 @@ from moe_service.errors import CapacityError, ModelFileError
 from moe_service.gguf_model import GGUFModel
 from moe_service.layout import PAGE_BYTES, plain_layout
 from pipeline.fastload import choose_io, fastload, reread
-from tests.gguf_factory import write_moe_gguf
 from tests.pipeline.test_fastload import hand_layout
+from tests.support.gguf_factory import write_moe_gguf
 
 MiB = 2**20
 MODES = [  # (io, pipeline)

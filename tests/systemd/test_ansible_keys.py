@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_ansible import ANSIBLE, PLAYBOOK_BIN, ansible_env, needs_ansible
+
+from tests.systemd.test_ansible import ANSIBLE, PLAYBOOK_BIN, ansible_env, needs_ansible
 
 KEYS = ["sk-vaulted-aaaaaaaaaaaaaaaaaaaa", "sk-vaulted-bbbbbbbbbbbbbbbbbbbb"]
 

@@ -23,13 +23,11 @@ the wheelhouse and the reports), FLEET_LAB_TIMEOUT_S.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.lab.container import container_available, run_in_container
+from tests.systemd import lab_harness
 
 pytestmark = [pytest.mark.slow]
 
@@ -62,23 +61,15 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def this_checkout(code: str, environ: dict[str, str], timeout_s: float = 600) -> subprocess.CompletedProcess:
-    prelude = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True,
-                          env=environ, timeout=timeout_s)
-
-
 def prepare(environ: dict[str, str]) -> dict[str, str]:
     """The demo model and the wheel under test, staged under LAB_WORK; the container's env."""
     (LAB_WORK / "models").mkdir(parents=True, exist_ok=True)
     LAB_WORK.chmod(0o755)
     (LAB_WORK / "models").chmod(0o755)
     model = LAB_WORK / "models/smollm2-135m-instruct-moe8.gguf"
-    res = this_checkout("from pathlib import Path; from moe_service.demo_model import build_demo_model; "
-                        f"build_demo_model(out=Path({str(model)!r}))", environ)
-    if res.returncode != 0:
-        pytest.fail("the demo model cannot be built: " + (res.stderr.strip().splitlines() or ["?"])[-1])
-    model.chmod(0o644)  # read by the service user
+    reason = lab_harness.build_demo_model(model, environ)
+    if reason:
+        pytest.fail(reason)
     wheelhouse = LAB_WORK / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
     wheelhouse.mkdir()
@@ -119,38 +110,16 @@ def boot_fleet_lab(environ: dict[str, str]) -> dict:
     rc, output, _ = run_in_container("/usr/bin/python3 tests/systemd/lab/fleet_checks.py", out_dir=out, env=env,
                                      cwd=REPO, binds=binds(), machine="moe-fleet-lab", base_env=environ,
                                      timeout_s=float(os.environ.get("FLEET_LAB_TIMEOUT_S", "1500")))
-    (out / "lab.log").write_text(output)
-    report_path = out / "report.json"
-    if not report_path.exists():
-        pytest.fail(f"the fleet lab wrote no report (exit {rc}): {output[-3000:]}")
-    report = json.loads(report_path.read_text())
-    report["host_wall_s"] = round(time.monotonic() - t0, 1)
-    report["out_dir"] = str(out)
-    report["lab_rc"] = rc
-    return report
+    return lab_harness.collect_report(out, rc, output, t0, "the fleet lab", "lab_rc")
 
 
-_BACKGROUND: dict[str, Future] = {}
+_BACKGROUND = lab_harness.BackgroundLab("fleet-lab", boot_fleet_lab)
 
 
 def start_in_background() -> Future:
     """Start :func:`boot_fleet_lab` in a daemon thread now (once per process); the fixture
     waits for it. tests/conftest.py calls this when collection selected this module."""
-    if "fleet" not in _BACKGROUND:
-        fut: Future = Future()
-        environ = dict(os.environ)
-
-        def run() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(boot_fleet_lab(environ))
-            except BaseException as e:  # pytest's Skipped/Failed outcomes travel to the fixture too
-                fut.set_exception(e)
-
-        threading.Thread(target=run, name="fleet-lab", daemon=True).start()
-        _BACKGROUND["fleet"] = fut
-    return _BACKGROUND["fleet"]
+    return _BACKGROUND.start()
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +130,7 @@ def fleet() -> dict:
 
 
 def step(report: dict, name: str) -> dict:
-    s = report["steps"].get(name)
-    if s is None:
-        pytest.fail(f"the fleet lab did not reach step {name!r} (exit {report['lab_rc']}, steps done: "
-                    f"{report['order']}; see {report['out_dir']})")
-    assert "error" not in s, f"step {name} raised: {s['error']}\n{s.get('traceback', '')}"
-    return s
+    return lab_harness.report_step(report, name, "the fleet lab", "lab_rc")
 
 
 def out_intervals(changes: list[dict], server: str) -> list[tuple[float, float | None]]:

@@ -22,13 +22,11 @@ load-only pipeline).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -36,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.lab.vm import lab_available, run_in_vm
+from tests.systemd import lab_harness
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -59,12 +58,8 @@ _ENVIRON: dict[str, str] | None = None
 
 
 def this_checkout(code: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    """Run Python code against this checkout's packages (an editable install of another
-    checkout in the venv must not answer for it)."""
-    prelude = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import moe_service; "
-               f"assert moe_service.__file__.startswith({str(REPO)!r}), moe_service.__file__\n")
-    return subprocess.run([sys.executable, "-c", prelude + code], cwd=REPO, capture_output=True, text=True, env=_ENVIRON,
-                          timeout=timeout_s)
+    """Run Python code against this checkout's packages (lab_harness.this_checkout)."""
+    return lab_harness.this_checkout(code, _ENVIRON, timeout_s)
 
 
 def cli_unavailable_reason() -> str | None:
@@ -80,12 +75,8 @@ def cli_unavailable_reason() -> str | None:
 def demo_model() -> tuple[Path | None, str | None]:
     """(the embedded demo model built under LAB_WORK, None) or (None, why it cannot be built)."""
     model = LAB_WORK / "models/smollm2-135m-instruct-moe8.gguf"
-    res = this_checkout("from pathlib import Path; from moe_service.demo_model import build_demo_model; "
-                        f"print(build_demo_model(out=Path({str(model)!r})))")
-    if res.returncode != 0:
-        return None, "the demo model cannot be built: " + (res.stderr.strip().splitlines() or ["?"])[-1]
-    model.chmod(0o644)  # read by the service user in the VM
-    return model, None
+    reason = lab_harness.build_demo_model(model, _ENVIRON)
+    return (None, reason) if reason else (model, None)
 
 
 def staged_config(template: str, name: str) -> tuple[Path | None, str | None]:
@@ -182,21 +173,12 @@ def boot_lab(environ: dict[str, str]) -> dict:
     t0 = time.monotonic()
     rc, output, _ = run_in_vm("/usr/bin/python3 tests/systemd/lab/lab_checks.py", nodes=2, mem_gib=4, systemd=True,
                               timeout_s=timeout_s, out_dir=out, env=extra, cwd=REPO, base_env=environ)
-    res = subprocess.CompletedProcess([], rc, output, "")
-    (out / "lab.log").write_text(res.stdout + "\n--- stderr ---\n" + res.stderr)
-    report_path = out / "report.json"
-    if not report_path.exists():
-        console = (out / ".console").read_text(errors="replace")[-3000:] if (out / ".console").exists() else ""
-        pytest.fail(f"the lab VM wrote no report (numa-lab exit {res.returncode}); {res.stderr[-1500:]}\n{console}")
-    report = json.loads(report_path.read_text())
-    report["host_wall_s"] = round(time.monotonic() - t0, 1)
-    report["out_dir"] = str(out)
-    report["numa_lab_rc"] = res.returncode
+    report = lab_harness.collect_report(out, rc, output, t0, "the lab VM", "numa_lab_rc")
     report["service_skip_reason"] = service_reason
     return report
 
 
-_BACKGROUND: dict[str, Future] = {}
+_BACKGROUND = lab_harness.BackgroundLab("systemd-lab", boot_lab)
 
 
 def start_in_background() -> Future:
@@ -204,21 +186,7 @@ def start_in_background() -> Future:
     fixture waits for it. tests/conftest.py calls this when collection selected this module,
     so the VM (one emulated core, 12-30 minutes) runs beside the rest of the suite instead of
     after it."""
-    if "lab" not in _BACKGROUND:
-        fut: Future = Future()
-        environ = dict(os.environ)
-
-        def run() -> None:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                fut.set_result(boot_lab(environ))
-            except BaseException as e:  # pytest's Skipped/Failed outcomes travel to the fixture too
-                fut.set_exception(e)
-
-        threading.Thread(target=run, name="systemd-lab", daemon=True).start()
-        _BACKGROUND["lab"] = fut
-    return _BACKGROUND["lab"]
+    return _BACKGROUND.start()
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +199,7 @@ def lab_report() -> dict:
 
 
 def step(report: dict, name: str) -> dict:
-    s = report["steps"].get(name)
-    if s is None:
-        pytest.fail(f"the lab did not reach step {name!r} (numa-lab exit {report['numa_lab_rc']}, "
-                    f"steps done: {report['order']}; see {report['out_dir']})")
-    assert "error" not in s, f"step {name} raised: {s['error']}\n{s.get('traceback', '')}"
-    return s
+    return lab_harness.report_step(report, name, "the lab", "numa_lab_rc")
 
 
 # --- host roles ------------------------------------------------------------------------

@@ -54,7 +54,7 @@ How to add an architecture
 2. Add one line to :data:`ARCHITECTURES` below.
 3. Give moe_service/synth.py a preset (real tensor layouts, the demo tokenizer), generate
    llama.cpp goldens with tools/make_golden.py, and add the preset to the golden tests and
-   to tests/engine/test_arch_mutations.py.
+   to tests/moe_service/engine/arch/test_arch_mutations.py.
 
 A primitive that does not exist yet (a new attention form, a new activation) is added once
 to both backends (CpuPath, TorchPath) and, for routed experts, to moe.py and offload.py;

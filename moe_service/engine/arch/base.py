@@ -23,10 +23,12 @@ ggml order throughout (``ne[0]`` = elements per row), as llama.cpp's ``create_te
 
 from __future__ import annotations
 
+import builtins
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 from gguf import GGMLQuantizationType as _T
 
@@ -87,7 +89,16 @@ class HParamReader:
             v = v[0]
         return v, full
 
-    def int(self, key: str, default: Any = _MISSING, *, lo: int = 0, hi: int = 1 << 40) -> int:
+    # A default of None is returned as is when the key is missing (the overloads say so); any
+    # other default is returned when the key is missing and checked like a value otherwise.
+    @overload
+    def int(self, key: str, default: None, *, lo: builtins.int = 0, hi: builtins.int = 1 << 40) -> builtins.int | None: ...
+    @overload
+    def int(self, key: str, default: Any = _MISSING, *, lo: builtins.int = 0,
+            hi: builtins.int = 1 << 40) -> builtins.int: ...
+
+    def int(self, key: str, default: Any = _MISSING, *, lo: builtins.int = 0,
+            hi: builtins.int = 1 << 40) -> builtins.int | None:
         """An integer in [lo, hi] (a missing key gives ``default`` when one is given)."""
         v, full = self._get(key, default)
         if v is None:
@@ -98,8 +109,15 @@ class HParamReader:
             raise HParamError(f"{self.path}: metadata key {full} is {v}, expected {lo}..{hi}", full)
         return int(v)
 
-    def float(self, key: str, default: Any = _MISSING, *, lo: float = -math.inf, hi: float = math.inf,
-              lo_open: bool = False) -> float:
+    @overload
+    def float(self, key: str, default: None, *, lo: builtins.float = -math.inf, hi: builtins.float = math.inf,
+              lo_open: builtins.bool = False) -> builtins.float | None: ...
+    @overload
+    def float(self, key: str, default: Any = _MISSING, *, lo: builtins.float = -math.inf,
+              hi: builtins.float = math.inf, lo_open: builtins.bool = False) -> builtins.float: ...
+
+    def float(self, key: str, default: Any = _MISSING, *, lo: builtins.float = -math.inf,
+              hi: builtins.float = math.inf, lo_open: builtins.bool = False) -> builtins.float | None:
         """A finite float in [lo, hi] ((lo, hi] with ``lo_open``)."""
         v, full = self._get(key, default)
         if v is None:
@@ -117,7 +135,12 @@ class HParamReader:
             raise HParamError(f"{self.path}: metadata key {full} is {v!r}, expected a boolean", full)
         return bool(v)
 
-    def str(self, key: str, default: Any = _MISSING) -> str:
+    @overload
+    def str(self, key: str, default: None) -> builtins.str | None: ...
+    @overload
+    def str(self, key: str, default: Any = _MISSING) -> builtins.str: ...
+
+    def str(self, key: str, default: Any = _MISSING) -> builtins.str | None:
         v, full = self._get(key, default)
         if v is not None and not isinstance(v, str):
             raise HParamError(f"{self.path}: metadata key {full} is {v!r}, expected a string", full)
@@ -285,7 +308,7 @@ class Architecture:
         """(full key, sentence) for every inconsistency between hyperparameters."""
         return []
 
-    def tensors(self) -> list[TensorSpec | OneOf]:
+    def tensors(self) -> Sequence[TensorSpec | OneOf]:
         """Every tensor the model reads, with shapes from the hyperparameters."""
         raise NotImplementedError
 

@@ -74,6 +74,7 @@ probes it) and never run (speculative decoding comes later).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as _GT
@@ -198,6 +199,7 @@ class Deepseek4(Architecture):
     kv_types = ("f16",)  # _raw_cache views the cache rows as float16 by absolute position (no q8_0)
 
     names = ("deepseek4",)
+    _kvstate: Any  # the compressed-KV state, made by _state at first use
 
     def read_hparams(self, r: HParamReader) -> Deepseek4HParams:
         n_all = r.int("block_count", lo=1, hi=512)  # LLAMA_MAX_LAYERS
@@ -581,12 +583,14 @@ class Deepseek4(Architecture):
             j = np.arange(lo, n0 + n)
             mask = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] < hp.window)
             if ratio:
+                assert comp_in is not None  # built above for every compressed layer (ratio > 0)
                 state = self._state(be, il)
                 comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:e], comp_in[1][a:e],
                                       ratio, d["attn_compressor_norm"], cos, sin)
                 nb = (n0 + n) // ratio
                 visible = np.arange(nb)[None, :] < ((p + 1) // ratio)[:, None]
                 if ratio == 4:
+                    assert idx_in is not None  # the indexer's inputs, built above when ratio == 4
                     ik = self._compress(state, "iring_kv", "iring_sc", "icomp", s, n0, idx_in[0][a:e],
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
                     visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,

@@ -84,7 +84,7 @@ class Llama(Architecture):
     neox = False  # RoPE pairs (i, i + R/2) instead of (2i, 2i+1)
     qk_norm = False  # per-head RMSNorm of q and k before RoPE
     qkv_bias = False  # attn_q/k/v biases required (qwen2); otherwise optional
-    expert_width_key = None  # metadata key of the expert width; None: feed_forward_length (llama)
+    expert_width_key: str | None = None  # metadata key of the expert width; None: feed_forward_length (llama)
     rope_dim_is_head_dim = True  # llama.cpp refuses rope.dimension_count != head_dim
 
     # -- hyperparameters -------------------------------------------------------------------

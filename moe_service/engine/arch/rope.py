@@ -57,8 +57,8 @@ def rope_tables(spec: RopeSpec, n_ctx: int, freq_factors: np.ndarray | None = No
         interp = f32(spec.freq_scale) * theta
         if spec.ext_factor != 0.0:
             lo, hi = yarn_corr_dims(spec.dim, spec.n_ctx_orig, spec.base, spec.beta_fast, spec.beta_slow)
-            j = np.arange(half, dtype=np.float32)
-            y = (j - f32(lo)) / f32(max(0.001, hi - lo))
+            dims = np.arange(half, dtype=np.float32)
+            y = (dims - f32(lo)) / f32(max(0.001, hi - lo))
             ramp = (f32(1.0) - np.minimum(f32(1.0), np.maximum(f32(0.0), y))).astype(np.float32)
             mix = (ramp * f32(spec.ext_factor)).reshape(1, -1)
             theta = (interp * (f32(1.0) - mix) + theta * mix).astype(np.float32)

@@ -5,6 +5,7 @@ Also the Python-facing ``matmul``."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
@@ -171,7 +172,7 @@ _KERNEL_SIG = types.void(_P(types.uint8), types.int64, types.int64, types.int64,
                          types.int64)
 _KERNEL_PY = {t: (_mm_float if f.family == "float" else _make_kernel(f)) for t, f in FORMATS.items()}
 _KERNEL_TABLE = np.zeros(64, np.int64)  # ggml type id -> cfunc address (0: not compiled yet)
-_KERNEL_CFUNCS: dict[object, object] = {}  # python function -> its cfunc (keeps the code alive)
+_KERNEL_CFUNCS: dict[object, Any] = {}  # python function -> its cfunc (keeps the code alive)
 _KERNEL_LOCK = threading.Lock()
 
 
@@ -190,7 +191,7 @@ def ensure_kernels(ggml_types) -> np.ndarray:
             py = _KERNEL_PY[t]
             cf = _KERNEL_CFUNCS.get(py)
             if cf is None:
-                opts = dict(nopython=True, cache=True)
+                opts: dict[str, Any] = dict(nopython=True, cache=True)
                 if py is _mm_float:
                     opts["fastmath"] = {"reassoc", "contract", "nsz"}
                 cf = _KERNEL_CFUNCS[py] = cfunc(_KERNEL_SIG, **opts)(py)

@@ -27,20 +27,27 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lab_checks  # noqa: E402  (its helpers: venv preparation, command runner, playbook output parsing)
+# lab_common sits next to this script (its folder is sys.path[0]): the report, the command
+# runner, the service venv's preparation and ansible-playbook, shared with lab_checks.py.
+from lab_common import (
+    OUT,
+    PLAYBOOK_BIN,
+    REPO,
+    ansible_playbook,
+    prepare_service_venv,
+    read,
+    recorder,
+    report,
+    save,
+    sh,
+)
 
-OUT = Path(os.environ.get("LAB_OUT", "/lab-out"))
-REPO = Path(os.environ.get("LAB_REPO", os.getcwd()))
-PLAYBOOK_BIN = os.environ.get("LAB_ANSIBLE_PLAYBOOK", "ansible-playbook")
 INVENTORY = REPO / "tests/systemd/lab/fleet-inventory.yml"
 CTL = "/usr/local/sbin/moe-balancer-ctl"
 BACKEND = "moe"
@@ -49,54 +56,12 @@ INSTANCES = {"a": 8001, "b": 8002}
 UNITS = {name: f"moe-service@{name}.service" for name in INSTANCES}
 SERVERS = {name: f"lab:{port}" for name, port in INSTANCES.items()}
 
-report: dict[str, object] = {"steps": {}, "order": [], "started_monotonic_s": time.monotonic()}
-
-
-def save() -> None:
-    report["elapsed_s"] = round(time.monotonic() - float(report["started_monotonic_s"]), 1)
-    tmp = OUT / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
-    tmp.replace(OUT / "report.json")
-
-
-def step(name: str):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            t0 = time.monotonic()
-            print(f"fleet_checks: {name} ...", flush=True)
-            try:
-                result = fn(*args, **kwargs)
-            except Exception as exc:  # recorded; the next steps still run
-                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-            result["duration_s"] = round(time.monotonic() - t0, 1)
-            report["steps"][name] = result
-            report["order"].append(name)
-            print(f"fleet_checks: {name} done in {result['duration_s']} s", flush=True)
-            save()
-            return result
-
-        return run
-
-    return wrap
+step = recorder("fleet_checks")
 
 
 def playbook(log_name: str, extra: list[str] | None = None, timeout_s: float = 1500) -> dict:
     argv = [PLAYBOOK_BIN, "-i", str(INVENTORY), str(REPO / "ansible/site.yml"), "--skip-tags", "host"] + (extra or [])
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible/ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_FORCE_COLOR="0", PYTHONUNBUFFERED="1", ANSIBLE_ROLES_PATH=str(REPO / "ansible/roles"))
-    # A PYTHONPATH naming the checkout (its build leaves moe_service.egg-info there) would make
-    # pip in the service's virtualenv take the package as installed: the wheel must go in.
-    env.pop("PYTHONPATH", None)
-    t0 = time.monotonic()
-    res = lab_checks.sh(argv, timeout_s=timeout_s, env=env)
-    (OUT / log_name).write_text(res["stdout"] + "\n--- stderr ---\n" + res["stderr"])
-    recap = re.search(r"^lab\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", res["stdout"], re.M)
-    out = {"argv": argv, "rc": res["rc"], "seconds": round(time.monotonic() - t0, 1), "log": log_name,
-           "stdout_tail": res["stdout"][-5000:], "stderr_tail": res["stderr"][-2000:],
-           "changed_task_names": lab_checks.changed_task_names(res["stdout"])}
-    if recap:
-        out.update(ok=int(recap[1]), changed=int(recap[2]), unreachable=int(recap[3]), failed=int(recap[4]))
-    return out
+    return ansible_playbook(argv, log_name, timeout_s)
 
 
 def ctl_status() -> dict:
@@ -118,16 +83,16 @@ def http_status(host: str, port: int, path: str) -> int | None:
 
 
 def unit_props(unit: str) -> dict[str, str]:
-    out = lab_checks.sh(["systemctl", "show", unit, "-p", "ActiveState,SubState,InvocationID,NRestarts,MainPID"])
+    out = sh(["systemctl", "show", unit, "-p", "ActiveState,SubState,InvocationID,NRestarts,MainPID"])
     return dict(line.split("=", 1) for line in out["stdout"].splitlines() if "=" in line)
 
 
 @step("env")
 def env_step() -> dict:
     return {
-        "pid1": lab_checks.read("/proc/1/comm"),
-        "systemd": lab_checks.sh(["systemctl", "--version"])["stdout"].splitlines()[0],
-        "haproxy": lab_checks.sh(["haproxy", "-v"])["stdout"].splitlines()[0],
+        "pid1": read("/proc/1/comm"),
+        "systemd": sh(["systemctl", "--version"])["stdout"].splitlines()[0],
+        "haproxy": sh(["haproxy", "-v"])["stdout"].splitlines()[0],
         "haproxy_installed_before": Path("/usr/sbin/haproxy").exists(),
         "container": os.environ.get("container", ""),
     }
@@ -135,7 +100,7 @@ def env_step() -> dict:
 
 @step("ansible_1")
 def ansible_1() -> dict:
-    prep = lab_checks.prepare_service_venv()
+    prep = prepare_service_venv()
     out = playbook("ansible-1.log")
     out["venv_prep"] = prep
     return out
@@ -268,7 +233,7 @@ def rolling() -> dict:
         t_play1 = time.monotonic()
         time.sleep(3)  # and after it
     after = {name: unit_props(unit) for name, unit in UNITS.items()}
-    journal = lab_checks.sh(["journalctl", "-u", "haproxy.service", "-o", "short-monotonic", "--no-pager"])["stdout"]
+    journal = sh(["journalctl", "-u", "haproxy.service", "-o", "short-monotonic", "--no-pager"])["stdout"]
     recs = clients.records
     return {
         "playbook": run,
@@ -296,7 +261,7 @@ def unmanaged() -> dict:
     with StatsSampler() as sampler, Clients(int(os.environ.get("LAB_FLEET_CLIENTS", "2"))) as clients:
         time.sleep(3)
         t0 = time.monotonic()
-        restart = lab_checks.sh(["systemctl", "restart", unit], timeout_s=900)
+        restart = sh(["systemctl", "restart", unit], timeout_s=900)
         t1 = time.monotonic()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and ctl_status()[server]["status"] != "UP":

@@ -36,67 +36,31 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
-import traceback
 import urllib.request
 from pathlib import Path
 
-OUT = Path(os.environ.get("LAB_OUT", "/lab-out"))
-REPO = Path(os.environ.get("LAB_REPO", os.getcwd()))
-PLAYBOOK_BIN = os.environ.get("LAB_ANSIBLE_PLAYBOOK", "ansible-playbook")
+from lab_common import (
+    OUT,
+    PLAYBOOK_BIN,
+    REPO,
+    ansible_playbook,
+    prepare_service_venv,
+    read,
+    recorder,
+    report,
+    save,
+    sh,
+)
+
 UNIT = "moe-service.service"
 NODE_SYSFS = Path("/sys/devices/system/node")
 THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage")
 HUGEPAGES_2M_LAB = {0: 64, 1: 64}  # must match tests/systemd/lab/inventory.yml
 
 PLAYBOOK_RUNS: list[str] = []
-report: dict[str, object] = {"steps": {}, "order": [], "started_monotonic_s": time.monotonic()}
-
-
-def save() -> None:
-    """Write the report so far (called after every step)."""
-    report["elapsed_s"] = round(time.monotonic() - float(report["started_monotonic_s"]), 1)
-    tmp = OUT / "report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
-    tmp.replace(OUT / "report.json")
-
-
-def step(name: str):
-    """Decorator: run the step, record its dict (or the exception) and its duration."""
-
-    def wrap(fn):
-        def run(*args, **kwargs):
-            t0 = time.monotonic()
-            print(f"lab_checks: {name} ...", flush=True)
-            try:
-                result = fn(*args, **kwargs)
-            except Exception as exc:  # recorded, the next steps still run
-                result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-            result["duration_s"] = round(time.monotonic() - t0, 1)
-            report["steps"][name] = result
-            report["order"].append(name)
-            print(f"lab_checks: {name} done in {result['duration_s']} s", flush=True)
-            save()
-            return result
-
-        return run
-
-    return wrap
-
-
-def sh(argv: list[str], timeout_s: float = 600, env: dict | None = None, check: bool = False) -> dict:
-    """Run a command; return rc, stdout, stderr (text)."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
-    out = {"argv": argv, "rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{argv} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return out
-
-
-def read(path: Path | str) -> str:
-    return Path(path).read_text().strip()
+step = recorder("lab_checks")
 
 
 def thp_selected(name: str) -> str:
@@ -150,34 +114,6 @@ def env_step() -> dict:
     }
 
 
-def prepare_service_venv() -> dict:
-    """Make /opt/moe-service/venv see the shared venv's dependencies (the VM has no network).
-
-    The role reuses an existing virtualenv as it is; this one is created with the system
-    Python (the shared venv's own interpreter lives under /root, which the service user
-    cannot reach) and gets a .pth line naming a folder of links to the shared venv's
-    site-packages, minus any moe-service installed there, so that pip installs the wheel
-    under test and everything else (torch 2.13.0, numpy, ...) is already satisfied.
-    """
-    shared = Path(os.environ["LAB_SHARED_SITE_PACKAGES"])
-    venv = Path("/opt/moe-service/venv")
-    # --without-pip: pip and setuptools come from the shared venv too (Debian's ensurepip
-    # brings setuptools 66, older than torch 2.13 declares, and the VM cannot fetch a newer).
-    sh(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True, timeout_s=900)
-    links = Path("/opt/moe-service/lab-site-packages")
-    links.mkdir(parents=True, exist_ok=True)
-    skipped = []
-    for entry in shared.iterdir():
-        low = entry.name.lower()
-        if low.startswith(("moe_service", "moe-service", "__editable__", "pipeline")):
-            skipped.append(entry.name)
-            continue
-        (links / entry.name).symlink_to(entry)
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "lab-shared.pth").write_text(str(links) + "\n")
-    return {"venv": str(venv), "shared_site_packages": str(shared), "left_out": skipped}
-
-
 def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800, playbook: str | None = None) -> dict:
     """ansible-playbook on the VM itself. Default playbook: ansible/site.yml in the service
     phase; with the moe_service tag skipped plus the role's installation tasks in the install
@@ -188,44 +124,9 @@ def run_playbook(extra: list[str] | None = None, timeout_s: float = 1800, playbo
     if not service_phase() and playbook != "tests/systemd/lab/install-only.yml":
         argv += ["--skip-tags", "moe_service"]
     argv += extra or []
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible/ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_FORCE_COLOR="0", PYTHONUNBUFFERED="1", ANSIBLE_ROLES_PATH=str(REPO / "ansible/roles"))
-    # A PYTHONPATH naming the checkout (its build leaves moe_service.egg-info there) would make
-    # pip in the service's virtualenv take the package as installed: the wheel must go in.
-    env.pop("PYTHONPATH", None)
-    t0 = time.monotonic()
-    res = sh(argv, timeout_s=timeout_s, env=env)
-    recap = re.search(
-        r"^\S+\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)",
-        res["stdout"], re.M)
-    out = {
-        "argv": argv,
-        "rc": res["rc"],
-        "seconds": round(time.monotonic() - t0, 1),
-        "stdout_tail": res["stdout"][-6000:],
-        "stderr_tail": res["stderr"][-3000:],
-        "changed_tasks": re.findall(r"^changed: \[[^]]+\](?: => \(item=([^)]*)\))?", res["stdout"], re.M),
-        "changed_task_names": changed_task_names(res["stdout"]),
-    }
-    if recap:
-        out.update(ok=int(recap[1]), changed=int(recap[2]), unreachable=int(recap[3]), failed=int(recap[4]),
-                   skipped=int(recap[5]))
+    out = ansible_playbook(argv, f"ansible-{len(PLAYBOOK_RUNS) + 1}.log", timeout_s)
     PLAYBOOK_RUNS.append(playbook)
-    out["log"] = f"ansible-{len(PLAYBOOK_RUNS)}.log"
-    (OUT / out["log"]).write_text(res["stdout"] + "\n--- stderr ---\n" + res["stderr"])
     return out
-
-
-def changed_task_names(stdout: str) -> list[str]:
-    """Names of the tasks that reported changed, from the default callback's output."""
-    names, current = [], None
-    for line in stdout.splitlines():
-        m = re.match(r"^(?:TASK|RUNNING HANDLER) \[(.*)\]", line)
-        if m:
-            current = m.group(1)
-        elif line.startswith("changed:") and current and current not in names:
-            names.append(current)
-    return names
 
 
 @step("ansible_1")
