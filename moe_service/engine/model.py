@@ -184,6 +184,12 @@ def _cache_shapes(layer: LayerKV, n_seq: int, n_ctx: int) -> tuple[tuple, tuple 
     return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), (n_seq, n_ctx, layer.n_head_kv, layer.value_dim)
 
 
+def _seq_state(m, n_ctx: int) -> list:
+    """The architecture's per-sequence state arrays (kv.SeqState) for ``n_ctx`` tokens."""
+    arch = getattr(m, "arch", None)
+    return list(arch.seq_state(n_ctx)) if arch is not None else []
+
+
 # ---------------------------------------------------------------------------------------------
 # The two backends: same primitives, numpy + numba on the CPU, torch on a device
 
@@ -211,7 +217,7 @@ class CpuPath:
         the model's kv_type (f16 bits as uint16, or q8_0 blocks) on its kv_node."""
         m = self.m  # a bare model (tests) has neither: float16, no binding
         return kv.KVCache.allocate(layers, n_seq, n_ctx, kv_type=getattr(m, "kv_type", "f16"),
-                                   node=getattr(m, "kv_node", None))
+                                   node=getattr(m, "kv_node", None), state=_seq_state(m, n_ctx))
 
     # -- primitives --------------------------------------------------------------------------
 
@@ -381,7 +387,7 @@ class TorchPath:
             kc = torch.zeros(ks, dtype=torch.float16, device=dev)
             k.append(kc)
             v.append(kc if vs is None else torch.zeros(vs, dtype=torch.float16, device=dev))
-        return KVCache(n_seq, n_ctx, k, v, layers)
+        return KVCache(n_seq, n_ctx, k, v, layers, state=KVCache.state_arrays(_seq_state(self.m, n_ctx), n_seq))
 
     # -- primitives --------------------------------------------------------------------------
 

@@ -293,6 +293,13 @@ class Architecture:
         """One LayerKV per layer."""
         raise NotImplementedError
 
+    def seq_state(self, n_ctx: int) -> list:
+        """Arrays this architecture keeps per sequence beside the KV rows, for a context of
+        ``n_ctx`` tokens (moe_service.engine.kv.SeqState: layer, name, per-sequence shape,
+        dtype). The plan counts them and the KV cache allocates them (``KVCache.state``).
+        Default: none."""
+        return []
+
     def rope(self) -> RopeSpec | None:
         return None
 

@@ -1,12 +1,17 @@
 """``deepseek4``: DeepSeek V4 (V4-Flash), as llama.cpp 0.3.36 runs it (src/models/deepseek4.cpp,
 src/llama-kv-cache-dsv4.cpp, src/llama-graph.cpp build_moe_ffn / build_ffn).
 
-STATUS: declarations only. This module reads and checks the hyperparameters, declares every
-tensor with its shape and types (so ``moe-service check`` / preflight / the start of ``serve``
-check a V4 file before a byte is loaded), and describes the KV and routing needs. Its
-forward pass (:meth:`Deepseek4.block`) is not implemented, so the class is NOT in the
-runnable registry (arch/__init__.ARCHITECTURES) but in ``CHECK_ONLY``: a deepseek4 file is
-checked in full and then refused with a sentence saying the engine does not run it yet.
+This module reads and checks the hyperparameters, declares every tensor with its shape and
+types (so ``moe-service check`` / preflight / the start of ``serve`` check a V4 file before a
+byte is loaded), describes the KV and routing needs, and runs the layer (:meth:`Deepseek4.block`)
+on both backends.
+
+Memory per sequence (planned by ``moe-service plan`` / preflight and allocated by the KV cache
+from the same declaration, :meth:`Deepseek4.seq_state`): the raw K = V rows of every trunk
+layer for the whole context (D float16 values a token; the window is applied when reading),
+plus per compressed layer n_ctx // ratio compressed rows of D float16 values and a ring of the
+last 2 ratio tokens' compressor inputs (2 x c D float32), plus per ratio-4 layer n_ctx // 4
+indexer keys of Di float16 values and its ring (2 x 8 x 2 Di float32).
 
 Shapes: T tokens, H hidden (n_embd), NH heads, D head dim (key_length = value_length, 512 on
 V4-Flash), R rotated dims (rope.dimension_count, 64: the LAST R dims of each head, ggml
@@ -407,6 +412,30 @@ class Deepseek4(Architecture):
         hp = self.hp
         return [LayerKV(1, hp.head_dim, hp.head_dim, latent=True)] * hp.n_layer
 
+    def seq_state(self, n_ctx: int) -> list:
+        """Per sequence and compressed layer (kv.SeqState; read back by :meth:`_state`):
+        ``comp`` [n_ctx // ratio, D] float16 compressed rows, ``ring_kv`` / ``ring_sc``
+        [2 ratio, c D] float32 (the last 2 ratio tokens' compressor kv and score inputs, c = 2 on
+        ratio-4 layers); ratio-4 layers add the indexer's ``icomp`` [n_ctx // 4, Di] float16
+        and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32."""
+        from moe_service.engine.kv import SeqState
+
+        hp = self.hp
+        out = []
+        for il, r in enumerate(hp.compress_ratios[:hp.n_layer]):
+            if not r:
+                continue
+            c = 2 if r == 4 else 1
+            out += [SeqState(il, "ring_kv", (2 * r, c * hp.head_dim), "float32"),
+                    SeqState(il, "ring_sc", (2 * r, c * hp.head_dim), "float32"),
+                    SeqState(il, "comp", (n_ctx // r, hp.head_dim), "float16")]
+            if r == 4:
+                Di = hp.indexer_dim
+                out += [SeqState(il, "iring_kv", (8, 2 * Di), "float32"),
+                        SeqState(il, "iring_sc", (8, 2 * Di), "float32"),
+                        SeqState(il, "icomp", (n_ctx // 4, Di), "float16")]
+        return out
+
     def compressed_kv_values_per_token(self) -> float:
         """Cache values per token of context over all trunk layers beyond the raw windows:
         sum over compressed layers of D / ratio (+ Di / 4 for the indexer on ratio-4 layers)."""
@@ -493,26 +522,17 @@ class Deepseek4(Architecture):
         return t[1], t[2]
 
     def _state(self, be, il: int) -> dict:
-        """Per-layer compressed-KV state for every sequence slot (allocated at first use):
-        ring buffers of the last 2*ratio tokens' compressor inputs and the compressed rows."""
+        """Layer ``il``'s compressed-KV state for every sequence slot: the KV cache's arrays
+        declared by :meth:`seq_state` ({name: [S, ...]})."""
         st = getattr(self, "_kvstate", None)
-        if st is None:
-            st = self._kvstate = {}
-        if il not in st:
-            hp, m = self.hp, be.m
-            n_seq, n_ctx = len(m.kv.length), m.n_ctx
-            r = hp.compress_ratios[il]
-            c = 2 if r == 4 else 1
-            s = {"ring_kv": np.zeros((n_seq, 2 * r, c * hp.head_dim), np.float32),
-                 "ring_sc": np.zeros((n_seq, 2 * r, c * hp.head_dim), np.float32),
-                 "comp": np.zeros((n_seq, n_ctx // r + 1, hp.head_dim), np.float16)}
-            if r == 4:
-                Di = hp.indexer_dim
-                s.update(iring_kv=np.zeros((n_seq, 8, 2 * Di), np.float32),
-                         iring_sc=np.zeros((n_seq, 8, 2 * Di), np.float32),
-                         icomp=np.zeros((n_seq, n_ctx // 4 + 1, Di), np.float16))
-            st[il] = s
-        return st[il]
+        if st is None or st[0] is not be.m.kv:
+            st = self._kvstate = (be.m.kv, {})
+        if il not in st[1]:
+            arrays = be.m.kv.state
+            st[1][il] = {name: a for (layer, name), a in arrays.items() if layer == il}
+            if not st[1][il]:
+                raise RuntimeError(f"deepseek4 layer {il}: the KV cache has no compressed-KV state (seq_state)")
+        return st[1][il]
 
     def block(self, be, lw, x, st):
         from moe_service.engine import ds4_ops as ops
