@@ -60,6 +60,7 @@ from moe_service.synth import (
     override_metadata,
     vocab_metadata,
     write_gguf,
+    writer_cli,
 )
 
 log = get_logger(__name__)
@@ -393,25 +394,17 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_deepseek4 --preset NAME --out PATH [--ratios 0,4,128]
     [--expert-type T] [--seed S] [--sparse]``."""
-    import argparse
-    import sys
 
-    from moe_service.synth import sha256_file
+    def extra_args(ap) -> None:
+        ap.add_argument("--ratios", default=None, help="compress ratio per trunk layer, comma-separated (layer count)")
 
-    ap = argparse.ArgumentParser(prog="python -m moe_service.synth_deepseek4", description=main.__doc__)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--ratios", default=None, help="compress ratio per trunk layer, comma-separated (layer count)")
-    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
-    args = ap.parse_args(argv)
-    extra = {} if args.ratios is None else {"compress_ratios": tuple(int(x) for x in args.ratios.split(","))}
-    path = write_deepseek4(args.out, args.preset, expert_type=args.expert_type, seed=args.seed,
-                           sparse=args.sparse, **extra)
-    print(f"{path} sha256={sha256_file(path)}" if not args.sparse else str(path))
-    sys.stdout.flush()
-    return 0
+    def write(args) -> Path:
+        extra = {} if args.ratios is None else {"compress_ratios": tuple(int(x) for x in args.ratios.split(","))}
+        return write_deepseek4(args.out, args.preset, expert_type=args.expert_type, seed=args.seed,
+                               sparse=args.sparse, **extra)
+
+    return writer_cli(argv, prog="python -m moe_service.synth_deepseek4", doc=main.__doc__, presets=PRESETS,
+                      expert_types=EXPERT_TYPES, write=write, extra_args=extra_args)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,11 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class LayerKV:
-    """What one layer keeps per token (the architecture declares it; same fields as
-    moe_service.engine.arch's LayerKV): ``n_head_kv`` heads of ``key_dim`` key values and
-    ``value_dim`` value values; ``latent``: one row per token, V = its first value_dim dims;
-    ``window``: sliding window in tokens (0: full attention)."""
+    """What one layer keeps per token (an architecture's ``kv_layers()`` declares it; also
+    exported by moe_service.engine.arch): ``n_head_kv`` heads of ``key_dim`` key values and
+    ``value_dim`` value values; ``latent``: one shared row per token (MLA), V = its first
+    value_dim dims, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1);
+    ``window``: sliding window in tokens (0: full attention; the cache keeps every row)."""
 
     n_head_kv: int
     key_dim: int

@@ -227,11 +227,7 @@ class Deepseek4(Architecture):
             if isinstance(x, bool) or x not in RATIOS:
                 raise HParamError(f"{r.path}: metadata key {ratios_full}[{i}] is {x!r}, expected one of "
                                   f"{', '.join(map(str, RATIOS))}", ratios_full)
-        tokens = r.md.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens) if isinstance(tokens, list) else r.int("vocab_size", 0, hi=1 << 24)
-        if not n_vocab:
-            ne = self.tensor_ne.get("token_embd.weight")
-            n_vocab = int(ne[1]) if ne is not None and len(ne) == 2 else 0
+        n_vocab = self.read_n_vocab(r)
         n_ctx_train = r.int("context_length", lo=1, hi=1 << 30)
         clamp_exp = _per_layer(r, "swiglu_clamp_exp", n_all, lo=0.0, hi=1e6)
         clamp_sh = _per_layer(r, "swiglu_clamp_shexp", n_all, default=-1.0, lo=-1.0, hi=1e6)
