@@ -533,6 +533,12 @@ class Deepseek4(Architecture):
     def block(self, be, lw, x, st):
         from moe_service.engine import ds4_ops as ops
 
+        with ops.blas_one_thread():  # numpy's small float64 matmuls beside the worker pool
+            return self._block(be, lw, x, st)
+
+    def _block(self, be, lw, x, st):
+        from moe_service.engine import ds4_ops as ops
+
         hp, d = self.hp, lw.ds4
         C, H = hp.hc, hp.n_embd
         xs = _np(x)
