@@ -50,6 +50,7 @@ def test_turns_and_thinking_render_the_v4_format(tok):
     head = f"{BOS}You are terse.<｜User｜>Hi<｜Assistant｜></think>Hello.{EOS}<｜User｜>Count<｜Assistant｜>"
     assert tok.apply_chat_template(CHAT) == head + "<think>"
     assert tok.apply_chat_template(CHAT, enable_thinking=False) == head + "</think>"
+    assert tok.apply_chat_template(CHAT, thinking=False) == head + "</think>"  # DeepSeek's name
     assert tok.apply_chat_template(CHAT[1:2]) == f"{BOS}<｜User｜>Hi<｜Assistant｜><think>"
     ids = tok.encode_chat(CHAT)
     assert ids[0] == tok.bos_id == 0 and ids[1] != 0  # exactly one BOS (the template writes it)
