@@ -58,7 +58,8 @@ class LayerKV:
     """What one layer keeps per token (an architecture's ``kv_layers()`` declares it; also
     exported by moe_service.engine.arch): ``n_head_kv`` heads of ``key_dim`` key values and
     ``value_dim`` value values; ``latent``: one shared row per token (MLA), V = its first
-    value_dim dims, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1);
+    value_dim dims, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1;
+    0: the layer keeps no rows here, its architecture's ``seq_state`` holds them, deepseek4);
     ``window``: sliding window in tokens (0: full attention; the cache keeps every row)."""
 
     n_head_kv: int
@@ -170,7 +171,8 @@ class KVPlan:
     def sentence(self) -> str:
         per_seq = f"{self.n_ctx} tokens x {self.bytes_per_token / 1024:.1f} KiB/token"
         if self.state_bytes_per_seq:
-            per_seq = f"({per_seq} + {self.state_bytes_per_seq / 2**20:.1f} MiB of compressed-KV state)"
+            state = f"{self.state_bytes_per_seq / 2**20:.1f} MiB of KV state at {self.n_ctx} tokens"
+            per_seq = f"({per_seq} + {state})" if self.bytes_per_token else state
         s = (f"KV cache {self.kv_type}: {self.n_seq} sequences x {per_seq} = {self.total_bytes / GIB:.2f} GiB "
              f"({self.bytes_per_seq / 2**20:.1f} MiB per sequence; budget engine.kv_cache_gib = "
              f"{self.budget_bytes / GIB:.2f} GiB; trained context {self.n_ctx_train})")
@@ -200,7 +202,8 @@ def _per_token_words(bpt: int, state_bytes: int, n_ctx: int) -> str:
     """'B bytes/token' (+ the state bytes per sequence at n_ctx) for the problem sentences."""
     if not state_bytes:
         return f"{bpt} bytes/token"
-    return f"{bpt} bytes/token + {state_bytes} bytes of compressed-KV state per sequence at {n_ctx} tokens"
+    state = f"{state_bytes} bytes of per-sequence KV state (window rows, compressed KV) at {n_ctx} tokens"
+    return state if not bpt else f"{bpt} bytes/token + {state}"
 
 
 def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 0, budget_bytes: int,

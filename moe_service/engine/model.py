@@ -180,7 +180,7 @@ def _cache_shapes(layer: LayerKV, n_seq: int, n_ctx: int) -> tuple[tuple, tuple 
     """(k shape, v shape or None for a latent layer) of one layer's float16 cache on a torch
     device (the CPU path's layout comes from kv.KVCache.allocate)."""
     if layer.latent:
-        return (n_seq, n_ctx, 1, layer.key_dim), None
+        return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), None
     return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), (n_seq, n_ctx, layer.n_head_kv, layer.value_dim)
 
 

@@ -1,8 +1,8 @@
 """The KV memory of deepseek4 (and deepseek2's latent cache) as planned vs as allocated.
 
-deepseek4 keeps, per sequence, the raw K = V rows of every trunk layer (D float16 values a
-token, the whole context) and, per compressed layer, its compressed rows, the indexer's keys
-(ratio 4) and the compressor rings (arch/deepseek4.py ``seq_state``). ``moe-service plan`` and
+deepseek4 keeps, per sequence, a ring of the last sliding_window raw K = V rows of every trunk
+layer (D float16 values each: the window bounds them) and, per compressed layer, its compressed
+rows, the indexer's keys (ratio 4) and the compressor rings (arch/deepseek4.py ``seq_state``). ``moe-service plan`` and
 preflight count all of it (engine/kv.py ``plan_context(state=...)``), and the KV cache
 allocates exactly those arrays: the planned bytes are the allocated bytes. A context whose
 cache does not fit engine.kv_cache_gib is refused before loading, naming the numbers.
@@ -59,20 +59,21 @@ def test_planned_bytes_are_the_allocated_bytes(tiny4, ops, dense):
     plan = kv.plan_for_config(cat, _config(n_ctx, 1.0, n_seq))
     assert plan.ok and plan.n_ctx == n_ctx
     D, Di = 128, 64
-    raw = 5 * D * 2  # every trunk layer: one f16 K = V row a token
-    assert plan.bytes_per_token == raw
+    assert plan.bytes_per_token == 0  # nothing per token of context in the row cache
+    raw = 5 * 128 * D * 2  # every trunk layer: the last 128 (window) f16 K = V rows
     rings = 2 * 2 * (8 * 2 * D + 8 * 2 * Di) * 4 + 2 * 2 * (256 * D) * 4  # ratio-4 (kv, score, + indexer); ratio-128
     comp = 2 * ((n_ctx // 4) * (D + Di) * 2) + 2 * ((n_ctx // 128) * D * 2)
-    assert plan.state_bytes_per_seq == rings + comp
-    assert plan.total_bytes == n_seq * (n_ctx * raw + rings + comp)
+    assert plan.state_bytes_per_seq == raw + rings + comp
+    assert plan.total_bytes == n_seq * (raw + rings + comp)
 
     m = Model(cat, WeightStore.load_simple(cat), ops, n_seq=n_seq, n_ctx=n_ctx, dense=dense)
     assert m.kv.bytes() == plan.total_bytes
-    assert {il for il, _ in m.kv.state} == {1, 2, 3, 4}  # the compressed layers only
+    assert {il for il, name in m.kv.state if name == "comp"} == {1, 2, 3, 4}  # the compressed layers
+    assert all(m.kv.state[(il, "raw")].shape == (n_seq, 128, D) for il in range(5))
     assert m.kv.state[(1, "comp")].shape == (n_seq, n_ctx // 4, D)
     assert m.kv.state[(1, "icomp")].shape == (n_seq, n_ctx // 4, Di)
     assert m.kv.state[(2, "comp")].shape == (n_seq, n_ctx // 128, D)
-    assert all(k.shape[:2] == (n_seq, n_ctx) for k in m.kv.k)  # raw rows: the whole context
+    assert all(k.numel() == 0 if dense == "torch" else k.size == 0 for k in m.kv.k)  # no per-token rows
     if dense == "quant":  # the arrays live in the KV cache's one mapping
         base = m.kv._arena.ctypes.data
         for a in m.kv.state.values():
@@ -105,17 +106,18 @@ def test_v4_context_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
     cat = GGUFModel.open(path)
     layers, state = kv.kv_needs_of(cat)
     assert state is not None and len(layers) == 4
-    cfg = _config(65536, 0.25, 2)
+    N = 1 << 20  # the trained context
+    cfg = _config(N, 0.25, 2)
     p = kv.plan_for_config(cat, cfg)
     assert not p.ok
-    # rows: 4 layers x 512 f16 = 4096 B/token; state: ratio 4 (512 + indexer 128) / 4 tokens, ratio 128
-    assert p.bytes_per_token == 4 * 512 * 2
-    state_65536 = 65536 // 4 * (512 + 128) * 2 + 65536 // 128 * 512 * 2 + (2 * 8 * 1024 + 2 * 8 * 256) * 4 \
-        + 2 * 256 * 512 * 4
-    assert p.state_bytes_per_seq == state_65536
-    assert p.total_bytes == 2 * (65536 * 4096 + state_65536)
-    assert "model.context_tokens = 65536" in p.problem and "4096 bytes/token" in p.problem
-    assert f"{state_65536} bytes of compressed-KV state per sequence" in p.problem
+    # window rows: 4 layers x 128 x 512 f16; ratio 4: (512 + indexer 128) / 4 tokens; ratio 128
+    assert p.bytes_per_token == 0
+    state_n = 4 * 128 * 512 * 2 + N // 4 * (512 + 128) * 2 + N // 128 * 512 * 2 \
+        + (2 * 8 * 1024 + 2 * 8 * 256) * 4 + 2 * 256 * 512 * 4
+    assert p.state_bytes_per_seq == state_n
+    assert p.total_bytes == 2 * state_n
+    assert f"model.context_tokens = {N}" in p.problem
+    assert f"{state_n} bytes of per-sequence KV state" in p.problem
     assert "engine.kv_cache_gib = 0.25 GiB" in p.problem
 
     topo = Topology.read(root="/")
@@ -124,16 +126,14 @@ def test_v4_context_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
     assert not cap["fits"] and cap["total_bytes"] == p.total_bytes
     report = run_preflight(cat, topo, layout, cfg, raise_on_fail=False)
     check = next(c for c in report.checks if c.name == "kv_cache")
-    assert check.status == "fail" and "compressed-KV state" in check.message
-    assert check.numbers["state_bytes_per_seq"] == state_65536
+    assert check.status == "fail" and "per-sequence KV state" in check.message
+    assert check.numbers["state_bytes_per_seq"] == state_n
 
-    derived = kv.plan_for_config(cat, _config(0, 0.25, 2))
-    assert derived.ok and derived.total_bytes <= 0.25 * GIB
+    derived = kv.plan_for_config(cat, _config(0, 0.0625, 2))
+    assert derived.ok and derived.total_bytes <= 0.0625 * GIB
     more = kv.plan_context(layers, derived.n_ctx_train, 2, context_tokens=derived.n_ctx + 256,
-                           budget_bytes=GIB // 4, state=state)
-    assert not more.ok  # the next 256 tokens would not fit: rows + state both counted
-    rows_only = kv.plan_context(layers, derived.n_ctx_train, 2, budget_bytes=GIB // 4)
-    assert derived.n_ctx < rows_only.n_ctx
+                           budget_bytes=GIB // 16, state=state)
+    assert not more.ok  # the next 256 tokens would not fit: the state grows with the context
 
 
 def test_prefix_cache_refuses_a_cache_with_state():

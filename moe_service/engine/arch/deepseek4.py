@@ -7,11 +7,13 @@ byte is loaded), describes the KV and routing needs, and runs the layer (:meth:`
 on both backends.
 
 Memory per sequence (planned by ``moe-service plan`` / preflight and allocated by the KV cache
-from the same declaration, :meth:`Deepseek4.seq_state`): the raw K = V rows of every trunk
-layer for the whole context (D float16 values a token; the window is applied when reading),
-plus per compressed layer n_ctx // ratio compressed rows of D float16 values and a ring of the
-last 2 ratio tokens' compressor inputs (2 x c D float32), plus per ratio-4 layer n_ctx // 4
-indexer keys of Di float16 values and its ring (2 x 8 x 2 Di float32).
+from the same declaration, :meth:`Deepseek4.seq_state`): per trunk layer a ring of the last
+``sliding_window`` raw K = V rows (D float16 values each: the window bounds the raw rows, as
+llama.cpp's SWA cache; nothing per token of context), plus per compressed layer n_ctx // ratio
+compressed rows of D float16 values and a ring of the last 2 ratio tokens' compressor inputs
+(2 x c D float32), plus per ratio-4 layer n_ctx // 4 indexer keys of Di float16 values and its
+ring (2 x 8 x 2 Di float32). The seam's row cache holds nothing for deepseek4 (kv_layers()
+declares 0 KV heads).
 
 Shapes: T tokens, H hidden (n_embd), NH heads, D head dim (key_length = value_length, 512 on
 V4-Flash), R rotated dims (rope.dimension_count, 64: the LAST R dims of each head, ggml
@@ -200,7 +202,7 @@ def _per_layer(r: HParamReader, key: str, n: int, *, default=None, kind=float, l
 class Deepseek4(Architecture):
     """deepseek4 (module docstring). Declarations and checks; no forward pass yet."""
 
-    kv_types = ("f16",)  # _raw_cache views the cache rows as float16 by absolute position (no q8_0)
+    kv_types = ("f16",)  # the window rows are float16 state arrays (seq_state); no q8_0 form
 
     names = ("deepseek4",)
 
@@ -400,24 +402,23 @@ class Deepseek4(Architecture):
     # -- what the runner needs ------------------------------------------------------------------
 
     def kv_layers(self) -> list[LayerKV]:
-        """Per trunk layer: one shared K = V row of D values per token (float16), indexed by
-        absolute position (the block applies the sliding window itself, so ``window`` is left
-        0: a cache that kept only the window would break that indexing). The compressed rows
-        (1 per ``ratio`` tokens, D values; ratio-4 layers also Di indexer values per 4 tokens)
-        come on top: :meth:`compressed_kv_values_per_token`."""
+        """Per trunk layer: no rows in the seam's per-token cache (0 KV heads): the shared
+        K = V rows live in a ring of ``sliding_window`` rows per sequence and the compressed
+        rows in their own arrays, both declared by :meth:`seq_state`."""
         hp = self.hp
-        return [LayerKV(1, hp.head_dim, hp.head_dim, latent=True)] * hp.n_layer
+        return [LayerKV(0, hp.head_dim, hp.head_dim, latent=True)] * hp.n_layer
 
     def seq_state(self, n_ctx: int) -> list:
-        """Per sequence and compressed layer (kv.SeqState; read back by :meth:`_state`):
-        ``comp`` [n_ctx // ratio, D] float16 compressed rows, ``ring_kv`` / ``ring_sc``
+        """Per sequence (kv.SeqState; read back by :meth:`_state`): every trunk layer's
+        ``raw`` [window, D] float16 ring of the last ``sliding_window`` K = V rows (position p
+        at row p % window); per compressed layer ``comp`` [n_ctx // ratio, D] float16 compressed rows, ``ring_kv`` / ``ring_sc``
         [2 ratio, c D] float32 (the last 2 ratio tokens' compressor kv and score inputs, c = 2 on
         ratio-4 layers); ratio-4 layers add the indexer's ``icomp`` [n_ctx // 4, Di] float16
         and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32."""
         from moe_service.engine.kv import SeqState
 
         hp = self.hp
-        out = []
+        out = [SeqState(il, "raw", (hp.window, hp.head_dim), "float16") for il in range(hp.n_layer)]
         for il, r in enumerate(hp.compress_ratios[:hp.n_layer]):
             if not r:
                 continue
@@ -592,18 +593,20 @@ class Deepseek4(Architecture):
                 idx_in = (_np(ikv), _np(isc) + d["indexer_compressor_ape"][pos % 4],
                           ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
-        raw = self._raw_cache(be, il)
+        state = self._state(be, il)
+        ring, W = state["raw"], hp.window
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
-            raw[s, n0:n0 + n] = kv[a:e].astype(np.float16)
+            new = kv[a:e].astype(np.float16)
             p = pos[a:e]
-            lo = max(0, n0 - hp.window + 1)
-            keys = raw[s, lo:n0 + n].astype(np.float32)
+            lo = max(0, n0 - W + 1)
+            keys = np.concatenate([ring[s, np.arange(lo, n0) % W], new]).astype(np.float32)
+            keep = np.arange(max(n0, n0 + n - W), n0 + n)  # the span's last W rows stay
+            ring[s, keep % W] = new[keep - n0]
             j = np.arange(lo, n0 + n)
             mask = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] < hp.window)
             if ratio:
-                state = self._state(be, il)
                 comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:e], comp_in[1][a:e],
                                       ratio, d["attn_compressor_norm"], cos, sin)
                 nb = (n0 + n) // ratio
@@ -623,23 +626,6 @@ class Deepseek4(Architecture):
         oa = [be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0] for g in range(G)]
         (y,) = be.linear(lw, ("attn_output_b",), be.concat(oa, axis=1))
         return y
-
-    def _raw_cache(self, be, il: int) -> np.ndarray:
-        """The layer's raw K = V rows as float16 numpy [S, n_ctx, D]: the seam's KV cache of
-        LayerKV(1, D, D, latent) viewed in place (uint16 bits on the CPU path, a float16 tensor
-        on the torch path's CPU device); on another torch device a host mirror of that shape
-        kept here (the attention over window + compressed rows runs on the host)."""
-        kc = be.m.kv.k[il]
-        if isinstance(kc, np.ndarray) and kc.dtype != np.uint16:
-            raise ValueError(f"deepseek4 keeps its raw rows as float16 (engine.kv_type = f16), cache dtype {kc.dtype}")
-        if isinstance(kc, np.ndarray):
-            return kc.view(np.float16)[:, :, 0, :]
-        if kc.device.type == "cpu":
-            return kc.numpy()[:, :, 0, :]
-        host = self.__dict__.setdefault("_host_raw", {})
-        if il not in host:
-            host[il] = np.zeros((kc.shape[0], kc.shape[1], kc.shape[3]), np.float16)
-        return host[il]
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
         """Append a span's compressor inputs for slot ``s`` (positions n0..) and compute the
