@@ -128,6 +128,7 @@ class ChatMessage(_Body):
     tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning (DeepSeek V3.2/V4 tool loops)
 
 
 class ChatBody(_GenerationBody):
@@ -243,6 +244,8 @@ def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name:
             msg["name"] = m.name
+        if m.reasoning_content is not None and role == "assistant":  # templates that keep it (DeepSeek V4)
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 

@@ -814,6 +814,33 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def writer_cli(argv: list[str] | None, *, prog: str, doc: str | None, presets: dict[str, Any],
+               expert_types: tuple[str, ...], write: Callable[[argparse.Namespace], Path],
+               extra_args: Callable[[argparse.ArgumentParser], None] | None = None, sparse: bool = True) -> int:
+    """The ``python -m moe_service.synth_<arch>`` command of the architecture writers:
+    ``--preset NAME --out PATH`` (+ ``extra_args``) ``[--expert-type T] [--seed S] [--sparse]``,
+    then ``write(args)`` writes the file. Prints ``PATH sha256=HEX`` (a sparse file: its path)
+    and returns 0; a preset that does not fit (ConfigError) is one line on stderr, exit 2."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc)
+    ap.add_argument("--preset", required=True, choices=sorted(presets))
+    ap.add_argument("--out", required=True, type=Path)
+    if extra_args is not None:
+        extra_args(ap)
+    ap.add_argument("--expert-type", choices=expert_types, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    if sparse:
+        ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
+    args = ap.parse_args(argv)
+    try:
+        path = write(args)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(str(path) if getattr(args, "sparse", False) else f"{path} sha256={sha256_file(path)}")
+    sys.stdout.flush()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth --preset NAME --out PATH [--layers N] [--expert-type T] [--seed S]``."""
     ap = argparse.ArgumentParser(prog="python -m moe_service.synth", description=main.__doc__)

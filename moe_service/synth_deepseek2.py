@@ -65,6 +65,7 @@ from moe_service.synth import (
     override_metadata,
     vocab_metadata,
     write_gguf,
+    writer_cli,
 )
 
 log = get_logger(__name__)
@@ -337,27 +338,19 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_deepseek2 --preset NAME --out PATH [--layers N]
     [--dense-layers N] [--experts E] [--expert-type T] [--seed S] [--sparse]``."""
-    import argparse
-    import sys
 
-    from moe_service.synth import sha256_file
+    def extra_args(ap) -> None:
+        ap.add_argument("--layers", type=int, default=None)
+        ap.add_argument("--dense-layers", type=int, default=None, help="leading dense layers (n_dense_lead)")
+        ap.add_argument("--experts", type=int, default=None, help="routed experts per layer (n_expert)")
 
-    ap = argparse.ArgumentParser(prog="python -m moe_service.synth_deepseek2", description=main.__doc__)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--dense-layers", type=int, default=None, help="leading dense layers (n_dense_lead)")
-    ap.add_argument("--experts", type=int, default=None, help="routed experts per layer (n_expert)")
-    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
-    args = ap.parse_args(argv)
-    extra = {k: v for k, v in (("n_dense_lead", args.dense_layers), ("n_expert", args.experts)) if v is not None}
-    path = write_deepseek2(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type, seed=args.seed,
-                           sparse=args.sparse, **extra)
-    print(f"{path} sha256={sha256_file(path)}" if not args.sparse else str(path))
-    sys.stdout.flush()
-    return 0
+    def write(args) -> Path:
+        extra = {k: v for k, v in (("n_dense_lead", args.dense_layers), ("n_expert", args.experts)) if v is not None}
+        return write_deepseek2(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
+                               seed=args.seed, sparse=args.sparse, **extra)
+
+    return writer_cli(argv, prog="python -m moe_service.synth_deepseek2", doc=main.__doc__, presets=PRESETS,
+                      expert_types=EXPERT_TYPES, write=write, extra_args=extra_args)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,53 @@ from moe_service.synth import (
     override_metadata,
     vocab_metadata,
     write_gguf,
+    writer_cli,
 )
 
 log = get_logger(__name__)
 
 ARCH = "deepseek4"
+
+DEEPSEEK_SPECIALS: dict[int, tuple[str, int]] = {
+    0: ("<｜begin▁of▁sentence｜>", 3), 1: ("<｜end▁of▁sentence｜>", 3), 2: ("<｜▁pad▁｜>", 3),
+    3: ("<｜User｜>", 3), 4: ("<｜Assistant｜>", 3),
+    14: ("<think>", 4), 15: ("Let me count.", 4), 16: ("</think>", 4),
+}
+"""The ``deepseek`` vocabulary's tokens at SmolLM2's 17 control ids (0..16; the others become
+unused [PAD] tokens): id -> (text, token type: 3 control, 4 user-defined). DeepSeek's own
+begin/end of sentence (BOS 0, EOS 1, as in the DeepSeek V3/V4 GGUFs), pad, User and Assistant
+markers; ``<think>`` / ``</think>`` are user-defined (rendered as text, as in DeepSeek's
+vocabulary). Ids are chosen for the successor head (the greedy chain walks c -> c + 1): after
+the prompt's ``<think>`` the model writes "Let me count.", ``</think>`` and then ordinary
+tokens, so a chat request shows reasoning then content; after ``</think>`` (thinking off) it
+writes content only."""
+
+
+def deepseek4_template() -> str:
+    """The DeepSeek V4 chat template shipped in the ``deepseek`` vocabulary's files
+    (moe_service/deepseek4_template.jinja; also the tokenizer's built-in fallback for a
+    deepseek4 file without a template)."""
+    return resources.files("moe_service").joinpath("deepseek4_template.jinja").read_text(encoding="utf-8")
+
+
+def deepseek_vocab_metadata(n_vocab: int) -> dict[str, Any]:
+    """``tokenizer.*`` keys of the ``deepseek`` vocabulary: SmolLM2's BPE tokens and merges, its
+    control ids replaced by DeepSeek's special tokens (:data:`DEEPSEEK_SPECIALS`), BOS added,
+    and the DeepSeek V4 chat template. ConfigError for a size SmolLM2 cannot give."""
+    meta = vocab_metadata("smollm2", n_vocab)
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    for i in range(17):
+        tokens[i], types[i] = DEEPSEEK_SPECIALS.get(i, (f"[PAD{i}]", 5))
+    meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"] = tokens, types
+    for key in [k for k in meta if k.endswith("_token_id") or k.startswith("tokenizer.ggml.add_")]:
+        del meta[key]
+    meta["tokenizer.ggml.bos_token_id"] = 0
+    meta["tokenizer.ggml.eos_token_id"] = 1
+    meta["tokenizer.ggml.padding_token_id"] = 2
+    meta["tokenizer.ggml.add_bos_token"] = True
+    meta["tokenizer.ggml.add_eos_token"] = False
+    meta["tokenizer.chat_template"] = deepseek4_template()
+    return meta
 
 
 @dataclass(frozen=True)
@@ -160,6 +203,14 @@ PRESETS: dict[str, Deepseek4Preset] = {
                         indexer_dim=64, indexer_top_k=32, hash_layers=2, n_expert=16, n_expert_used=4,
                         n_ff_exp=256, n_expert_shared=1, n_vocab=8192, n_mtp=1, mtp_ratio=0,
                         clamp_exp=1.5, clamp_shexp=1.0, hc_base_std=2.0, embd_std=1.0, successor_head=True),
+        # the same model with DeepSeek's special tokens and the V4 chat template (``deepseek``
+        # vocabulary): chat requests render the V4 format and serve through the API
+        Deepseek4Preset("tiny-deepseek4-chat", compress_ratios=(0, 4, 128, 4, 128), n_embd=256, n_head=8,
+                        head_dim=128, n_rot=32, q_lora_rank=128, o_groups=2, o_lora_rank=64, window=128,
+                        indexer_heads=4, indexer_dim=64, indexer_top_k=32, hash_layers=2, n_expert=16,
+                        n_expert_used=4, n_ff_exp=256, n_expert_shared=1, n_vocab=8192, n_mtp=1, mtp_ratio=0,
+                        clamp_exp=1.5, clamp_shexp=1.0, hc_base_std=2.0, embd_std=1.0, successor_head=True,
+                        vocab="deepseek"),
         # DeepSeek-V4-Flash at its real layer shapes (43 layers, 129280-token vocabulary in the
         # real model; here a few layers and the qwen2-style vocabulary of that size).
         Deepseek4Preset("deepseek-v4-flash", compress_ratios=(0, 0, 4, 128), n_embd=4096, n_head=64, head_dim=512,
@@ -332,7 +383,8 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
     path = Path(path)
     meta = model_metadata(p, seed)
     override_metadata(meta, metadata_overrides)
-    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+    vocab = deepseek_vocab_metadata(p.n_vocab) if p.vocab == "deepseek" else vocab_metadata(p.vocab, p.n_vocab)
+    write_gguf(path, ARCH, meta, vocab, tensor_plan(p),
                lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse, progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              n_mtp=p.n_mtp, expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
@@ -342,25 +394,17 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_deepseek4 --preset NAME --out PATH [--ratios 0,4,128]
     [--expert-type T] [--seed S] [--sparse]``."""
-    import argparse
-    import sys
 
-    from moe_service.synth import sha256_file
+    def extra_args(ap) -> None:
+        ap.add_argument("--ratios", default=None, help="compress ratio per trunk layer, comma-separated (layer count)")
 
-    ap = argparse.ArgumentParser(prog="python -m moe_service.synth_deepseek4", description=main.__doc__)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--ratios", default=None, help="compress ratio per trunk layer, comma-separated (layer count)")
-    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
-    args = ap.parse_args(argv)
-    extra = {} if args.ratios is None else {"compress_ratios": tuple(int(x) for x in args.ratios.split(","))}
-    path = write_deepseek4(args.out, args.preset, expert_type=args.expert_type, seed=args.seed,
-                           sparse=args.sparse, **extra)
-    print(f"{path} sha256={sha256_file(path)}" if not args.sparse else str(path))
-    sys.stdout.flush()
-    return 0
+    def write(args) -> Path:
+        extra = {} if args.ratios is None else {"compress_ratios": tuple(int(x) for x in args.ratios.split(","))}
+        return write_deepseek4(args.out, args.preset, expert_type=args.expert_type, seed=args.seed,
+                               sparse=args.sparse, **extra)
+
+    return writer_cli(argv, prog="python -m moe_service.synth_deepseek4", doc=main.__doc__, presets=PRESETS,
+                      expert_types=EXPERT_TYPES, write=write, extra_args=extra_args)
 
 
 if __name__ == "__main__":

@@ -299,26 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_gpt_oss --preset NAME --out PATH [--layers N] [--vocab V]
     [--expert-type T] [--seed S]``: write a synthetic gpt-oss file (e.g. the gpt-oss-120b-shaped
     benchmark input: ``--preset gpt-oss-120b --layers 2 --vocab 32768``, 3.65 GB)."""
-    import argparse
-    import sys
 
-    from moe_service.synth import sha256_file
+    def extra_args(ap) -> None:
+        ap.add_argument("--layers", type=int, default=None)
+        ap.add_argument("--vocab", type=int, default=None)
 
-    ap = argparse.ArgumentParser(prog="python -m moe_service.synth_gpt_oss", description=main.__doc__)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=None)
-    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    try:
-        path = write_gpt_oss(a.out, a.preset, seed=a.seed, n_layer=a.layers, n_vocab=a.vocab, expert_type=a.expert_type)
-    except ConfigError as e:
-        print(f"synth_gpt_oss: {e}", file=sys.stderr)
-        return 2
-    print(f"{path} sha256={sha256_file(path)}")
-    return 0
+    def write(a) -> Path:
+        return write_gpt_oss(a.out, a.preset, seed=a.seed, n_layer=a.layers, n_vocab=a.vocab, expert_type=a.expert_type)
+
+    return synth.writer_cli(argv, prog="python -m moe_service.synth_gpt_oss", doc=main.__doc__, presets=PRESETS,
+                            expert_types=EXPERT_TYPES, write=write, extra_args=extra_args, sparse=False)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ def run_preflight(catalog: GGUFModel, topology: Topology, layout: Layout, config
         try:
             kv = kv_capacity(catalog, layout, topology, config)
             add(Check("kv_cache", "ok" if kv["fits"] else "fail", "; ".join(kv["reasons"]) or kv["sentence"],
-                      {k: kv[k] for k in ("kv_type", "n_seq", "n_ctx", "bytes_per_token", "total_bytes",
-                                          "budget_bytes", "node", "node_need_bytes", "node_available_bytes")},
+                      {k: kv[k] for k in ("kv_type", "n_seq", "n_ctx", "bytes_per_token", "state_bytes_per_seq",
+                                          "total_bytes", "budget_bytes", "node", "node_need_bytes",
+                                          "node_available_bytes")},
                       capacity=True))
         except ValueError as e:  # a kv_type the model's head dims cannot take
             add(Check("kv_cache", "fail", str(e)))

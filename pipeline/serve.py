@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from moe_service.errors import StageError
 from moe_service.log import get_logger
 from moe_service.notify import start_watchdog
+from moe_service.sizes import GiB
 from pipeline.context import PipelineContext
 from pipeline.spec import Stage, register_stage
 
@@ -185,8 +186,8 @@ def _on_sighup(keys):
 
 def make_prefix_cache(engine, cfg, metrics):
     """The prefix cache (engine/prefix.py) over the engine's KV cache, with
-    serve.prefix_cache_gib of host memory; None when that is 0 or the KV cache is on a torch
-    device (said in the log)."""
+    serve.prefix_cache_gib of host memory; None when that is 0, the KV cache is on a torch
+    device or holds per-sequence state beside its rows (deepseek4; said in the log)."""
     from moe_service.engine.prefix import PrefixCache
 
     if cfg.prefix_cache_gib <= 0:
@@ -196,7 +197,11 @@ def make_prefix_cache(engine, cfg, metrics):
     if not getattr(kv, "host_rows", False):
         log.info("prefix_cache_off", reason="the KV cache is on a torch device (the prefix cache runs on the CPU path)")
         return None
-    pc = PrefixCache(kv, int(cfg.prefix_cache_gib * 1024**3), metrics=metrics)
+    if getattr(kv, "state", None):
+        log.info("prefix_cache_off", reason="the model keeps per-sequence state beside the KV rows (deepseek4's "
+                 "compressed KV), which the prefix cache cannot restore")
+        return None
+    pc = PrefixCache(kv, int(cfg.prefix_cache_gib * GiB), metrics=metrics)
     log.info("prefix_cache_on", budget_bytes=pc.budget_bytes, block_tokens=pc.block_tokens, block_bytes=pc.block_bytes)
     return pc
 

@@ -22,11 +22,19 @@ latent layer (MLA) keeps one row per token and passes ``v is k``.
 Sliding-window layers are sized for the full context (a ring buffer of ``window`` rows
 would save memory; not done: the prefix cache and the attention kernels address rows by
 position).
+
+Per-sequence state beside the rows (:class:`SeqState`, declared by an architecture's
+``seq_state(n_ctx)``; deepseek4's compressed KV, indexer keys and compressor rings) is planned
+and allocated from the same declaration: the plan counts ``n_seq x sum(state bytes)`` on top
+of the rows, and :meth:`KVCache.allocate` places those arrays in the same bound, populated
+mapping (``KVCache.state``). A cache with such state cannot serve the prefix cache (its rows
+alone do not restore a sequence).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -47,16 +55,46 @@ MIN_CONTEXT = 256
 
 @dataclass(frozen=True)
 class LayerKV:
-    """What one layer keeps per token (the architecture declares it; same fields as
-    moe_service.engine.arch's LayerKV): ``n_head_kv`` heads of ``key_dim`` key values and
-    ``value_dim`` value values; ``latent``: one row per token, V = its first value_dim dims;
-    ``window``: sliding window in tokens (0: full attention)."""
+    """What one layer keeps per token (an architecture's ``kv_layers()`` declares it; also
+    exported by moe_service.engine.arch): ``n_head_kv`` heads of ``key_dim`` key values and
+    ``value_dim`` value values; ``latent``: one shared row per token (MLA), V = its first
+    value_dim dims, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1;
+    0: the layer keeps no rows here, its architecture's ``seq_state`` holds them, deepseek4);
+    ``window``: sliding window in tokens (0: full attention; the cache keeps every row)."""
 
     n_head_kv: int
     key_dim: int
     value_dim: int
     latent: bool = False
     window: int = 0
+
+
+@dataclass(frozen=True)
+class SeqState:
+    """One array an architecture keeps per sequence beside the KV rows (its state for the
+    layer ``layer``, e.g. deepseek4's compressed KV rows): ``shape`` per sequence (the cache
+    holds [n_seq, *shape]) of numpy ``dtype`` (a dtype name: "float16", "float32"), named
+    ``name`` (the architecture reads it back as ``KVCache.state[(layer, name)]``)."""
+
+    layer: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per sequence."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+StateFn = Callable[[int], Sequence[SeqState]]
+"""``state(n_ctx)``: the per-sequence arrays for a context of n_ctx tokens (an
+architecture's ``seq_state``)."""
+
+
+def state_bytes_per_seq(state: StateFn | None, n_ctx: int) -> int:
+    """Bytes of per-sequence state for a context of ``n_ctx`` tokens (0 without state)."""
+    return 0 if state is None else sum(a.nbytes for a in state(n_ctx))
 
 
 def layers_from_params(p) -> list[LayerKV]:
@@ -95,9 +133,12 @@ class KVPlan:
     """The KV cache a configuration asks for.
 
     ``n_ctx``: tokens per sequence (the context); ``n_seq``: sequence slots (serve.parallel);
-    ``bytes_per_token`` over all layers; ``budget_bytes``: engine.kv_cache_gib;
-    ``requested_ctx``: model.context_tokens (0: derived); ``problem``: why it cannot start
-    (None when it can)."""
+    ``bytes_per_token`` over all layers' rows; ``state_bytes_per_seq``: the architecture's
+    per-sequence state at this context (:class:`SeqState`; 0 for most); ``budget_bytes``:
+    engine.kv_cache_gib; ``requested_ctx``: model.context_tokens (0: derived); ``problem``:
+    why it cannot start (None when it can). ``total_bytes`` is the sum of the arrays
+    :meth:`KVCache.allocate` makes for this plan (rows + state; the mapping adds at most 63
+    bytes of alignment per array)."""
 
     kv_type: str
     n_seq: int
@@ -108,10 +149,11 @@ class KVPlan:
     budget_bytes: int
     node: int | None = None
     problem: str | None = None
+    state_bytes_per_seq: int = 0
 
     @property
     def bytes_per_seq(self) -> int:
-        return self.bytes_per_token * self.n_ctx
+        return self.bytes_per_token * self.n_ctx + self.state_bytes_per_seq
 
     @property
     def total_bytes(self) -> int:
@@ -127,66 +169,117 @@ class KVPlan:
         return d
 
     def sentence(self) -> str:
-        s = (f"KV cache {self.kv_type}: {self.n_seq} sequences x {self.n_ctx} tokens x "
-             f"{self.bytes_per_token / 1024:.1f} KiB/token = {self.total_bytes / GIB:.2f} GiB "
+        per_seq = f"{self.n_ctx} tokens x {self.bytes_per_token / 1024:.1f} KiB/token"
+        if self.state_bytes_per_seq:
+            state = f"{self.state_bytes_per_seq / 2**20:.1f} MiB of KV state at {self.n_ctx} tokens"
+            per_seq = f"({per_seq} + {state})" if self.bytes_per_token else state
+        s = (f"KV cache {self.kv_type}: {self.n_seq} sequences x {per_seq} = {self.total_bytes / GIB:.2f} GiB "
              f"({self.bytes_per_seq / 2**20:.1f} MiB per sequence; budget engine.kv_cache_gib = "
              f"{self.budget_bytes / GIB:.2f} GiB; trained context {self.n_ctx_train})")
         return s if self.ok else f"{s}: {self.problem}"
 
 
+def _fit_tokens(bpt: int, state: StateFn | None, n_seq: int, budget_bytes: int) -> int:
+    """The most tokens per sequence whose rows (``bpt`` bytes a token) and state fit
+    ``budget_bytes`` for ``n_seq`` sequences (the state grows with the context: a bisection
+    below the rows-only bound)."""
+    hi = int(budget_bytes) // max(1, bpt * n_seq)
+    if state is None:
+        return hi
+    if n_seq * state_bytes_per_seq(state, 0) > budget_bytes:
+        return 0
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if n_seq * (bpt * mid + state_bytes_per_seq(state, mid)) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _per_token_words(bpt: int, state_bytes: int, n_ctx: int) -> str:
+    """'B bytes/token' (+ the state bytes per sequence at n_ctx) for the problem sentences."""
+    if not state_bytes:
+        return f"{bpt} bytes/token"
+    state = f"{state_bytes} bytes of per-sequence KV state (window rows, compressed KV) at {n_ctx} tokens"
+    return state if not bpt else f"{bpt} bytes/token + {state}"
+
+
 def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 0, budget_bytes: int,
-                 kv_type: str = "f16", node: int | None = None) -> KVPlan:
+                 kv_type: str = "f16", node: int | None = None, state: StateFn | None = None) -> KVPlan:
     """The context and KV bytes for ``n_seq`` sequences.
 
     ``context_tokens`` > 0: that context (capped at the trained context), refused when its
     cache exceeds ``budget_bytes``; 0: the trained context, capped by what ``budget_bytes``
     holds for ``n_seq`` sequences (rounded down to CONTEXT_ALIGN tokens), refused below
-    MIN_CONTEXT. The problem (if any) names the keys and the numbers.
+    MIN_CONTEXT. ``state``: the architecture's per-sequence arrays (:class:`SeqState`),
+    counted on top of the rows. The problem (if any) names the keys and the numbers.
     """
     bpt = bytes_per_token(layers, kv_type)
     trained = int(n_ctx_train or 0)
     plan = KVPlan(kv_type, n_seq, 0, trained, int(context_tokens), bpt, int(budget_bytes), node)
-    per_token_all = max(1, bpt * n_seq)
-    fit = int(budget_bytes) // per_token_all
+    fit = _fit_tokens(bpt, state, n_seq, int(budget_bytes))
     if context_tokens > 0:
         plan.n_ctx = min(int(context_tokens), trained) if trained else int(context_tokens)
+        plan.state_bytes_per_seq = state_bytes_per_seq(state, plan.n_ctx)
         if plan.total_bytes > budget_bytes:
             plan.problem = (f"model.context_tokens = {plan.n_ctx} needs {plan.total_bytes / GIB:.2f} GiB of KV cache for "
-                            f"serve.parallel = {n_seq} sequences ({bpt} bytes/token), more than engine.kv_cache_gib = "
-                            f"{budget_bytes / GIB:.2f} GiB (which holds {fit} tokens per sequence)")
+                            f"serve.parallel = {n_seq} sequences "
+                            f"({_per_token_words(bpt, plan.state_bytes_per_seq, plan.n_ctx)}), more than "
+                            f"engine.kv_cache_gib = {budget_bytes / GIB:.2f} GiB (which holds {fit} tokens per sequence)")
         return plan
     if not trained:
         plan.n_ctx = fit // CONTEXT_ALIGN * CONTEXT_ALIGN
     else:
         plan.n_ctx = trained if fit >= trained else fit // CONTEXT_ALIGN * CONTEXT_ALIGN
+    plan.state_bytes_per_seq = state_bytes_per_seq(state, plan.n_ctx)
     if plan.n_ctx < MIN_CONTEXT:
         plan.problem = (f"engine.kv_cache_gib = {budget_bytes / GIB:.2f} GiB holds only {fit} tokens per sequence for "
-                        f"serve.parallel = {n_seq} sequences ({bpt} bytes/token); at least {MIN_CONTEXT} are needed "
-                        f"(raise engine.kv_cache_gib, lower serve.parallel or use engine.kv_type = q8_0)")
+                        f"serve.parallel = {n_seq} sequences "
+                        f"({_per_token_words(bpt, state_bytes_per_seq(state, MIN_CONTEXT), MIN_CONTEXT)}); at least "
+                        f"{MIN_CONTEXT} are needed (raise engine.kv_cache_gib, lower serve.parallel or use "
+                        "engine.kv_type = q8_0)")
     return plan
 
 
-def plan_for_config(catalog, config, layers=None) -> KVPlan:
-    """:func:`plan_context` for ``catalog`` (its params, or ``layers``) under ``config``
-    (model.context_tokens, serve.parallel, engine.kv_cache_gib, engine.kv_type, engine.kv_node)."""
+def plan_for_config(catalog, config, layers=None, state: StateFn | None = None) -> KVPlan:
+    """:func:`plan_context` for ``catalog`` (the architecture's declarations, or ``layers`` and
+    ``state``) under ``config`` (model.context_tokens, serve.parallel, engine.kv_cache_gib,
+    engine.kv_type, engine.kv_node)."""
     p = catalog.params
-    layers = layers if layers is not None else kv_layers_of(catalog)
+    if layers is None:
+        layers, state = kv_needs_of(catalog)
     e = config.engine
     return plan_context(layers, p.n_ctx_train, config.serve.parallel, context_tokens=config.model.context_tokens,
                         budget_bytes=int(e.kv_cache_gib * GIB), kv_type=e.kv_type,
-                        node=e.kv_node if e.kv_node >= 0 else None)
+                        node=e.kv_node if e.kv_node >= 0 else None, state=state)
 
 
 def kv_layers_of(catalog) -> list:
-    """The per-layer KV needs of ``catalog``: the architecture's declaration when the
-    architecture package (moe_service.engine.arch) knows the file, else the classic layout
-    from the GGUF params."""
+    """The per-layer KV needs of ``catalog`` (:func:`kv_needs_of`'s layers)."""
+    return kv_needs_of(catalog)[0]
+
+
+def kv_needs_of(catalog) -> tuple[list, StateFn | None]:
+    """(per-layer KV needs, per-sequence state or None) of ``catalog``: the architecture's
+    declarations (``kv_layers()``, ``seq_state``) when the architecture package
+    (moe_service.engine.arch) knows the file, else the classic layout from the GGUF params
+    and no state."""
     try:  # the per-architecture seam (issue 11), when present
         from moe_service.engine import arch as _arch  # type: ignore[attr-defined]
 
-        return list(_arch.for_model(catalog).kv_layers())  # type: ignore[attr-defined]
+        a = _arch.for_model(catalog)  # type: ignore[attr-defined]
+        layers = list(a.kv_layers())
     except Exception:  # noqa: BLE001 - no seam, or it cannot describe the file: the classic layout
-        return layers_from_params(catalog.params)
+        return layers_from_params(catalog.params), None
+    return layers, state_of(a)
+
+
+def state_of(arch) -> StateFn | None:
+    """The architecture's ``seq_state`` when it declares any per-sequence state, else None."""
+    fn = getattr(arch, "seq_state", None)
+    return fn if fn is not None and list(fn(MIN_CONTEXT)) else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -201,11 +294,15 @@ class KVCache:
     ``v[i] is k[i]``. Slots are taken with :meth:`alloc` and returned with :meth:`free`; rows
     beyond a slot's length are not read by attention, and a freed slot's rows stay as they
     were (the prefix cache reuses them, see :meth:`alloc`'s ``prefer``).
+
+    ``state``: the architecture's per-sequence arrays (:class:`SeqState`), keyed
+    ``(layer, name)``, each numpy [S, *shape] in host memory; empty for most architectures.
     """
 
     def __init__(self, n_seq: int, n_ctx: int, k: list, v: list, layers=None, *, kv_type: str = "f16",
-                 arena: np.ndarray | None = None, node: int | None = None):
+                 arena: np.ndarray | None = None, node: int | None = None, state: dict | None = None):
         self.k, self.v = k, v
+        self.state: dict[tuple[int, str], np.ndarray] = dict(state or {})
         self.layers = list(layers) if layers is not None else None
         self.kv_type = kv_type
         self.length = [0] * n_seq
@@ -217,9 +314,11 @@ class KVCache:
         self._lock = threading.Lock()
 
     @classmethod
-    def allocate(cls, layers, n_seq: int, n_ctx: int, *, kv_type: str = "f16", node: int | None = None) -> KVCache:
-        """Every layer's K and V in one anonymous mapping (2 MiB aligned, THP advised), bound
-        to NUMA ``node`` (MPOL_BIND; None: no binding, first touch) and populated now.
+    def allocate(cls, layers, n_seq: int, n_ctx: int, *, kv_type: str = "f16", node: int | None = None,
+                 state: Sequence[SeqState] = ()) -> KVCache:
+        """Every layer's K and V, and the per-sequence ``state`` arrays (zeroed), in one
+        anonymous mapping (2 MiB aligned, THP advised), bound to NUMA ``node`` (MPOL_BIND;
+        None: no binding, first touch) and populated now.
 
         Raises CapacityError when the address space is refused, ValueError for a bad kv_type,
         NumaError when the node cannot be bound; a populate that finds no memory raises
@@ -239,6 +338,9 @@ class KVCache:
             for s in (ks, vs):
                 if s is not None:
                     total += _align64(int(np.prod(s)) * np.dtype(dt).itemsize)
+        state = list(state)
+        for a in state:
+            total += _align64(n_seq * a.nbytes)
         arena = memory.reserve_thp_arena(max(total, 4096))
         if node is not None:
             from moe_service import numa
@@ -259,9 +361,20 @@ class KVCache:
                 off += _align64(n)
             k.append(kk)
             v.append(vv)
+        arrays = {}
+        for a in state:
+            n = n_seq * a.nbytes
+            arrays[(a.layer, a.name)] = arena[off: off + n].view(a.dtype).reshape((n_seq,) + tuple(a.shape))
+            off += _align64(n)
         log.info("kv_cache_allocated", kv_type=kv_type, n_seq=n_seq, n_ctx=n_ctx, layers=len(layers), bytes=total,
-                 node=node)
-        return cls(n_seq, n_ctx, k, v, layers, kv_type=kv_type, arena=arena, node=node)
+                 state_arrays=len(arrays), state_bytes=n_seq * sum(a.nbytes for a in state), node=node)
+        return cls(n_seq, n_ctx, k, v, layers, kv_type=kv_type, arena=arena, node=node, state=arrays)
+
+    @staticmethod
+    def state_arrays(state: Sequence[SeqState], n_seq: int) -> dict:
+        """Plain zeroed numpy arrays for ``state`` (a cache whose rows are not in an arena of
+        ours, e.g. the torch path's): {(layer, name): [n_seq, *shape]}."""
+        return {(a.layer, a.name): np.zeros((n_seq,) + tuple(a.shape), a.dtype) for a in state}
 
     def alloc(self, prefer=None) -> int:
         """A free sequence slot, its length 0. ``prefer(slot) -> score``: among free slots take
@@ -289,10 +402,11 @@ class KVCache:
         return len(self._free)
 
     def bytes(self) -> int:
-        """Bytes of every layer's K and V (a latent layer counted once)."""
+        """Bytes of every layer's K and V (a latent layer counted once) and of the per-sequence
+        state arrays."""
         seen: set[int] = set()
         total = 0
-        for t in self.k + self.v:
+        for t in self.k + self.v + list(self.state.values()):
             if id(t) in seen:
                 continue
             seen.add(id(t))

@@ -188,8 +188,14 @@ def _cache_shapes(layer: LayerKV, n_seq: int, n_ctx: int) -> tuple[tuple, tuple 
     """(k shape, v shape or None for a latent layer) of one layer's float16 cache on a torch
     device (the CPU path's layout comes from kv.KVCache.allocate)."""
     if layer.latent:
-        return (n_seq, n_ctx, 1, layer.key_dim), None
+        return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), None
     return (n_seq, n_ctx, layer.n_head_kv, layer.key_dim), (n_seq, n_ctx, layer.n_head_kv, layer.value_dim)
+
+
+def _seq_state(m, n_ctx: int) -> list:
+    """The architecture's per-sequence state arrays (kv.SeqState) for ``n_ctx`` tokens."""
+    arch = getattr(m, "arch", None)
+    return list(arch.seq_state(n_ctx)) if arch is not None else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +225,7 @@ class CpuPath:
         the model's kv_type (f16 bits as uint16, or q8_0 blocks) on its kv_node."""
         m = self.m  # a bare model (tests) has neither: float16, no binding
         return kv.KVCache.allocate(layers, n_seq, n_ctx, kv_type=getattr(m, "kv_type", "f16"),
-                                   node=getattr(m, "kv_node", None))
+                                   node=getattr(m, "kv_node", None), state=_seq_state(m, n_ctx))
 
     # -- primitives --------------------------------------------------------------------------
 
@@ -389,7 +395,7 @@ class TorchPath:
             kc = torch.zeros(ks, dtype=torch.float16, device=dev)
             k.append(kc)
             v.append(kc if vs is None else torch.zeros(vs, dtype=torch.float16, device=dev))
-        return KVCache(n_seq, n_ctx, k, v, layers)
+        return KVCache(n_seq, n_ctx, k, v, layers, state=KVCache.state_arrays(_seq_state(self.m, n_ctx), n_seq))
 
     # -- primitives --------------------------------------------------------------------------
 

@@ -62,12 +62,16 @@ class PrefixCache:
     ``budget_bytes``: host memory for blocks (serve.prefix_cache_gib); ``block_tokens``: tokens
     per block; ``metrics``: an object with ``observe_prefix_cache(hit, reused_tokens,
     evictions, bytes_held)`` or None. Raises ValueError when the cache's rows are not in host
-    memory (a torch device cache).
+    memory (a torch device cache) or the cache holds per-sequence state beside its rows
+    (``KVCache.state``: deepseek4), which blocks of rows cannot restore.
     """
 
     def __init__(self, kv, budget_bytes: int, *, block_tokens: int = BLOCK_TOKENS, metrics=None):
         if not getattr(kv, "host_rows", False):
             raise ValueError("the prefix cache needs the KV cache in host memory (the CPU path)")
+        if getattr(kv, "state", None):
+            raise ValueError("the prefix cache cannot restore this model's per-sequence state beside the KV rows "
+                             "(deepseek4's compressed KV): reused rows alone would give wrong output")
         self.kv = kv
         self.budget_bytes = int(budget_bytes)
         self.block_tokens = int(block_tokens)

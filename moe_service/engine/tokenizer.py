@@ -247,6 +247,22 @@ def _decode_byte_level(text: str) -> bytes:
     return bytes(out)
 
 
+def builtin_chat_template(metadata: Mapping[str, Any], vocab: Mapping[str, int], source: str) -> str | None:
+    """The chat template for a file that carries none, when its architecture and vocabulary
+    name the format (as llama.cpp falls back to built-in formats): ``deepseek4`` with
+    DeepSeek's ``<｜User｜>`` / ``<｜Assistant｜>`` tokens renders the DeepSeek V4 format
+    (moe_service/deepseek4_template.jinja). None otherwise (chat requests then fail naming the
+    missing tokenizer.chat_template)."""
+    arch = metadata.get("general.architecture")
+    if arch == "deepseek4" and "<｜User｜>" in vocab and "<｜Assistant｜>" in vocab:
+        from importlib import resources
+
+        log.info("chat_template_builtin", source=source, arch=arch, template="deepseek4_template.jinja",
+                 why="the file has no tokenizer.chat_template")
+        return resources.files("moe_service").joinpath("deepseek4_template.jinja").read_text(encoding="utf-8")
+    return None
+
+
 def _meta(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
     return default if value is None else value
@@ -293,7 +309,8 @@ class Tokenizer:
         self.token_to_id: dict[str, int] = {t: i for i, t in enumerate(self.tokens)}
         self.attrs: list[int] = [_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types[:n_vocab]]
         self.token_types: list[int] = [int(t) for t in types[:n_vocab]]
-        self.chat_template: str | None = _meta(metadata, "tokenizer.chat_template")
+        self.chat_template: str | None = (_meta(metadata, "tokenizer.chat_template")
+                                          or builtin_chat_template(metadata, self.token_to_id, source))
 
         if self.model == "gpt2":
             self.pre = str(_meta(metadata, "tokenizer.ggml.pre", "")) or "default"

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, overload
 
 from gguf import GGMLQuantizationType as _T
 
+from moe_service.engine.kv import LayerKV  # the KV plan's per-layer needs, declared by kv_layers()
 from moe_service.errors import ModelFileError
 from moe_service.gguf_model import SUPPORTED_GGML_TYPES, Problem
 
@@ -186,24 +187,6 @@ class OneOf:
 
 
 @dataclass(frozen=True)
-class LayerKV:
-    """What one layer keeps per token in the KV cache.
-
-    ``n_head_kv`` heads of ``key_dim`` key values and ``value_dim`` value values (float16).
-    ``latent``: one shared row per token (MLA): the value is the first ``value_dim`` dims of
-    the key row, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1).
-    ``window``: sliding-window size in tokens (0: full causal attention); a cache may keep
-    only the last ``window`` rows for such a layer.
-    """
-
-    n_head_kv: int
-    key_dim: int
-    value_dim: int
-    latent: bool = False
-    window: int = 0
-
-
-@dataclass(frozen=True)
 class RopeSpec:
     """RoPE of an architecture, as ggml's rope with YaRN (ggml_rope_yarn_corr_dims, rope_yarn).
 
@@ -298,6 +281,16 @@ class Architecture:
             key, msg = problems[0]
             raise HParamError(f"{self.path}: {msg}", key)
 
+    def read_n_vocab(self, r: HParamReader) -> int:
+        """The vocabulary size: the tokenizer's token list, else ``<arch>.vocab_size``, else
+        token_embd's rows (0 when none of them is known)."""
+        tokens = r.md.get("tokenizer.ggml.tokens")
+        n_vocab = len(tokens) if isinstance(tokens, list) else r.int("vocab_size", 0, hi=1 << 24)
+        if not n_vocab:
+            ne = self.tensor_ne.get("token_embd.weight")
+            n_vocab = int(ne[1]) if ne is not None and len(ne) == 2 else 0
+        return n_vocab
+
     # -- to override -------------------------------------------------------------------------
 
     def read_hparams(self, r: HParamReader):
@@ -315,6 +308,13 @@ class Architecture:
     def kv_layers(self) -> list[LayerKV]:
         """One LayerKV per layer."""
         raise NotImplementedError
+
+    def seq_state(self, n_ctx: int) -> list:
+        """Arrays this architecture keeps per sequence beside the KV rows, for a context of
+        ``n_ctx`` tokens (moe_service.engine.kv.SeqState: layer, name, per-sequence shape,
+        dtype). The plan counts them and the KV cache allocates them (``KVCache.state``).
+        Default: none."""
+        return []
 
     def rope(self) -> RopeSpec | None:
         return None

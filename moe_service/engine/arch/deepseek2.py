@@ -209,11 +209,7 @@ class Deepseek2(Architecture):
             dv = r.int("attention.value_length", dk, lo=1, hi=1 << 16)
         gating = r.int("expert_gating_func", 0, hi=1 << 8)
         n_ctx_train = r.int("context_length", 4096, lo=1, hi=1 << 30)
-        tokens = r.md.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens) if isinstance(tokens, list) else r.int("vocab_size", 0, hi=1 << 24)
-        if not n_vocab:
-            ne = self.tensor_ne.get("token_embd.weight")
-            n_vocab = int(ne[1]) if ne is not None and len(ne) == 2 else 0
+        n_vocab = self.read_n_vocab(r)
         if gating == 0 and n_layer in (47, 48) and n_vocab == 154880:
             gating = 2  # llama.cpp: GLM-4.7 lite files without the key route by sigmoid
         return Deepseek2HParams(

@@ -1,12 +1,19 @@
 """``deepseek4``: DeepSeek V4 (V4-Flash), as llama.cpp 0.3.36 runs it (src/models/deepseek4.cpp,
 src/llama-kv-cache-dsv4.cpp, src/llama-graph.cpp build_moe_ffn / build_ffn).
 
-STATUS: declarations only. This module reads and checks the hyperparameters, declares every
-tensor with its shape and types (so ``moe-service check`` / preflight / the start of ``serve``
-check a V4 file before a byte is loaded), and describes the KV and routing needs. Its
-forward pass (:meth:`Deepseek4.block`) is not implemented, so the class is NOT in the
-runnable registry (arch/__init__.ARCHITECTURES) but in ``CHECK_ONLY``: a deepseek4 file is
-checked in full and then refused with a sentence saying the engine does not run it yet.
+This module reads and checks the hyperparameters, declares every tensor with its shape and
+types (so ``moe-service check`` / preflight / the start of ``serve`` check a V4 file before a
+byte is loaded), describes the KV and routing needs, and runs the layer (:meth:`Deepseek4.block`)
+on both backends.
+
+Memory per sequence (planned by ``moe-service plan`` / preflight and allocated by the KV cache
+from the same declaration, :meth:`Deepseek4.seq_state`): per trunk layer a ring of the last
+``sliding_window`` raw K = V rows (D float16 values each: the window bounds the raw rows, as
+llama.cpp's SWA cache; nothing per token of context), plus per compressed layer n_ctx // ratio
+compressed rows of D float16 values and a ring of the last 2 ratio tokens' compressor inputs
+(2 x c D float32), plus per ratio-4 layer n_ctx // 4 indexer keys of Di float16 values and its
+ring (2 x 8 x 2 Di float32). The seam's row cache holds nothing for deepseek4 (kv_layers()
+declares 0 KV heads).
 
 Shapes: T tokens, H hidden (n_embd), NH heads, D head dim (key_length = value_length, 512 on
 V4-Flash), R rotated dims (rope.dimension_count, 64: the LAST R dims of each head, ggml
@@ -196,7 +203,7 @@ def _per_layer(r: HParamReader, key: str, n: int, *, default=None, kind=float, l
 class Deepseek4(Architecture):
     """deepseek4 (module docstring). Declarations and checks; no forward pass yet."""
 
-    kv_types = ("f16",)  # _raw_cache views the cache rows as float16 by absolute position (no q8_0)
+    kv_types = ("f16",)  # the window rows are float16 state arrays (seq_state); no q8_0 form
 
     names = ("deepseek4",)
     _kvstate: Any  # the compressed-KV state, made by _state at first use
@@ -224,11 +231,7 @@ class Deepseek4(Architecture):
             if isinstance(x, bool) or x not in RATIOS:
                 raise HParamError(f"{r.path}: metadata key {ratios_full}[{i}] is {x!r}, expected one of "
                                   f"{', '.join(map(str, RATIOS))}", ratios_full)
-        tokens = r.md.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens) if isinstance(tokens, list) else r.int("vocab_size", 0, hi=1 << 24)
-        if not n_vocab:
-            ne = self.tensor_ne.get("token_embd.weight")
-            n_vocab = int(ne[1]) if ne is not None and len(ne) == 2 else 0
+        n_vocab = self.read_n_vocab(r)
         n_ctx_train = r.int("context_length", lo=1, hi=1 << 30)
         clamp_exp = _per_layer(r, "swiglu_clamp_exp", n_all, lo=0.0, hi=1e6)
         clamp_sh = _per_layer(r, "swiglu_clamp_shexp", n_all, default=-1.0, lo=-1.0, hi=1e6)
@@ -401,13 +404,36 @@ class Deepseek4(Architecture):
     # -- what the runner needs ------------------------------------------------------------------
 
     def kv_layers(self) -> list[LayerKV]:
-        """Per trunk layer: one shared K = V row of D values per token (float16), indexed by
-        absolute position (the block applies the sliding window itself, so ``window`` is left
-        0: a cache that kept only the window would break that indexing). The compressed rows
-        (1 per ``ratio`` tokens, D values; ratio-4 layers also Di indexer values per 4 tokens)
-        come on top: :meth:`compressed_kv_values_per_token`."""
+        """Per trunk layer: no rows in the seam's per-token cache (0 KV heads): the shared
+        K = V rows live in a ring of ``sliding_window`` rows per sequence and the compressed
+        rows in their own arrays, both declared by :meth:`seq_state`."""
         hp = self.hp
-        return [LayerKV(1, hp.head_dim, hp.head_dim, latent=True)] * hp.n_layer
+        return [LayerKV(0, hp.head_dim, hp.head_dim, latent=True)] * hp.n_layer
+
+    def seq_state(self, n_ctx: int) -> list:
+        """Per sequence (kv.SeqState; read back by :meth:`_state`): every trunk layer's
+        ``raw`` [window, D] float16 ring of the last ``sliding_window`` K = V rows (position p
+        at row p % window); per compressed layer ``comp`` [n_ctx // ratio, D] float16 compressed rows, ``ring_kv`` / ``ring_sc``
+        [2 ratio, c D] float32 (the last 2 ratio tokens' compressor kv and score inputs, c = 2 on
+        ratio-4 layers); ratio-4 layers add the indexer's ``icomp`` [n_ctx // 4, Di] float16
+        and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32."""
+        from moe_service.engine.kv import SeqState
+
+        hp = self.hp
+        out = [SeqState(il, "raw", (hp.window, hp.head_dim), "float16") for il in range(hp.n_layer)]
+        for il, r in enumerate(hp.compress_ratios[:hp.n_layer]):
+            if not r:
+                continue
+            c = 2 if r == 4 else 1
+            out += [SeqState(il, "ring_kv", (2 * r, c * hp.head_dim), "float32"),
+                    SeqState(il, "ring_sc", (2 * r, c * hp.head_dim), "float32"),
+                    SeqState(il, "comp", (n_ctx // r, hp.head_dim), "float16")]
+            if r == 4:
+                Di = hp.indexer_dim
+                out += [SeqState(il, "iring_kv", (8, 2 * Di), "float32"),
+                        SeqState(il, "iring_sc", (8, 2 * Di), "float32"),
+                        SeqState(il, "icomp", (n_ctx // 4, Di), "float16")]
+        return out
 
     def compressed_kv_values_per_token(self) -> float:
         """Cache values per token of context over all trunk layers beyond the raw windows:
@@ -495,28 +521,25 @@ class Deepseek4(Architecture):
         return t[1], t[2]
 
     def _state(self, be, il: int) -> dict:
-        """Per-layer compressed-KV state for every sequence slot (allocated at first use):
-        ring buffers of the last 2*ratio tokens' compressor inputs and the compressed rows."""
+        """Layer ``il``'s compressed-KV state for every sequence slot: the KV cache's arrays
+        declared by :meth:`seq_state` ({name: [S, ...]})."""
         st = getattr(self, "_kvstate", None)
-        if st is None:
-            st = self._kvstate = {}
-        if il not in st:
-            hp, m = self.hp, be.m
-            n_seq, n_ctx = len(m.kv.length), m.n_ctx
-            r = hp.compress_ratios[il]
-            c = 2 if r == 4 else 1
-            s = {"ring_kv": np.zeros((n_seq, 2 * r, c * hp.head_dim), np.float32),
-                 "ring_sc": np.zeros((n_seq, 2 * r, c * hp.head_dim), np.float32),
-                 "comp": np.zeros((n_seq, n_ctx // r + 1, hp.head_dim), np.float16)}
-            if r == 4:
-                Di = hp.indexer_dim
-                s.update(iring_kv=np.zeros((n_seq, 8, 2 * Di), np.float32),
-                         iring_sc=np.zeros((n_seq, 8, 2 * Di), np.float32),
-                         icomp=np.zeros((n_seq, n_ctx // 4 + 1, Di), np.float16))
-            st[il] = s
-        return st[il]
+        if st is None or st[0] is not be.m.kv:
+            st = self._kvstate = (be.m.kv, {})
+        if il not in st[1]:
+            arrays = be.m.kv.state
+            st[1][il] = {name: a for (layer, name), a in arrays.items() if layer == il}
+            if not st[1][il]:
+                raise RuntimeError(f"deepseek4 layer {il}: the KV cache has no compressed-KV state (seq_state)")
+        return st[1][il]
 
     def block(self, be, lw, x, st):
+        from moe_service.engine import ds4_ops as ops
+
+        with ops.blas_one_thread():  # numpy's small float64 matmuls beside the worker pool
+            return self._block(be, lw, x, st)
+
+    def _block(self, be, lw, x, st):
         from moe_service.engine import ds4_ops as ops
 
         hp, d = self.hp, lw.ds4
@@ -572,19 +595,21 @@ class Deepseek4(Architecture):
                 idx_in = (_np(ikv), _np(isc) + d["indexer_compressor_ape"][pos % 4],
                           ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
-        raw = self._raw_cache(be, il)
+        state = self._state(be, il)
+        ring, W = state["raw"], hp.window
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
-            raw[s, n0:n0 + n] = kv[a:e].astype(np.float16)
+            new = kv[a:e].astype(np.float16)
             p = pos[a:e]
-            lo = max(0, n0 - hp.window + 1)
-            keys = raw[s, lo:n0 + n].astype(np.float32)
+            lo = max(0, n0 - W + 1)
+            keys = np.concatenate([ring[s, np.arange(lo, n0) % W], new]).astype(np.float32)
+            keep = np.arange(max(n0, n0 + n - W), n0 + n)  # the span's last W rows stay
+            ring[s, keep % W] = new[keep - n0]
             j = np.arange(lo, n0 + n)
             mask = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] < hp.window)
             if ratio:
                 assert comp_in is not None  # built above for every compressed layer (ratio > 0)
-                state = self._state(be, il)
                 comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:e], comp_in[1][a:e],
                                       ratio, d["attn_compressor_norm"], cos, sin)
                 nb = (n0 + n) // ratio
@@ -605,23 +630,6 @@ class Deepseek4(Architecture):
         oa = [be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0] for g in range(G)]
         (y,) = be.linear(lw, ("attn_output_b",), be.concat(oa, axis=1))
         return y
-
-    def _raw_cache(self, be, il: int) -> np.ndarray:
-        """The layer's raw K = V rows as float16 numpy [S, n_ctx, D]: the seam's KV cache of
-        LayerKV(1, D, D, latent) viewed in place (uint16 bits on the CPU path, a float16 tensor
-        on the torch path's CPU device); on another torch device a host mirror of that shape
-        kept here (the attention over window + compressed rows runs on the host)."""
-        kc = be.m.kv.k[il]
-        if isinstance(kc, np.ndarray) and kc.dtype != np.uint16:
-            raise ValueError(f"deepseek4 keeps its raw rows as float16 (engine.kv_type = f16), cache dtype {kc.dtype}")
-        if isinstance(kc, np.ndarray):
-            return kc.view(np.float16)[:, :, 0, :]
-        if kc.device.type == "cpu":
-            return kc.numpy()[:, :, 0, :]
-        host = self.__dict__.setdefault("_host_raw", {})
-        if il not in host:
-            host[il] = np.zeros((kc.shape[0], kc.shape[1], kc.shape[3]), np.float16)
-        return host[il]
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
         """Append a span's compressor inputs for slot ``s`` (positions n0..) and compute the

@@ -118,11 +118,7 @@ class GptOss(Architecture):
             key = r.full("rope.freq_base_swa")
             raise HParamError(f"{r.path}: metadata key {key} = {base_swa} differs from {r.full('rope.freq_base')} = "
                               f"{base}; a separate RoPE base for sliding-window layers is not supported", key)
-        tokens = r.md.get("tokenizer.ggml.tokens")
-        n_vocab = len(tokens) if isinstance(tokens, list) else r.int("vocab_size", 0, hi=1 << 24)
-        if not n_vocab:
-            ne = self.tensor_ne.get("token_embd.weight")
-            n_vocab = int(ne[1]) if ne is not None and len(ne) == 2 else 0
+        n_vocab = self.read_n_vocab(r)
         return GptOssHParams(
             n_layer=n_layer, n_embd=n_embd, n_head=n_head,
             n_head_kv=r.int("attention.head_count_kv", n_head, lo=1, hi=1 << 16), head_dim=head_dim,
