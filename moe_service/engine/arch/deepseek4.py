@@ -523,7 +523,7 @@ class Deepseek4(Architecture):
     def _state(self, be, il: int) -> dict:
         """Layer ``il``'s compressed-KV state for every sequence slot: the KV cache's arrays
         declared by :meth:`seq_state` ({name: [S, ...]})."""
-        st = getattr(self, "_kvstate", None)
+        st: tuple[Any, dict[int, dict[str, Any]]] | None = getattr(self, "_kvstate", None)
         if st is None or st[0] is not be.m.kv:
             st = self._kvstate = (be.m.kv, {})
         if il not in st[1]:
