@@ -71,11 +71,15 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from llvmlite import ir as _ir
 from numba import carray, cfunc, njit, types
+from numba.core import cgutils as _cg
+from numba.extending import intrinsic
 
 from moe_service.engine import pool as _pool
 from moe_service.engine import quant as _q
 from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
+from moe_service.engine.quant import ir as _qir
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 # Strict IEEE order (no reassoc/contract) since the merge with the arch seam: with the dot
@@ -84,6 +88,7 @@ _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 # GAP_MIN 0.25) against its golden; in key order it passes. Costs the lane vectorisation of
 # the reductions (see the README's attention numbers, measured with it).
 _JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": False}
+_JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call per key costs more than the work
 
 FMT_F16 = 0
 FMT_Q8_0 = 1
@@ -100,6 +105,7 @@ O_KFMT, O_K_SEQ, O_K_POS, O_K_HEAD = range(14, 18)  # strides in cache elements 
 O_VFMT, O_V_SEQ, O_V_POS, O_V_HEAD = range(18, 22)
 O_SCALE, O_WINDOW, O_HAS_SINKS, O_RMAX, O_NTOK = range(22, 27)
 O_SC, O_META = 27, 28  # exact split decode: scores buffer (float32), group table (int64 [*, META_W])
+O_WIDE = 29  # 1: a one-token step (ggml_vec_dot_f16's 64-lane score order), 0: 16 lanes (tinyBLAS)
 OP_LEN = 30
 META_W = 8  # sc offset, L, j_start, h_lo, h_hi, first part task, n parts, partial-acc offset
 
@@ -232,102 +238,112 @@ def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
                     _q.st(dst, od + i, d * np.float32(_q.ld(srci, ob + 2 + i)))
 
 
-@njit(**_JIT_VEC)
-def _scores(qb, qo, kt, s, so, ja, jb, d, scale):
-    """s[so + j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
-    vector lanes, four keys per pass over q); returns the largest."""
+def _lane_dot(lanes: int):
+    """An intrinsic ``f(qb, qo, kb, ko, n_blocks) -> float32``: the dot product of
+    qb[qo : qo + n_blocks * lanes] (float32) with kb[ko : ...] (float32, or float16 bits as
+    uint16 read in place) in ggml's order: ``lanes`` float32 accumulators, element i into
+    accumulator i % lanes (a product of two float16 values is exact in float32, so ggml's
+    fused multiply-add rounds as this multiply then add), block after block; then a halving
+    tree, lane l + h into lane l for h = lanes/2, ..., 1. lanes = 64: ggml_vec_dot_f16 on
+    AVX-512 (GGML_F16_STEP 64: four 16-lane accumulators, GGML_F32x16_REDUCE adds the second
+    pair into the first, then the first two, then _mm512_reduce_add_ps halves 16 lanes);
+    lanes = 16: llamafile's tinyBLAS (one 16-lane accumulator per output, hsum =
+    _mm512_reduce_add_ps). Written in LLVM vector IR so the order is exactly this one."""
+
+    @intrinsic
+    def dot(typingctx, qarr, qo, karr, ko, n_blocks):
+        sig = types.float32(qarr, qo, karr, ko, n_blocks)
+        k_half = karr.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            qa, qo_, ka, ko_, nb_ = args
+            i64 = _ir.IntType(64)
+            vty = _ir.VectorType(_ir.FloatType(), lanes)
+            qp = builder.gep(_qir._data(context, builder, signature.args[0], qa),
+                             [context.cast(builder, qo_, signature.args[1], types.int64)])
+            kp = builder.gep(_qir._data(context, builder, signature.args[2], ka),
+                             [context.cast(builder, ko_, signature.args[3], types.int64)])
+            nb = context.cast(builder, nb_, signature.args[4], types.int64)
+            acc_p = _cg.alloca_once_value(builder, _ir.Constant(vty, [0.0] * lanes))
+            with _cg.for_range(builder, nb) as loop:
+                off = builder.mul(loop.index, _ir.Constant(i64, lanes))
+                qv = builder.load(builder.bitcast(builder.gep(qp, [off]), vty.as_pointer()), align=4)
+                if k_half:
+                    hv = builder.load(builder.bitcast(builder.gep(kp, [off]),
+                                                      _ir.VectorType(_ir.IntType(16), lanes).as_pointer()), align=2)
+                    kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), lanes)), vty)
+                else:
+                    kv = builder.load(builder.bitcast(builder.gep(kp, [off]), vty.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(acc_p), builder.fmul(qv, kv)), acc_p)
+            acc = builder.load(acc_p)
+            h = lanes
+            while h > 1:
+                h //= 2
+                lo = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_ir.IntType(32), h), list(range(h))))
+                hi = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_ir.IntType(32), h),
+                                                                   list(range(h, 2 * h))))
+                acc = builder.fadd(lo, hi)
+            return builder.extract_element(acc, _ir.Constant(_ir.IntType(32), 0))
+
+        return sig, codegen
+
+    return dot
+
+
+_dot16 = _lane_dot(16)
+_dot64 = _lane_dot(64)
+
+
+@intrinsic
+def _ld_f32(typingctx, arr, idx):
+    """arr[idx] as float32: a float32 array's element, or a uint16 array's float16 bits widened."""
+    sig = types.float32(arr, idx)
+    half = arr.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        p = builder.gep(_qir._data(context, builder, signature.args[0], args[0]),
+                        [context.cast(builder, args[1], signature.args[1], types.int64)])
+        v = builder.load(p)
+        return builder.fpext(builder.bitcast(v, _ir.HalfType()), _ir.FloatType()) if half else v
+
+    return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _dot(qb, qo, kb, ko, d, wide):
+    """The score dot product q . k of one query row and one key (module docstring: ggml's
+    order). wide (a one-token step, as llama.cpp's decode): ggml_vec_dot_f16, 64 lanes over
+    the first d - d % 64 dims, the rest added in float64 in order, rounded to float32 once;
+    otherwise (prefill, as llama.cpp's tinyBLAS for n_tokens >= 2; d a multiple of 16): 16
+    lanes."""
+    if wide:
+        n = d - d % 64
+        acc = np.float64(_dot64(qb, qo, kb, ko, n // 64))
+        for i in range(n, d):
+            acc += np.float64(_q.ld(qb, qo + i) * _ld_f32(kb, ko + i))
+        return np.float32(acc)
+    return _dot16(qb, qo, kb, ko, d // 16)
+
+
+@njit(**_JIT_INLINE)
+def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
+    """s[so + j] = (q . key j) * scale for keys ja..jb-1, key j at kb[k0 + j * kstride] (the
+    float16 cache read in place, or a float32 tile); returns the largest."""
     mx = np.float32(-np.inf)
-    j = ja
-    while j + 4 <= jb:
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        k0 = j * d
-        for i in range(d):
-            qi = _q.ld(qb, qo + i)
-            a0 += qi * _q.ld(kt, k0 + i)
-            a1 += qi * _q.ld(kt, k0 + d + i)
-            a2 += qi * _q.ld(kt, k0 + 2 * d + i)
-            a3 += qi * _q.ld(kt, k0 + 3 * d + i)
-        a0 *= scale
-        a1 *= scale
-        a2 *= scale
-        a3 *= scale
-        _q.st(s, so + j, a0)
-        _q.st(s, so + j + 1, a1)
-        _q.st(s, so + j + 2, a2)
-        _q.st(s, so + j + 3, a3)
-        mx = max(mx, max(max(a0, a1), max(a2, a3)))
-        j += 4
-    while j < jb:
-        acc = np.float32(0.0)
-        ko = j * d
-        for i in range(d):
-            acc += _q.ld(qb, qo + i) * _q.ld(kt, ko + i)
-        v = acc * scale
+    for j in range(ja, jb):
+        v = _dot(qb, qo, kb, k0 + j * kstride, d, wide) * scale
         _q.st(s, so + j, v)
         mx = max(mx, v)
-        j += 1
     return mx
 
 
-@njit(**_JIT_VEC)
-def _scores2(qb, qo, kt, s, so, stride, ja, jb, d, scale):
-    """:func:`_scores` for the two query rows at qb[qo] and qb[qo + d], their scores at s[so]
-    and s[so + stride]: four keys x two rows per pass (each K chunk loaded once for both;
-    every dot product summed exactly as in _scores). Returns both maxima."""
-    m0 = np.float32(-np.inf)
-    m1 = np.float32(-np.inf)
-    j = ja
-    while j + 4 <= jb:
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        b0 = np.float32(0.0)
-        b1 = np.float32(0.0)
-        b2 = np.float32(0.0)
-        b3 = np.float32(0.0)
-        k0 = j * d
-        for i in range(d):
-            qa = _q.ld(qb, qo + i)
-            qc = _q.ld(qb, qo + d + i)
-            k_0 = _q.ld(kt, k0 + i)
-            k_1 = _q.ld(kt, k0 + d + i)
-            k_2 = _q.ld(kt, k0 + 2 * d + i)
-            k_3 = _q.ld(kt, k0 + 3 * d + i)
-            a0 += qa * k_0
-            a1 += qa * k_1
-            a2 += qa * k_2
-            a3 += qa * k_3
-            b0 += qc * k_0
-            b1 += qc * k_1
-            b2 += qc * k_2
-            b3 += qc * k_3
-        a0 *= scale
-        a1 *= scale
-        a2 *= scale
-        a3 *= scale
-        b0 *= scale
-        b1 *= scale
-        b2 *= scale
-        b3 *= scale
-        _q.st(s, so + j, a0)
-        _q.st(s, so + j + 1, a1)
-        _q.st(s, so + j + 2, a2)
-        _q.st(s, so + j + 3, a3)
-        _q.st(s, so + stride + j, b0)
-        _q.st(s, so + stride + j + 1, b1)
-        _q.st(s, so + stride + j + 2, b2)
-        _q.st(s, so + stride + j + 3, b3)
-        m0 = max(m0, max(max(a0, a1), max(a2, a3)))
-        m1 = max(m1, max(max(b0, b1), max(b2, b3)))
-        j += 4
-    if j < jb:
-        m0 = max(m0, _scores(qb, qo, kt, s, so, j, jb, d, scale))
-        m1 = max(m1, _scores(qb, qo + d, kt, s, so + stride, j, jb, d, scale))
-    return m0, m1
+@njit(**_JIT_INLINE)
+def _row_keys(p, window, j0, j1):
+    """Keys j0 <= j < j1 that a query at position p sees: (jlo, jhi) (causal, window)."""
+    jlo = j0
+    if window > 0 and p - window + 1 > jlo:
+        jlo = p - window + 1
+    return jlo, min(j1, p + 1)
 
 
 _LOG2E = np.float32(1.44269504088896341)
@@ -354,9 +370,9 @@ def _exp_shifted(s, ja, jb, mx):
         p = p * r + np.float32(1.6666665459e-1)
         p = p * r + np.float32(5.0000001201e-1)
         p = p * r * r + r + np.float32(1.0)
-        e = p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
-        _q.st(s, j, e)
-        total += np.float64(e)
+        _q.st(s, j, p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    for j in range(ja, jb):  # apart from the loop above, which then runs in vector lanes
+        total += np.float64(_q.ld(s, j))
     return total
 
 
@@ -405,13 +421,7 @@ def run_task(op, tasks, ti, pml, pacc):
     window = op[O_WINDOW]
     nq = t_hi - t_lo
     R = nq * group
-    q = _q.view_f32(op[O_Q], ntok * nh * d)
-    qb = np.empty(R * d, np.float32)
-    for tt in range(nq):
-        for hh in range(group):
-            qo = ((t_lo + tt) * nh + g * group + hh) * d
-            for i in range(d):
-                qb[(tt * group + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    qb = _gather_q(op, t_lo, nq, g, 0, group)
     m = np.full(R, -np.inf, np.float32)
     lsum = np.zeros(R, np.float64)
     acc = np.zeros(R * dv, np.float32)
@@ -425,22 +435,19 @@ def run_task(op, tasks, ti, pml, pacc):
         j_start = max(k_lo, p0 - window + 1)
     kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
     vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    wide = op[O_WIDE] != 0
     for j0 in range(j_start, j_end, bk):
         nb = min(bk, j_end - j0)
         _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
         _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
         for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
+            jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
             ja, jb = jlo - j0, jhi - j0
             for hh in range(group):
                 r = tt * group + hh
-                mx = max(m[r], _scores(qb, r * d, kt, s, 0, ja, jb, d, scale))
+                mx = max(m[r], _score_keys(qb, r * d, kt, 0, d, s, 0, ja, jb, d, scale, wide))
                 if mx > m[r]:
                     if m[r] > -np.inf:
                         f = np.exp(m[r] - mx)
@@ -469,29 +476,30 @@ def run_task(op, tasks, ti, pml, pacc):
 
 
 @njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _pv_exact(acc, ao, p, po, vt, ja, jb, dv):
-    """acc[ao:ao+dv] += p[po + j] * vt[j] for j in ja..jb-1 in key order, in vector lanes over
-    the value dims. Fused multiply-adds allowed: p and a float16 cache's v are float16 values,
-    whose product is exact in float32, so the rounding is the scalar reference's (measured:
-    P.V 10.6 -> 4.3 ns per (row, key) at Dv = 128)."""
+def _pv_exact(acc, ao, p, po, vb, vo, vstride, ja, jb, dv):
+    """acc[ao:ao+dv] += p[po + j] * v_j for j in ja..jb-1 in key order, v_j the Dv values at
+    vb[vo + j * vstride] (a float16 cache read in place as uint16, or a float32 tile), in
+    vector lanes over the value dims. Fused multiply-adds allowed: p and a float16 cache's v
+    are float16 values, whose product is exact in float32, so the rounding is the scalar
+    reference's (measured: P.V 10.6 -> 4.3 ns per (row, key) at Dv = 128)."""
     j = ja
     while j + 4 <= jb:  # four keys per pass over the accumulator, the additions still in key order
         p0 = _q.ld(p, po + j)
         p1 = _q.ld(p, po + j + 1)
         p2 = _q.ld(p, po + j + 2)
         p3 = _q.ld(p, po + j + 3)
-        v0 = j * dv
+        v0 = vo + j * vstride
         for i in range(dv):
-            a = _q.ld(acc, ao + i) + p0 * _q.ld(vt, v0 + i)
-            a = a + p1 * _q.ld(vt, v0 + dv + i)
-            a = a + p2 * _q.ld(vt, v0 + 2 * dv + i)
-            _q.st(acc, ao + i, a + p3 * _q.ld(vt, v0 + 3 * dv + i))
+            a = _q.ld(acc, ao + i) + p0 * _ld_f32(vb, v0 + i)
+            a = a + p1 * _ld_f32(vb, v0 + vstride + i)
+            a = a + p2 * _ld_f32(vb, v0 + 2 * vstride + i)
+            _q.st(acc, ao + i, a + p3 * _ld_f32(vb, v0 + 3 * vstride + i))
         j += 4
     while j < jb:
         pj = _q.ld(p, po + j)
-        vo = j * dv
+        v0 = vo + j * vstride
         for i in range(dv):
-            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _ld_f32(vb, v0 + i))
         j += 1
 
 
@@ -503,98 +511,125 @@ def _normalise_f16(sc, a, b, inv):
 
 
 @njit(**_JIT_VEC)
-def run_task_exact(op, tasks, ti):
-    """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
-    every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
-    a scratch [R, L] while streaming K once, then per row the maximum, the float64 sum of the
-    exponentials and the float16-rounded probabilities, then P.V streaming V once."""
-    nh, d, dv, group, bk = op[O_NH], op[O_D], op[O_DV], op[O_GROUP], op[O_BK]
-    ntok = op[O_NTOK]
-    tb = ti * TASK_W
-    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
-    g, h_lo, h_hi = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6]
-    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
-    window = op[O_WINDOW]
-    nq = t_hi - t_lo
-    gh = h_hi - h_lo
-    R = nq * gh
-    q = _q.view_f32(op[O_Q], ntok * nh * d)
-    qb = np.empty(R * d, np.float32)
+def _gather_q(op, t_lo, nq, g, h_lo, gh):
+    """The query rows of tokens t_lo..t_lo+nq-1 x heads h_lo..h_lo+gh-1 of KV head g's group,
+    rounded to float16 (as float32): float32 [nq * gh * D], row r = tt * gh + hh."""
+    nh, d, group = op[O_NH], op[O_D], op[O_GROUP]
+    q = _q.view_f32(op[O_Q], op[O_NTOK] * nh * d)
+    qb = np.empty(nq * gh * d, np.float32)
     for tt in range(nq):
         for hh in range(gh):
             qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
             for i in range(d):
                 qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
-    j_end = p0 + nq
-    j_start = 0
-    if window > 0:
-        j_start = max(0, p0 - window + 1)
-    L = j_end - j_start
-    sc = np.empty(R * L, np.float32)
-    mrow = np.full(R, -np.inf, np.float32)
-    acc = np.zeros(R * dv, np.float32)
-    kt = np.empty(bk * max(d, dv), np.float32)
-    kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
-    vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
-    for j0 in range(j_start, j_end, bk):
-        nb = min(bk, j_end - j0)
-        _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+    return qb
+
+
+@njit(**_JIT_VEC)
+def _k_pass(op, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow):
+    """The scores of keys kp_lo..kp_hi-1 (masked per row) for the R = nq x gh query rows in
+    qb: sc[so + r * L + j] (so already minus the row's first key), mrow[r] raised to their
+    maximum. A float16 cache is read in place, key tile by key tile (each tile serves every
+    row); a Q8_0 cache is widened to a float32 tile first."""
+    d, bk, window = op[O_D], op[O_BK], op[O_WINDOW]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    wide = op[O_WIDE] != 0
+    kfmt, kpos = op[O_KFMT], op[O_K_POS]
+    kbase = seq * op[O_K_SEQ] + g * op[O_K_HEAD]
+    kc16 = _view_u16(op[O_KC], 1)
+    kt = np.empty(bk * d if kfmt != FMT_F16 else 1, np.float32)
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        if kfmt != FMT_F16:
+            _load_rows(op[O_KC], kfmt, kbase + j0 * kpos, kpos, nb, d, kt)
         for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
+            jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
-            hh = 0
-            while hh + 2 <= gh:  # two heads of the token at a time: each K chunk loaded once for both
+            for hh in range(gh):
                 r = tt * gh + hh
-                m0, m1 = _scores2(qb, r * d, kt, sc, r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
-                if m0 > mrow[r]:
-                    mrow[r] = m0
-                if m1 > mrow[r + 1]:
-                    mrow[r + 1] = m1
-                hh += 2
-            if hh < gh:
-                r = tt * gh + hh
-                mx = _scores(qb, r * d, kt, sc, r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+                if kfmt == FMT_F16:
+                    mx = _score_keys(qb, r * d, kc16, kbase, kpos, sc, so + r * L, jlo, jhi, d, scale, wide)
+                else:
+                    mx = _score_keys(qb, r * d, kt, -j0 * d, d, sc, so + r * L, jlo, jhi, d, scale, wide)
                 if mx > mrow[r]:
                     mrow[r] = mx
+
+
+@njit(**_JIT_VEC)
+def _softmax_rows(op, sc, so, L, j_start, p0, nq, gh, g, h_lo, mrow):
+    """Per row r (token tt, head h_lo + hh of group g): the maximum (mrow[r], or the sink when
+    larger), exp(score - max) summed in float64 in key order (plus the sink's term), and the
+    probabilities float16(e * float32(1/sum)) in place over the row's keys."""
+    nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
     sinks = _q.view_f32(op[O_SINKS], nh)
     has_sinks = op[O_HAS_SINKS] != 0
     for tt in range(nq):
         p = p0 + tt
-        lo = j_start
-        if window > 0 and p - window + 1 > lo:
-            lo = p - window + 1
+        lo, hi = _row_keys(p, window, j_start, p + 1)
         for hh in range(gh):
             r = tt * gh + hh
             mx = mrow[r]
             h = g * group + h_lo + hh
             if has_sinks and sinks[h] > mx:
                 mx = sinks[h]
-            a = r * L + lo - j_start
-            b = r * L + p + 1 - j_start
+            a = so + r * L + lo - j_start
+            b = so + r * L + hi - j_start
             total = _exp_shifted(sc, a, b, mx)
             if has_sinks:
                 total += np.float64(np.exp(sinks[h] - mx))
             _normalise_f16(sc, a, b, np.float32(1.0 / total))
-    for j0 in range(j_start, j_end, bk):
-        nb = min(bk, j_end - j0)
-        _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, kt)
+
+
+@njit(**_JIT_VEC)
+def _v_pass(op, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, acc, ao):
+    """acc[ao + r * Dv ...] += P.V over keys kp_lo..kp_hi-1 (masked per row) in key order,
+    the probabilities at sc[so + r * L + j]; V widened to float32 one key tile at a time."""
+    dv, bk, window = op[O_DV], op[O_BK], op[O_WINDOW]
+    vfmt, vpos = op[O_VFMT], op[O_V_POS]
+    vbase = seq * op[O_V_SEQ] + g * op[O_V_HEAD]
+    vc16 = _view_u16(op[O_VC], 1)
+    vt = np.empty(bk * dv if vfmt != FMT_F16 else 1, np.float32)
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        if vfmt != FMT_F16:
+            _load_rows(op[O_VC], vfmt, vbase + j0 * vpos, vpos, nb, dv, vt)
         for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
+            jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
             for hh in range(gh):
                 r = tt * gh + hh
-                _pv_exact(acc, r * dv, sc, r * L + j0 - j_start, kt, jlo - j0, jhi - j0, dv)
-    out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+                if vfmt == FMT_F16:
+                    _pv_exact(acc, ao + r * dv, sc, so + r * L, vc16, vbase, vpos, jlo, jhi, dv)
+                else:
+                    _pv_exact(acc, ao + r * dv, sc, so + r * L, vt, -j0 * dv, dv, jlo, jhi, dv)
+
+
+@njit(**_JIT_VEC)
+def run_task_exact(op, tasks, ti):
+    """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
+    every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
+    a scratch [R, L] while streaming K once, then per row the maximum, the float64 sum of the
+    exponentials and the float16-rounded probabilities, then P.V streaming V once."""
+    nh, dv, group = op[O_NH], op[O_DV], op[O_GROUP]
+    tb = ti * TASK_W
+    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
+    g, h_lo, h_hi = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6]
+    nq = t_hi - t_lo
+    gh = h_hi - h_lo
+    R = nq * gh
+    qb = _gather_q(op, t_lo, nq, g, h_lo, gh)
+    j_end = p0 + nq
+    j_start = max(0, p0 - op[O_WINDOW] + 1) if op[O_WINDOW] > 0 else 0
+    L = j_end - j_start
+    sc = np.empty(R * L, np.float32)
+    mrow = np.full(R, -np.inf, np.float32)
+    acc = np.zeros(R * dv, np.float32)
+    _k_pass(op, qb, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, mrow)
+    _softmax_rows(op, sc, 0, L, j_start, p0, nq, gh, g, h_lo, mrow)
+    _v_pass(op, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, acc, 0)
+    out = _q.view_f32(op[O_OUT], op[O_NTOK] * nh * dv)
     for tt in range(nq):
         for hh in range(gh):
             r = tt * gh + hh
@@ -618,38 +653,9 @@ def run_part_k(op, tasks, ti, meta, sc):
     """Exact split, phase 0: the scores of keys kp_lo..kp_hi-1 for the group's rows into the
     group's scores buffer (as run_task_exact's first pass, over one key range)."""
     seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
-    nh, d, group, bk = op[O_NH], op[O_D], op[O_GROUP], op[O_BK]
-    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
-    window = op[O_WINDOW]
-    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
-    q = _q.view_f32(op[O_Q], op[O_NTOK] * nh * d)
-    qb = np.empty(nq * gh * d, np.float32)
-    for tt in range(nq):
-        for hh in range(gh):
-            qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
-            for i in range(d):
-                qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
-    kt = np.empty(bk * d, np.float32)
-    kseq, kpos, khead = op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
-    for j0 in range(kp_lo, kp_hi, bk):
-        nb = min(bk, kp_hi - j0)
-        _load_rows(op[O_KC], op[O_KFMT], seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
-        for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
-            if jhi <= jlo:
-                continue
-            hh = 0
-            while hh + 2 <= gh:  # the same head pairing as run_task_exact: the same bits per (row, key)
-                r = tt * gh + hh
-                _scores2(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
-                hh += 2
-            if hh < gh:
-                r = tt * gh + hh
-                _scores(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+    qb = _gather_q(op, t_lo, nq, g, h_lo, gh)
+    mrow = np.full(nq * gh, -np.inf, np.float32)
+    _k_pass(op, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1], mrow)
 
 
 @njit(**_JIT_VEC)
@@ -661,56 +667,29 @@ def run_norm(op, tasks, meta, mi, sc):
     tb = ti * TASK_W
     nq, p0, g = tasks[tb + 2] - tasks[tb + 1], tasks[tb + 3], tasks[tb + 4]
     sc_off, L, j_start, h_lo, gh = meta[mb], meta[mb + 1], meta[mb + 2], meta[mb + 3], meta[mb + 4] - meta[mb + 3]
-    nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
-    sinks = _q.view_f32(op[O_SINKS], nh)
-    has_sinks = op[O_HAS_SINKS] != 0
+    window = op[O_WINDOW]
+    mrow = np.empty(nq * gh, np.float32)
     for tt in range(nq):
-        p = p0 + tt
-        lo = j_start
-        if window > 0 and p - window + 1 > lo:
-            lo = p - window + 1
+        lo, hi = _row_keys(p0 + tt, window, j_start, p0 + tt + 1)
         for hh in range(gh):
             r = tt * gh + hh
-            a = sc_off + r * L + lo - j_start
-            b = sc_off + r * L + p + 1 - j_start
             mx = np.float32(-np.inf)
-            for j in range(a, b):
+            for j in range(sc_off + r * L + lo - j_start, sc_off + r * L + hi - j_start):
                 mx = max(mx, _q.ld(sc, j))
-            h = g * group + h_lo + hh
-            if has_sinks and sinks[h] > mx:
-                mx = sinks[h]
-            total = _exp_shifted(sc, a, b, mx)
-            if has_sinks:
-                total += np.float64(np.exp(sinks[h] - mx))
-            _normalise_f16(sc, a, b, np.float32(1.0 / total))
+            mrow[r] = mx
+    _softmax_rows(op, sc, sc_off, L, j_start, p0, nq, gh, g, h_lo, mrow)
 
 
 @njit(**_JIT_VEC)
 def run_part_v(op, tasks, ti, meta, sc, pacc):
     """Exact split, phase 2: P.V over keys kp_lo..kp_hi-1 into this part's partial rows."""
     seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
-    dv, bk, window = op[O_DV], op[O_BK], op[O_WINDOW]
-    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
+    dv = op[O_DV]
     R = nq * gh
     ao = (meta[mb + 7] + (ti - meta[mb + 5]) * R) * dv  # meta[7]: the group's first partial row
     for i in range(R * dv):
         pacc[ao + i] = 0.0
-    vt = np.empty(bk * dv, np.float32)
-    vseq, vpos, vhead = op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
-    for j0 in range(kp_lo, kp_hi, bk):
-        nb = min(bk, kp_hi - j0)
-        _load_rows(op[O_VC], op[O_VFMT], seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
-        for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
-            if jhi <= jlo:
-                continue
-            for hh in range(gh):
-                r = tt * gh + hh
-                _pv_exact(pacc, ao + r * dv, sc, sc_off + r * L + j0 - j_start, vt, jlo - j0, jhi - j0, dv)
+    _v_pass(op, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1], pacc, ao)
 
 
 @njit(**_JIT_VEC)
@@ -1127,6 +1106,7 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
                            kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
                            vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
                            _f32_bits(scale), window, int(sinks is not None), rmax, T)
+    op[O_WIDE] = int(T == 1 or d % 16 != 0)
     if serial:
         _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
     elif online:
