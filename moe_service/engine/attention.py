@@ -1036,6 +1036,70 @@ def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks, sc, meta):
     op[O_SINKS] = sinks.ctypes.data
 
 
+@njit(**_JIT)
+def _exact_prepare(op, sp, q, kc, vc, out, sinks, n_workers, fn, qrows, budget, min_keys, serial_work):
+    """The default mode's whole setup in one compiled call (a decode step calls attend once per
+    layer; separate Python and numba calls cost more than a short decode's attention): plan
+    (_plan_exact), scratch buffers, addresses into ``op``; a small step (or one worker) runs
+    right here on the calling thread. Returns (tasks, meta, scores, partial accumulators,
+    items, bounds) for pool.run_arrays, items empty when the step already ran. The returned
+    buffers must stay alive while the pool runs (op holds their addresses)."""
+    group, nkv, window, dv, nt = op[O_GROUP], op[O_NKV], op[O_WINDOW], op[O_DV], 1 if n_workers <= 1 else n_workers
+    tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, nt, window, qrows, budget, min_keys)
+    n_tasks = tasks.shape[0]
+    serial = n_workers <= 1 or (work < serial_work and n_direct == n_tasks)
+    if serial and n_direct != n_tasks:  # (planned with splits: plan again without)
+        tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, 1, window, qrows, budget, min_keys)
+        n_tasks = tasks.shape[0]
+    pacc = np.empty(max(1, acc_rows * dv), np.float32)
+    sc = np.empty(max(1, sc_size), np.float32)
+    meta1 = meta if meta.shape[0] else np.zeros((1, META_W), np.int64)
+    _fill_addresses(op, q, kc, vc, out, tasks, pacc, pacc, sinks, sc, meta1)
+    flat = tasks.reshape(-1)
+    if serial:
+        for ti in range(n_tasks):
+            run_task_exact(op, flat, ti)
+        return tasks, meta1, sc, pacc, np.zeros((0, _pool.ITEM_W), np.int64), np.zeros((0, 1, 2), np.int64)
+    n_groups = meta.shape[0]
+    n_parts = n_tasks - n_direct
+    n_items = n_tasks + n_groups + n_parts + n_groups if n_groups else n_tasks
+    items = np.zeros((n_items, _pool.ITEM_W), np.int64)
+    for i in range(n_items):
+        items[i, 0] = _pool.K_CALL
+        items[i, 1] = fn
+    if not n_groups:
+        for i in range(n_tasks):
+            items[i, 2] = 2
+            items[i, 3] = i
+        bounds = np.zeros((1, 1, 2), np.int64)
+        bounds[0, 0, 1] = n_tasks
+        return tasks, meta1, sc, pacc, items, bounds
+    # phase 0: K parts, then whole tiles; 1: normalise; 2: V parts; 3: combine
+    k = 0
+    for i in range(n_direct, n_tasks):
+        items[k, 2], items[k, 3] = 3, i
+        k += 1
+    for i in range(n_direct):
+        items[k, 2], items[k, 3] = 2, i
+        k += 1
+    for i in range(n_groups):
+        items[k, 2], items[k, 3] = 4, i
+        k += 1
+    for i in range(n_direct, n_tasks):
+        items[k, 2], items[k, 3] = 5, i
+        k += 1
+    for i in range(n_groups):
+        items[k, 2], items[k, 3] = 6, i
+        k += 1
+    bounds = np.zeros((4, 1, 2), np.int64)
+    e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
+    bounds[0, 0, 1] = e0
+    bounds[1, 0, 0], bounds[1, 0, 1] = e0, e1
+    bounds[2, 0, 0], bounds[2, 0, 1] = e1, e2
+    bounds[3, 0, 0], bounds[3, 0, 1] = e2, n_items
+    return tasks, meta1, sc, pacc, items, bounds
+
+
 _NO_SINKS = np.zeros(1, np.float32)
 _NO_PML = np.zeros(1, np.float64)
 _NO_PACC = np.zeros(1, np.float32)
@@ -1083,53 +1147,24 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
     window = int(window)
-    sc, meta = _NO_PACC, _NO_META
-    if online:
-        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
-        tasks, pml, pacc, serial, n_tasks = pl.tasks, pl.pml, pl.pacc, pl.serial, pl.n_tasks
-    else:
-        tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, n_workers, window, QUERY_ROWS,
-                                                                     SCORE_BUDGET, MIN_SPLIT_KEYS)
-        pml, n_tasks = _NO_PML, tasks.shape[0]
-        pacc = np.empty(acc_rows * dv, np.float32) if acc_rows else _NO_PACC
-        if sc_size:
-            sc = np.empty(sc_size, np.float32)
-        serial = n_workers <= 1 or (work < SERIAL_WORK and n_direct == n_tasks)
-        if serial and n_direct != n_tasks:  # (one worker: plan again without splits)
-            tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, 1, window, QUERY_ROWS,
-                                                                         SCORE_BUDGET, MIN_SPLIT_KEYS)
-            n_tasks = tasks.shape[0]
     op = np.empty(OP_LEN, np.int64)
     krow, vrow = kc.shape[3], vc.shape[3]
-    _fill_addresses(op, q32, kc, vc, o32, tasks, pml, pacc, s, sc, meta)
     op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
                            kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
                            vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
                            _f32_bits(scale), window, int(sinks is not None), rmax, T)
     op[O_WIDE] = int(T == 1 or d % 16 != 0)
-    if serial:
-        _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
-    elif online:
-        pool.run_arrays(pl.items, pl.bounds, op)
+    if not online:
+        keep = _exact_prepare(op, sp, q32, kc, vc, o32, s, n_workers, item_address(), QUERY_ROWS, SCORE_BUDGET,
+                              MIN_SPLIT_KEYS, SERIAL_WORK)
+        if keep[4].shape[0]:
+            pool.run_arrays(keep[4], keep[5], op)
     else:
-        n_parts, n_groups = n_tasks - n_direct, meta.shape[0]
-        n_items = n_tasks + n_groups + n_parts + n_groups if n_groups else n_tasks
-        items = np.zeros((n_items, _pool.ITEM_W), np.int64)
-        items[:, 0] = _pool.K_CALL
-        items[:, 1] = item_address()
-        if not n_groups:
-            items[:, 2] = 2
-            items[:, 3] = np.arange(n_tasks)
-            bounds = np.array([[[0, n_tasks]]], np.int64)
-        else:  # phase 0: K parts, then whole tiles; 1: normalise; 2: V parts; 3: combine
-            k = 0
-            for kind, idx in ((3, np.arange(n_direct, n_tasks)), (2, np.arange(n_direct)),
-                              (4, np.arange(n_groups)), (5, np.arange(n_direct, n_tasks)), (6, np.arange(n_groups))):
-                items[k:k + idx.size, 2] = kind
-                items[k:k + idx.size, 3] = idx
-                k += idx.size
-            e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
-            bounds = np.array([[[0, e0]], [[e0, e1]], [[e1, e2]], [[e2, n_items]]], np.int64)
-        pool.run_arrays(items, bounds, op)
+        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
+        _fill_addresses(op, q32, kc, vc, o32, pl.tasks, pl.pml, pl.pacc, s, _NO_PACC, _NO_META)
+        if pl.serial:
+            _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc, False)
+        else:
+            pool.run_arrays(pl.items, pl.bounds, op)
     if o32 is not out:
         out[...] = o32
