@@ -39,18 +39,27 @@ Online mode: parts keep (m, l, acc) and a merge phase combines them (flash-decod
 
 Numerics, default (``online=False``; ggml's CPU non-flash path, which llama.cpp takes on
 these files; the former single-threaded kernel, kept as cpu_layers.attention, states it in
-scalar code): Q rounded to float16, K.Q summed in float32, scores = K.Q * scale, masked
-(causal, and the sliding window when ``window`` > 0), softmax with the maximum taken over the
-scores (and the head's sink logit when ``sinks`` is given), exponentials (Cephes' expf
-polynomial, ~1 ulp) summed in float64, scaled by float32(1/sum), probabilities rounded to
-float16, then P.V in float32 in key order (fused multiply-adds change nothing there: the
-product of two float16 values is exact in float32). A task keeps its rows'
-scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) between the
-pass over K and the pass over V. The only freedom taken against the scalar kernel is the
-summation order inside a dot product (vector lanes), which moves a probability across a
-float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
-float16 ulp of one probability (tests/engine/test_attention.py), plus, for a split decode,
-the order of the float32 additions of the parts' P.V; the goldens are unchanged.
+scalar code): Q rounded to float16, K.Q in float32 in ggml's summation order (below),
+scores = K.Q * scale, masked (causal, and the sliding window when ``window`` > 0), softmax
+with the maximum taken over the scores (and the head's sink logit when ``sinks`` is given),
+exponentials (Cephes' expf polynomial, ~1 ulp) summed in float64 in key order, scaled by
+float32(1/sum), probabilities rounded to float16, then P.V in float32 in key order (fused
+multiply-adds change nothing there: the product of two float16 values is exact in float32).
+A task keeps its rows' scores (at most SCORE_BUDGET floats; long prefills get shorter query
+tiles) between the pass over K and the pass over V.
+
+K.Q summation order: as ggml on AVX-512, which llama.cpp's KQ matrix product takes: a step
+of one token (decode; llama.cpp's mul_mat with n = 1 calls ggml_vec_dot_f16) sums element i
+into lane i % 64 (four 16-lane accumulators), folds the lanes in halves (64 -> 32 -> ... -> 1)
+and adds the dims past the last multiple of 64 in float64; a step of several tokens (prefill;
+llamafile's tinyBLAS, used by ggml for n >= 2 when D % 16 == 0) sums into lane i % 16 and
+folds those. Written in LLVM vector IR (:func:`_lane_dot`), so the dot products run in
+vector lanes and still round exactly as ggml's do (the former strict key order could not
+be vectorised; LLVM's own reassociation lost a decisive greedy step of the gpt-oss l3
+golden). Against the scalar kernel: a score differs in its last bits now and then, which
+moves a probability across a float16 rounding boundary (tests/engine/test_attention.py
+bounds it), plus, for a split decode, the order of the float32 additions of the parts' P.V.
+The goldens are unchanged and pass.
 
 Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
 per row a running maximum m (float32), a running float64 sum l of exp(score - m) and a
@@ -82,11 +91,9 @@ from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
 from moe_service.engine.quant import ir as _qir
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
-# Strict IEEE order (no reassoc/contract) since the merge with the arch seam: with the dot
-# products reordered into vector lanes and fused, tiny-gpt-oss-l3-pattern3-q8_0 (sinks,
-# 16-token window, 3 layers) lost a decisive greedy step (33, llama.cpp gap 0.2688 >=
-# GAP_MIN 0.25) against its golden; in key order it passes. Costs the lane vectorisation of
-# the reductions (see the README's attention numbers, measured with it).
+# No fastmath: every reduction's order is the one written (the score dot products' lanes are
+# explicit vector IR, see _lane_dot); LLVM's reassociation once lost a decisive greedy step
+# of tiny-gpt-oss-l3-pattern3-q8_0 against its llama.cpp golden.
 _JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": False}
 _JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call per key costs more than the work
 
@@ -292,6 +299,7 @@ def _lane_dot(lanes: int):
 
 _dot16 = _lane_dot(16)
 _dot64 = _lane_dot(64)
+
 
 
 @intrinsic
@@ -526,34 +534,47 @@ def _gather_q(op, t_lo, nq, g, h_lo, gh):
 
 
 @njit(**_JIT_VEC)
-def _k_pass(op, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow):
-    """The scores of keys kp_lo..kp_hi-1 (masked per row) for the R = nq x gh query rows in
-    qb: sc[so + r * L + j] (so already minus the row's first key), mrow[r] raised to their
-    maximum. A float16 cache is read in place, key tile by key tile (each tile serves every
-    row); a Q8_0 cache is widened to a float32 tile first."""
-    d, bk, window = op[O_D], op[O_BK], op[O_WINDOW]
+def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow, acc, ao):
+    """One pass of the two-pass contract over keys kp_lo..kp_hi-1, key tile by key tile (a
+    tile serves every row), each row masked (causal, window); rows r = tt * gh + hh, their
+    values at sc[so + r * L + j] (so already minus the row's first key).
+
+    values False (the K pass): sc = (q_r . k_j) * scale for the query rows in qb, mrow[r]
+    raised to the row's maximum. values True (the V pass): acc[ao + r * Dv ...] += the
+    probabilities in sc times V in key order. A float16 cache is read in place; a Q8_0 cache
+    is widened to a float32 tile first."""
+    bk, window, d = op[O_BK], op[O_WINDOW], op[O_D]
+    if values:
+        n_dim, fmt, pos, addr = op[O_DV], op[O_VFMT], op[O_V_POS], op[O_VC]
+        base = seq * op[O_V_SEQ] + g * op[O_V_HEAD]
+    else:
+        n_dim, fmt, pos, addr = d, op[O_KFMT], op[O_K_POS], op[O_KC]
+        base = seq * op[O_K_SEQ] + g * op[O_K_HEAD]
     scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
     wide = op[O_WIDE] != 0
-    kfmt, kpos = op[O_KFMT], op[O_K_POS]
-    kbase = seq * op[O_K_SEQ] + g * op[O_K_HEAD]
-    kc16 = _view_u16(op[O_KC], 1)
-    kt = np.empty(bk * d if kfmt != FMT_F16 else 1, np.float32)
+    c16 = _view_u16(addr, 1)
+    tile = np.empty(bk * n_dim if fmt != FMT_F16 else 1, np.float32)
     for j0 in range(kp_lo, kp_hi, bk):
         nb = min(bk, kp_hi - j0)
-        if kfmt != FMT_F16:
-            _load_rows(op[O_KC], kfmt, kbase + j0 * kpos, kpos, nb, d, kt)
+        if fmt != FMT_F16:
+            _load_rows(addr, fmt, base + j0 * pos, pos, nb, n_dim, tile)
         for tt in range(nq):
             jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
             for hh in range(gh):
                 r = tt * gh + hh
-                if kfmt == FMT_F16:
-                    mx = _score_keys(qb, r * d, kc16, kbase, kpos, sc, so + r * L, jlo, jhi, d, scale, wide)
+                if values and fmt == FMT_F16:
+                    _pv_exact(acc, ao + r * n_dim, sc, so + r * L, c16, base, pos, jlo, jhi, n_dim)
+                elif values:
+                    _pv_exact(acc, ao + r * n_dim, sc, so + r * L, tile, -j0 * n_dim, n_dim, jlo, jhi, n_dim)
                 else:
-                    mx = _score_keys(qb, r * d, kt, -j0 * d, d, sc, so + r * L, jlo, jhi, d, scale, wide)
-                if mx > mrow[r]:
-                    mrow[r] = mx
+                    if fmt == FMT_F16:
+                        mx = _score_keys(qb, r * d, c16, base, pos, sc, so + r * L, jlo, jhi, d, scale, wide)
+                    else:
+                        mx = _score_keys(qb, r * d, tile, -j0 * d, d, sc, so + r * L, jlo, jhi, d, scale, wide)
+                    if mx > mrow[r]:
+                        mrow[r] = mx
 
 
 @njit(**_JIT_VEC)
@@ -582,31 +603,6 @@ def _softmax_rows(op, sc, so, L, j_start, p0, nq, gh, g, h_lo, mrow):
 
 
 @njit(**_JIT_VEC)
-def _v_pass(op, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, acc, ao):
-    """acc[ao + r * Dv ...] += P.V over keys kp_lo..kp_hi-1 (masked per row) in key order,
-    the probabilities at sc[so + r * L + j]; V widened to float32 one key tile at a time."""
-    dv, bk, window = op[O_DV], op[O_BK], op[O_WINDOW]
-    vfmt, vpos = op[O_VFMT], op[O_V_POS]
-    vbase = seq * op[O_V_SEQ] + g * op[O_V_HEAD]
-    vc16 = _view_u16(op[O_VC], 1)
-    vt = np.empty(bk * dv if vfmt != FMT_F16 else 1, np.float32)
-    for j0 in range(kp_lo, kp_hi, bk):
-        nb = min(bk, kp_hi - j0)
-        if vfmt != FMT_F16:
-            _load_rows(op[O_VC], vfmt, vbase + j0 * vpos, vpos, nb, dv, vt)
-        for tt in range(nq):
-            jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
-            if jhi <= jlo:
-                continue
-            for hh in range(gh):
-                r = tt * gh + hh
-                if vfmt == FMT_F16:
-                    _pv_exact(acc, ao + r * dv, sc, so + r * L, vc16, vbase, vpos, jlo, jhi, dv)
-                else:
-                    _pv_exact(acc, ao + r * dv, sc, so + r * L, vt, -j0 * dv, dv, jlo, jhi, dv)
-
-
-@njit(**_JIT_VEC)
 def run_task_exact(op, tasks, ti):
     """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
     every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
@@ -626,9 +622,9 @@ def run_task_exact(op, tasks, ti):
     sc = np.empty(R * L, np.float32)
     mrow = np.full(R, -np.inf, np.float32)
     acc = np.zeros(R * dv, np.float32)
-    _k_pass(op, qb, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, mrow)
+    _tile_pass(op, False, qb, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, mrow, acc, 0)
     _softmax_rows(op, sc, 0, L, j_start, p0, nq, gh, g, h_lo, mrow)
-    _v_pass(op, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, acc, 0)
+    _tile_pass(op, True, qb, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, mrow, acc, 0)
     out = _q.view_f32(op[O_OUT], op[O_NTOK] * nh * dv)
     for tt in range(nq):
         for hh in range(gh):
@@ -655,7 +651,8 @@ def run_part_k(op, tasks, ti, meta, sc):
     seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
     qb = _gather_q(op, t_lo, nq, g, h_lo, gh)
     mrow = np.full(nq * gh, -np.inf, np.float32)
-    _k_pass(op, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1], mrow)
+    _tile_pass(op, False, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1], mrow,
+               mrow, 0)
 
 
 @njit(**_JIT_VEC)
@@ -689,7 +686,8 @@ def run_part_v(op, tasks, ti, meta, sc, pacc):
     ao = (meta[mb + 7] + (ti - meta[mb + 5]) * R) * dv  # meta[7]: the group's first partial row
     for i in range(R * dv):
         pacc[ao + i] = 0.0
-    _v_pass(op, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1], pacc, ao)
+    _tile_pass(op, True, pacc, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1],
+               pacc, pacc, ao)  # (qb and mrow unused by the V pass)
 
 
 @njit(**_JIT_VEC)
