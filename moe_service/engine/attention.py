@@ -301,6 +301,64 @@ _dot16 = _lane_dot(16)
 _dot64 = _lane_dot(64)
 
 
+@intrinsic
+def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride):
+    """Four :func:`_lane_dot` (lanes = 16) dot products at once, bit for bit the same: query
+    rows qb[qo + r * qstride ...] (r < 4) with one key kb[ko ...], each K vector loaded (and
+    widened from float16) once for the four rows; out[oo + r * ostride] = the results. The four
+    rows' halving trees are folded together, two rows per shuffle-and-add (lane l + h into
+    lane l of each row, h = 8, 4, 2, 1, exactly as one row alone)."""
+    sig = types.void(qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride)
+    k_half = karr.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        qa, ka, oa = args[0], args[3], args[6]
+        i64 = _ir.IntType(64)
+        i32 = _ir.IntType(32)
+        v16 = _ir.VectorType(_ir.FloatType(), 16)
+        def idx(k):
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        qp = builder.gep(_qir._data(context, builder, signature.args[0], qa), [idx(1)])
+        kp = builder.gep(_qir._data(context, builder, signature.args[3], ka), [idx(4)])
+        op_ = builder.gep(_qir._data(context, builder, signature.args[6], oa), [idx(7)])
+        qs, nb, ostr = idx(2), idx(5), idx(8)
+        accs = [_cg.alloca_once_value(builder, _ir.Constant(v16, [0.0] * 16)) for _ in range(4)]
+        with _cg.for_range(builder, nb) as loop:
+            off = builder.mul(loop.index, _ir.Constant(i64, 16))
+            if k_half:
+                hv = builder.load(builder.bitcast(builder.gep(kp, [off]),
+                                                  _ir.VectorType(_ir.IntType(16), 16).as_pointer()), align=2)
+                kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 16)), v16)
+            else:
+                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), v16.as_pointer()), align=4)
+            for r in range(4):
+                qrow = builder.gep(qp, [builder.add(builder.mul(_ir.Constant(i64, r), qs), off)])
+                qv = builder.load(builder.bitcast(qrow, v16.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(accs[r]), builder.fmul(qv, kv)), accs[r])
+        vecs = [(builder.load(a), [r], 16) for r, a in enumerate(accs)]
+        while vecs[0][2] > 1:
+            nxt = []
+            for i in range(0, len(vecs), 2):
+                x, rx, w = vecs[i]
+                y, ry = (vecs[i + 1][0], vecs[i + 1][1]) if i + 1 < len(vecs) else (x, [])
+                h = w // 2
+                lo = [n * w + ln for n in range(len(rx)) for ln in range(h)]
+                lo += [len(rx) * w + n * w + ln for n in range(len(ry)) for ln in range(h)]
+                hi = [x_ + h for x_ in lo]
+                lo_v = builder.shuffle_vector(x, y, _ir.Constant(_ir.VectorType(i32, len(lo)), lo))
+                hi_v = builder.shuffle_vector(x, y, _ir.Constant(_ir.VectorType(i32, len(hi)), hi))
+                nxt.append((builder.fadd(lo_v, hi_v), rx + ry, h))
+            vecs = nxt
+        for v, rows, _w in vecs:
+            for n, r in enumerate(rows):
+                builder.store(builder.extract_element(v, _ir.Constant(i32, n)),
+                              builder.gep(op_, [builder.mul(_ir.Constant(i64, r), ostr)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 
 @intrinsic
 def _ld_f32(typingctx, arr, idx):
@@ -343,6 +401,23 @@ def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
         _q.st(s, so + j, v)
         mx = max(mx, v)
     return mx
+
+
+@njit(**_JIT_INLINE)
+def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0):
+    """:func:`_score_keys` (16 lanes, D a multiple of 16) for the four query rows at qb[qo],
+    qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read once for
+    the four rows (:func:`_dot16_rows4`); mrow[r0 .. r0 + 3] raised to the rows' maxima."""
+    for j in range(ja, jb):
+        _dot16_rows4(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L)
+    for r in range(4):
+        mx = mrow[r0 + r]
+        o = so + r * L
+        for j in range(ja, jb):
+            v = _q.ld(s, o + j) * scale
+            _q.st(s, o + j, v)
+            mx = max(mx, v)
+        mrow[r0 + r] = mx
 
 
 @njit(**_JIT_INLINE)
@@ -562,7 +637,13 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
             jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
-            for hh in range(gh):
+            hh0 = 0
+            if not values and not wide and fmt == FMT_F16:  # prefill: four heads of the token per K read
+                while hh0 + 4 <= gh:
+                    r = tt * gh + hh0
+                    _score_keys4(qb, r * d, d, c16, base, pos, sc, so + r * L, L, jlo, jhi, scale, mrow, r)
+                    hh0 += 4
+            for hh in range(hh0, gh):
                 r = tt * gh + hh
                 if values and fmt == FMT_F16:
                     _pv_exact(acc, ao + r * n_dim, sc, so + r * L, c16, base, pos, jlo, jhi, n_dim)

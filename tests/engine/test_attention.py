@@ -218,6 +218,23 @@ def test_score_dot_products_sum_in_ggml_order(d):
             assert mx == want.max()
 
 
+@pytest.mark.parametrize("d", [64, 128, 576])
+def test_four_row_scores_equal_one_row_scores(d):
+    """The prefill K pass's four-rows-per-key kernel gives the 16-lane scores bit for bit."""
+    rng = np.random.default_rng(d + 1)
+    n, L = 19, 23
+    k16 = (rng.standard_normal((n, d)) * 3).astype(np.float16)
+    q = rng.standard_normal((4, d)).astype(np.float16).astype(np.float32).reshape(-1)
+    s = np.full(4 * L, np.nan, np.float32)
+    mrow = np.full(4, -np.inf, np.float32)
+    attention._score_keys4(q, 0, d, k16.view(np.uint16).reshape(-1), 0, d, s, 0, L, 2, n, np.float32(0.5), mrow, 0)
+    for r in range(4):
+        want = np.array([_ggml_dot(q[r * d:(r + 1) * d], k16[j].astype(np.float32), 16) * np.float32(0.5)
+                         for j in range(2, n)], np.float32)
+        assert np.array_equal(s[r * L + 2:r * L + n], want), (d, r)
+        assert mrow[r] == want.max()
+
+
 def test_q8_0_matches_ggml_rounding():
     """Q8_0 rows as ggml's quantize_row_q8_0_ref: d = amax/127 (float16), q = roundf(x/d)."""
     x = np.array([0.5, -1.27, 2.54, -2.54] + [0.0] * 27 + [1.905], np.float32)
