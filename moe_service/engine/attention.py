@@ -39,18 +39,27 @@ Online mode: parts keep (m, l, acc) and a merge phase combines them (flash-decod
 
 Numerics, default (``online=False``; ggml's CPU non-flash path, which llama.cpp takes on
 these files; the former single-threaded kernel, kept as cpu_layers.attention, states it in
-scalar code): Q rounded to float16, K.Q summed in float32, scores = K.Q * scale, masked
-(causal, and the sliding window when ``window`` > 0), softmax with the maximum taken over the
-scores (and the head's sink logit when ``sinks`` is given), exponentials (Cephes' expf
-polynomial, ~1 ulp) summed in float64, scaled by float32(1/sum), probabilities rounded to
-float16, then P.V in float32 in key order (fused multiply-adds change nothing there: the
-product of two float16 values is exact in float32). A task keeps its rows'
-scores (at most SCORE_BUDGET floats; long prefills get shorter query tiles) between the
-pass over K and the pass over V. The only freedom taken against the scalar kernel is the
-summation order inside a dot product (vector lanes), which moves a probability across a
-float16 rounding boundary now and then: 84% of outputs bit-identical, the rest within one
-float16 ulp of one probability (tests/moe_service/engine/test_attention.py), plus, for a split decode,
-the order of the float32 additions of the parts' P.V; the goldens are unchanged.
+scalar code): Q rounded to float16, K.Q in float32 in ggml's summation order (below),
+scores = K.Q * scale, masked (causal, and the sliding window when ``window`` > 0), softmax
+with the maximum taken over the scores (and the head's sink logit when ``sinks`` is given),
+exponentials (Cephes' expf polynomial, ~1 ulp) summed in float64 in key order, scaled by
+float32(1/sum), probabilities rounded to float16, then P.V in float32 in key order (fused
+multiply-adds change nothing there: the product of two float16 values is exact in float32).
+A task keeps its rows' scores (at most SCORE_BUDGET floats; long prefills get shorter query
+tiles) between the pass over K and the pass over V.
+
+K.Q summation order: as ggml on AVX-512, which llama.cpp's KQ matrix product takes: a step
+of one token (decode; llama.cpp's mul_mat with n = 1 calls ggml_vec_dot_f16) sums element i
+into lane i % 64 (four 16-lane accumulators), folds the lanes in halves (64 -> 32 -> ... -> 1)
+and adds the dims past the last multiple of 64 in float64; a step of several tokens (prefill;
+llamafile's tinyBLAS, used by ggml for n >= 2 when D % 16 == 0) sums into lane i % 16 and
+folds those. Written in LLVM vector IR (:func:`_lane_dot`), so the dot products run in
+vector lanes and still round exactly as ggml's do (the former strict key order could not
+be vectorised; LLVM's own reassociation lost a decisive greedy step of the gpt-oss l3
+golden). Against the scalar kernel: a score differs in its last bits now and then, which
+moves a probability across a float16 rounding boundary (tests/moe_service/engine/test_attention.py
+bounds it), plus, for a split decode, the order of the float32 additions of the parts' P.V.
+The goldens are unchanged and pass.
 
 Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
 per row a running maximum m (float32), a running float64 sum l of exp(score - m) and a
@@ -72,19 +81,22 @@ import threading
 from typing import Any
 
 import numpy as np
+from llvmlite import ir as _ir
 from numba import carray, cfunc, njit, types
+from numba.core import cgutils as _cg
+from numba.extending import intrinsic
 
 from moe_service.engine import pool as _pool
 from moe_service.engine import quant as _q
 from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
+from moe_service.engine.quant import ir as _qir
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
-# Strict IEEE order (no reassoc/contract) since the merge with the arch seam: with the dot
-# products reordered into vector lanes and fused, tiny-gpt-oss-l3-pattern3-q8_0 (sinks,
-# 16-token window, 3 layers) lost a decisive greedy step (33, llama.cpp gap 0.2688 >=
-# GAP_MIN 0.25) against its golden; in key order it passes. Costs the lane vectorisation of
-# the reductions (see the README's attention numbers, measured with it).
+# No fastmath: every reduction's order is the one written (the score dot products' lanes are
+# explicit vector IR, see _lane_dot); LLVM's reassociation once lost a decisive greedy step
+# of tiny-gpt-oss-l3-pattern3-q8_0 against its llama.cpp golden.
 _JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": False}
+_JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call per key costs more than the work
 
 FMT_F16 = 0
 FMT_Q8_0 = 1
@@ -101,6 +113,7 @@ O_KFMT, O_K_SEQ, O_K_POS, O_K_HEAD = range(14, 18)  # strides in cache elements 
 O_VFMT, O_V_SEQ, O_V_POS, O_V_HEAD = range(18, 22)
 O_SCALE, O_WINDOW, O_HAS_SINKS, O_RMAX, O_NTOK = range(22, 27)
 O_SC, O_META = 27, 28  # exact split decode: scores buffer (float32), group table (int64 [*, META_W])
+O_WIDE = 29  # 1: a one-token step (ggml_vec_dot_f16's 64-lane score order), 0: 16 lanes (tinyBLAS)
 OP_LEN = 30
 META_W = 8  # sc offset, L, j_start, h_lo, h_hi, first part task, n parts, partial-acc offset
 
@@ -233,102 +246,188 @@ def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
                     _q.st(dst, od + i, d * np.float32(_q.ld(srci, ob + 2 + i)))
 
 
-@njit(**_JIT_VEC)
-def _scores(qb, qo, kt, s, so, ja, jb, d, scale):
-    """s[so + j] = (qb[qo:qo+d] . kt[j*d:(j+1)*d]) * scale for j in ja..jb-1 (dot products in
-    vector lanes, four keys per pass over q); returns the largest."""
+def _lane_dot(lanes: int):
+    """An intrinsic ``f(qb, qo, kb, ko, n_blocks) -> float32``: the dot product of
+    qb[qo : qo + n_blocks * lanes] (float32) with kb[ko : ...] (float32, or float16 bits as
+    uint16 read in place) in ggml's order: ``lanes`` float32 accumulators, element i into
+    accumulator i % lanes (a product of two float16 values is exact in float32, so ggml's
+    fused multiply-add rounds as this multiply then add), block after block; then a halving
+    tree, lane l + h into lane l for h = lanes/2, ..., 1. lanes = 64: ggml_vec_dot_f16 on
+    AVX-512 (GGML_F16_STEP 64: four 16-lane accumulators, GGML_F32x16_REDUCE adds the second
+    pair into the first, then the first two, then _mm512_reduce_add_ps halves 16 lanes);
+    lanes = 16: llamafile's tinyBLAS (one 16-lane accumulator per output, hsum =
+    _mm512_reduce_add_ps). Written in LLVM vector IR so the order is exactly this one."""
+
+    @intrinsic
+    def dot(typingctx, qarr, qo, karr, ko, n_blocks):
+        sig = types.float32(qarr, qo, karr, ko, n_blocks)
+        k_half = karr.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            qa, qo_, ka, ko_, nb_ = args
+            i64 = _ir.IntType(64)
+            vty = _ir.VectorType(_ir.FloatType(), lanes)
+            qp = builder.gep(_qir._data(context, builder, signature.args[0], qa),
+                             [context.cast(builder, qo_, signature.args[1], types.int64)])
+            kp = builder.gep(_qir._data(context, builder, signature.args[2], ka),
+                             [context.cast(builder, ko_, signature.args[3], types.int64)])
+            nb = context.cast(builder, nb_, signature.args[4], types.int64)
+            acc_p = _cg.alloca_once_value(builder, _ir.Constant(vty, [0.0] * lanes))
+            with _cg.for_range(builder, nb) as loop:
+                off = builder.mul(loop.index, _ir.Constant(i64, lanes))
+                qv = builder.load(builder.bitcast(builder.gep(qp, [off]), vty.as_pointer()), align=4)
+                if k_half:
+                    hv = builder.load(builder.bitcast(builder.gep(kp, [off]),
+                                                      _ir.VectorType(_ir.IntType(16), lanes).as_pointer()), align=2)
+                    kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), lanes)), vty)
+                else:
+                    kv = builder.load(builder.bitcast(builder.gep(kp, [off]), vty.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(acc_p), builder.fmul(qv, kv)), acc_p)
+            acc = builder.load(acc_p)
+            h = lanes
+            while h > 1:
+                h //= 2
+                lo = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_ir.IntType(32), h), list(range(h))))
+                hi = builder.shuffle_vector(acc, acc, _ir.Constant(_ir.VectorType(_ir.IntType(32), h),
+                                                                   list(range(h, 2 * h))))
+                acc = builder.fadd(lo, hi)
+            return builder.extract_element(acc, _ir.Constant(_ir.IntType(32), 0))
+
+        return sig, codegen
+
+    return dot
+
+
+_dot16 = _lane_dot(16)
+_dot64 = _lane_dot(64)
+
+
+@intrinsic
+def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride):
+    """Four :func:`_lane_dot` (lanes = 16) dot products at once, bit for bit the same: query
+    rows qb[qo + r * qstride ...] (r < 4) with one key kb[ko ...], each K vector loaded (and
+    widened from float16) once for the four rows; out[oo + r * ostride] = the results. The four
+    rows' halving trees are folded together, two rows per shuffle-and-add (lane l + h into
+    lane l of each row, h = 8, 4, 2, 1, exactly as one row alone)."""
+    sig = types.void(qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride)
+    k_half = karr.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        qa, ka, oa = args[0], args[3], args[6]
+        i64 = _ir.IntType(64)
+        i32 = _ir.IntType(32)
+        v16 = _ir.VectorType(_ir.FloatType(), 16)
+        def idx(k):
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        qp = builder.gep(_qir._data(context, builder, signature.args[0], qa), [idx(1)])
+        kp = builder.gep(_qir._data(context, builder, signature.args[3], ka), [idx(4)])
+        op_ = builder.gep(_qir._data(context, builder, signature.args[6], oa), [idx(7)])
+        qs, nb, ostr = idx(2), idx(5), idx(8)
+        accs = [_cg.alloca_once_value(builder, _ir.Constant(v16, [0.0] * 16)) for _ in range(4)]
+        with _cg.for_range(builder, nb) as loop:
+            off = builder.mul(loop.index, _ir.Constant(i64, 16))
+            if k_half:
+                hv = builder.load(builder.bitcast(builder.gep(kp, [off]),
+                                                  _ir.VectorType(_ir.IntType(16), 16).as_pointer()), align=2)
+                kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 16)), v16)
+            else:
+                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), v16.as_pointer()), align=4)
+            for r in range(4):
+                qrow = builder.gep(qp, [builder.add(builder.mul(_ir.Constant(i64, r), qs), off)])
+                qv = builder.load(builder.bitcast(qrow, v16.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(accs[r]), builder.fmul(qv, kv)), accs[r])
+        vecs = [(builder.load(a), [r], 16) for r, a in enumerate(accs)]
+        while vecs[0][2] > 1:
+            nxt = []
+            for i in range(0, len(vecs), 2):
+                x, rx, w = vecs[i]
+                y, ry = (vecs[i + 1][0], vecs[i + 1][1]) if i + 1 < len(vecs) else (x, [])
+                h = w // 2
+                lo = [n * w + ln for n in range(len(rx)) for ln in range(h)]
+                lo += [len(rx) * w + n * w + ln for n in range(len(ry)) for ln in range(h)]
+                hi = [x_ + h for x_ in lo]
+                lo_v = builder.shuffle_vector(x, y, _ir.Constant(_ir.VectorType(i32, len(lo)), lo))
+                hi_v = builder.shuffle_vector(x, y, _ir.Constant(_ir.VectorType(i32, len(hi)), hi))
+                nxt.append((builder.fadd(lo_v, hi_v), rx + ry, h))
+            vecs = nxt
+        for v, rows, _w in vecs:
+            for n, r in enumerate(rows):
+                builder.store(builder.extract_element(v, _ir.Constant(i32, n)),
+                              builder.gep(op_, [builder.mul(_ir.Constant(i64, r), ostr)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+
+@intrinsic
+def _ld_f32(typingctx, arr, idx):
+    """arr[idx] as float32: a float32 array's element, or a uint16 array's float16 bits widened."""
+    sig = types.float32(arr, idx)
+    half = arr.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        p = builder.gep(_qir._data(context, builder, signature.args[0], args[0]),
+                        [context.cast(builder, args[1], signature.args[1], types.int64)])
+        v = builder.load(p)
+        return builder.fpext(builder.bitcast(v, _ir.HalfType()), _ir.FloatType()) if half else v
+
+    return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _dot(qb, qo, kb, ko, d, wide):
+    """The score dot product q . k of one query row and one key (module docstring: ggml's
+    order). wide (a one-token step, as llama.cpp's decode): ggml_vec_dot_f16, 64 lanes over
+    the first d - d % 64 dims, the rest added in float64 in order, rounded to float32 once;
+    otherwise (prefill, as llama.cpp's tinyBLAS for n_tokens >= 2; d a multiple of 16): 16
+    lanes."""
+    if wide:
+        n = d - d % 64
+        acc = np.float64(_dot64(qb, qo, kb, ko, n // 64))
+        for i in range(n, d):
+            acc += np.float64(_q.ld(qb, qo + i) * _ld_f32(kb, ko + i))
+        return np.float32(acc)
+    return _dot16(qb, qo, kb, ko, d // 16)
+
+
+@njit(**_JIT_INLINE)
+def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
+    """s[so + j] = (q . key j) * scale for keys ja..jb-1, key j at kb[k0 + j * kstride] (the
+    float16 cache read in place, or a float32 tile); returns the largest."""
     mx = np.float32(-np.inf)
-    j = ja
-    while j + 4 <= jb:
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        k0 = j * d
-        for i in range(d):
-            qi = _q.ld(qb, qo + i)
-            a0 += qi * _q.ld(kt, k0 + i)
-            a1 += qi * _q.ld(kt, k0 + d + i)
-            a2 += qi * _q.ld(kt, k0 + 2 * d + i)
-            a3 += qi * _q.ld(kt, k0 + 3 * d + i)
-        a0 *= scale
-        a1 *= scale
-        a2 *= scale
-        a3 *= scale
-        _q.st(s, so + j, a0)
-        _q.st(s, so + j + 1, a1)
-        _q.st(s, so + j + 2, a2)
-        _q.st(s, so + j + 3, a3)
-        mx = max(mx, max(max(a0, a1), max(a2, a3)))
-        j += 4
-    while j < jb:
-        acc = np.float32(0.0)
-        ko = j * d
-        for i in range(d):
-            acc += _q.ld(qb, qo + i) * _q.ld(kt, ko + i)
-        v = acc * scale
+    for j in range(ja, jb):
+        v = _dot(qb, qo, kb, k0 + j * kstride, d, wide) * scale
         _q.st(s, so + j, v)
         mx = max(mx, v)
-        j += 1
     return mx
 
 
-@njit(**_JIT_VEC)
-def _scores2(qb, qo, kt, s, so, stride, ja, jb, d, scale):
-    """:func:`_scores` for the two query rows at qb[qo] and qb[qo + d], their scores at s[so]
-    and s[so + stride]: four keys x two rows per pass (each K chunk loaded once for both;
-    every dot product summed exactly as in _scores). Returns both maxima."""
-    m0 = np.float32(-np.inf)
-    m1 = np.float32(-np.inf)
-    j = ja
-    while j + 4 <= jb:
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        b0 = np.float32(0.0)
-        b1 = np.float32(0.0)
-        b2 = np.float32(0.0)
-        b3 = np.float32(0.0)
-        k0 = j * d
-        for i in range(d):
-            qa = _q.ld(qb, qo + i)
-            qc = _q.ld(qb, qo + d + i)
-            k_0 = _q.ld(kt, k0 + i)
-            k_1 = _q.ld(kt, k0 + d + i)
-            k_2 = _q.ld(kt, k0 + 2 * d + i)
-            k_3 = _q.ld(kt, k0 + 3 * d + i)
-            a0 += qa * k_0
-            a1 += qa * k_1
-            a2 += qa * k_2
-            a3 += qa * k_3
-            b0 += qc * k_0
-            b1 += qc * k_1
-            b2 += qc * k_2
-            b3 += qc * k_3
-        a0 *= scale
-        a1 *= scale
-        a2 *= scale
-        a3 *= scale
-        b0 *= scale
-        b1 *= scale
-        b2 *= scale
-        b3 *= scale
-        _q.st(s, so + j, a0)
-        _q.st(s, so + j + 1, a1)
-        _q.st(s, so + j + 2, a2)
-        _q.st(s, so + j + 3, a3)
-        _q.st(s, so + stride + j, b0)
-        _q.st(s, so + stride + j + 1, b1)
-        _q.st(s, so + stride + j + 2, b2)
-        _q.st(s, so + stride + j + 3, b3)
-        m0 = max(m0, max(max(a0, a1), max(a2, a3)))
-        m1 = max(m1, max(max(b0, b1), max(b2, b3)))
-        j += 4
-    if j < jb:
-        m0 = max(m0, _scores(qb, qo, kt, s, so, j, jb, d, scale))
-        m1 = max(m1, _scores(qb, qo + d, kt, s, so + stride, j, jb, d, scale))
-    return m0, m1
+@njit(**_JIT_INLINE)
+def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0):
+    """:func:`_score_keys` (16 lanes, D a multiple of 16) for the four query rows at qb[qo],
+    qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read once for
+    the four rows (:func:`_dot16_rows4`); mrow[r0 .. r0 + 3] raised to the rows' maxima."""
+    for j in range(ja, jb):
+        _dot16_rows4(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L)
+    for r in range(4):
+        mx = mrow[r0 + r]
+        o = so + r * L
+        for j in range(ja, jb):
+            v = _q.ld(s, o + j) * scale
+            _q.st(s, o + j, v)
+            mx = max(mx, v)
+        mrow[r0 + r] = mx
+
+
+@njit(**_JIT_INLINE)
+def _row_keys(p, window, j0, j1):
+    """Keys j0 <= j < j1 that a query at position p sees: (jlo, jhi) (causal, window)."""
+    jlo = j0
+    if window > 0 and p - window + 1 > jlo:
+        jlo = p - window + 1
+    return jlo, min(j1, p + 1)
 
 
 _LOG2E = np.float32(1.44269504088896341)
@@ -355,9 +454,9 @@ def _exp_shifted(s, ja, jb, mx):
         p = p * r + np.float32(1.6666665459e-1)
         p = p * r + np.float32(5.0000001201e-1)
         p = p * r * r + r + np.float32(1.0)
-        e = p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23))
-        _q.st(s, j, e)
-        total += np.float64(e)
+        _q.st(s, j, p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    for j in range(ja, jb):  # apart from the loop above, which then runs in vector lanes
+        total += np.float64(_q.ld(s, j))
     return total
 
 
@@ -406,13 +505,7 @@ def run_task(op, tasks, ti, pml, pacc):
     window = op[O_WINDOW]
     nq = t_hi - t_lo
     R = nq * group
-    q = _q.view_f32(op[O_Q], ntok * nh * d)
-    qb = np.empty(R * d, np.float32)
-    for tt in range(nq):
-        for hh in range(group):
-            qo = ((t_lo + tt) * nh + g * group + hh) * d
-            for i in range(d):
-                qb[(tt * group + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
+    qb = _gather_q(op, t_lo, nq, g, 0, group)
     m = np.full(R, -np.inf, np.float32)
     lsum = np.zeros(R, np.float64)
     acc = np.zeros(R * dv, np.float32)
@@ -426,22 +519,19 @@ def run_task(op, tasks, ti, pml, pacc):
         j_start = max(k_lo, p0 - window + 1)
     kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
     vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
+    wide = op[O_WIDE] != 0
     for j0 in range(j_start, j_end, bk):
         nb = min(bk, j_end - j0)
         _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
         _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
         for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
+            jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
             ja, jb = jlo - j0, jhi - j0
             for hh in range(group):
                 r = tt * group + hh
-                mx = max(m[r], _scores(qb, r * d, kt, s, 0, ja, jb, d, scale))
+                mx = max(m[r], _score_keys(qb, r * d, kt, 0, d, s, 0, ja, jb, d, scale, wide))
                 if mx > m[r]:
                     if m[r] > -np.inf:
                         f = np.exp(m[r] - mx)
@@ -470,29 +560,30 @@ def run_task(op, tasks, ti, pml, pacc):
 
 
 @njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _pv_exact(acc, ao, p, po, vt, ja, jb, dv):
-    """acc[ao:ao+dv] += p[po + j] * vt[j] for j in ja..jb-1 in key order, in vector lanes over
-    the value dims. Fused multiply-adds allowed: p and a float16 cache's v are float16 values,
-    whose product is exact in float32, so the rounding is the scalar reference's (measured:
-    P.V 10.6 -> 4.3 ns per (row, key) at Dv = 128)."""
+def _pv_exact(acc, ao, p, po, vb, vo, vstride, ja, jb, dv):
+    """acc[ao:ao+dv] += p[po + j] * v_j for j in ja..jb-1 in key order, v_j the Dv values at
+    vb[vo + j * vstride] (a float16 cache read in place as uint16, or a float32 tile), in
+    vector lanes over the value dims. Fused multiply-adds allowed: p and a float16 cache's v
+    are float16 values, whose product is exact in float32, so the rounding is the scalar
+    reference's (measured: P.V 10.6 -> 4.3 ns per (row, key) at Dv = 128)."""
     j = ja
     while j + 4 <= jb:  # four keys per pass over the accumulator, the additions still in key order
         p0 = _q.ld(p, po + j)
         p1 = _q.ld(p, po + j + 1)
         p2 = _q.ld(p, po + j + 2)
         p3 = _q.ld(p, po + j + 3)
-        v0 = j * dv
+        v0 = vo + j * vstride
         for i in range(dv):
-            a = _q.ld(acc, ao + i) + p0 * _q.ld(vt, v0 + i)
-            a = a + p1 * _q.ld(vt, v0 + dv + i)
-            a = a + p2 * _q.ld(vt, v0 + 2 * dv + i)
-            _q.st(acc, ao + i, a + p3 * _q.ld(vt, v0 + 3 * dv + i))
+            a = _q.ld(acc, ao + i) + p0 * _ld_f32(vb, v0 + i)
+            a = a + p1 * _ld_f32(vb, v0 + vstride + i)
+            a = a + p2 * _ld_f32(vb, v0 + 2 * vstride + i)
+            _q.st(acc, ao + i, a + p3 * _ld_f32(vb, v0 + 3 * vstride + i))
         j += 4
     while j < jb:
         pj = _q.ld(p, po + j)
-        vo = j * dv
+        v0 = vo + j * vstride
         for i in range(dv):
-            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _q.ld(vt, vo + i))
+            _q.st(acc, ao + i, _q.ld(acc, ao + i) + pj * _ld_f32(vb, v0 + i))
         j += 1
 
 
@@ -504,98 +595,119 @@ def _normalise_f16(sc, a, b, inv):
 
 
 @njit(**_JIT_VEC)
-def run_task_exact(op, tasks, ti):
-    """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
-    every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
-    a scratch [R, L] while streaming K once, then per row the maximum, the float64 sum of the
-    exponentials and the float16-rounded probabilities, then P.V streaming V once."""
-    nh, d, dv, group, bk = op[O_NH], op[O_D], op[O_DV], op[O_GROUP], op[O_BK]
-    ntok = op[O_NTOK]
-    tb = ti * TASK_W
-    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
-    g, h_lo, h_hi = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6]
-    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
-    window = op[O_WINDOW]
-    nq = t_hi - t_lo
-    gh = h_hi - h_lo
-    R = nq * gh
-    q = _q.view_f32(op[O_Q], ntok * nh * d)
-    qb = np.empty(R * d, np.float32)
+def _gather_q(op, t_lo, nq, g, h_lo, gh):
+    """The query rows of tokens t_lo..t_lo+nq-1 x heads h_lo..h_lo+gh-1 of KV head g's group,
+    rounded to float16 (as float32): float32 [nq * gh * D], row r = tt * gh + hh."""
+    nh, d, group = op[O_NH], op[O_D], op[O_GROUP]
+    q = _q.view_f32(op[O_Q], op[O_NTOK] * nh * d)
+    qb = np.empty(nq * gh * d, np.float32)
     for tt in range(nq):
         for hh in range(gh):
             qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
             for i in range(d):
                 qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
-    j_end = p0 + nq
-    j_start = 0
-    if window > 0:
-        j_start = max(0, p0 - window + 1)
-    L = j_end - j_start
-    sc = np.empty(R * L, np.float32)
-    mrow = np.full(R, -np.inf, np.float32)
-    acc = np.zeros(R * dv, np.float32)
-    kt = np.empty(bk * max(d, dv), np.float32)
-    kfmt, kseq, kpos, khead = op[O_KFMT], op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
-    vfmt, vseq, vpos, vhead = op[O_VFMT], op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
-    for j0 in range(j_start, j_end, bk):
-        nb = min(bk, j_end - j0)
-        _load_rows(op[O_KC], kfmt, seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
+    return qb
+
+
+@njit(**_JIT_VEC)
+def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow, acc, ao):
+    """One pass of the two-pass contract over keys kp_lo..kp_hi-1, key tile by key tile (a
+    tile serves every row), each row masked (causal, window); rows r = tt * gh + hh, their
+    values at sc[so + r * L + j] (so already minus the row's first key).
+
+    values False (the K pass): sc = (q_r . k_j) * scale for the query rows in qb, mrow[r]
+    raised to the row's maximum. values True (the V pass): acc[ao + r * Dv ...] += the
+    probabilities in sc times V in key order. A float16 cache is read in place; a Q8_0 cache
+    is widened to a float32 tile first."""
+    bk, window, d = op[O_BK], op[O_WINDOW], op[O_D]
+    if values:
+        n_dim, fmt, pos, addr = op[O_DV], op[O_VFMT], op[O_V_POS], op[O_VC]
+        base = seq * op[O_V_SEQ] + g * op[O_V_HEAD]
+    else:
+        n_dim, fmt, pos, addr = d, op[O_KFMT], op[O_K_POS], op[O_KC]
+        base = seq * op[O_K_SEQ] + g * op[O_K_HEAD]
+    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
+    wide = op[O_WIDE] != 0
+    c16 = _view_u16(addr, 1)
+    tile = np.empty(bk * n_dim if fmt != FMT_F16 else 1, np.float32)
+    for j0 in range(kp_lo, kp_hi, bk):
+        nb = min(bk, kp_hi - j0)
+        if fmt != FMT_F16:
+            _load_rows(addr, fmt, base + j0 * pos, pos, nb, n_dim, tile)
         for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
+            jlo, jhi = _row_keys(p0 + tt, window, j0, j0 + nb)
             if jhi <= jlo:
                 continue
-            hh = 0
-            while hh + 2 <= gh:  # two heads of the token at a time: each K chunk loaded once for both
+            hh0 = 0
+            if not values and not wide and fmt == FMT_F16:  # prefill: four heads of the token per K read
+                while hh0 + 4 <= gh:
+                    r = tt * gh + hh0
+                    _score_keys4(qb, r * d, d, c16, base, pos, sc, so + r * L, L, jlo, jhi, scale, mrow, r)
+                    hh0 += 4
+            for hh in range(hh0, gh):
                 r = tt * gh + hh
-                m0, m1 = _scores2(qb, r * d, kt, sc, r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
-                if m0 > mrow[r]:
-                    mrow[r] = m0
-                if m1 > mrow[r + 1]:
-                    mrow[r + 1] = m1
-                hh += 2
-            if hh < gh:
-                r = tt * gh + hh
-                mx = _scores(qb, r * d, kt, sc, r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
-                if mx > mrow[r]:
-                    mrow[r] = mx
+                if values and fmt == FMT_F16:
+                    _pv_exact(acc, ao + r * n_dim, sc, so + r * L, c16, base, pos, jlo, jhi, n_dim)
+                elif values:
+                    _pv_exact(acc, ao + r * n_dim, sc, so + r * L, tile, -j0 * n_dim, n_dim, jlo, jhi, n_dim)
+                else:
+                    if fmt == FMT_F16:
+                        mx = _score_keys(qb, r * d, c16, base, pos, sc, so + r * L, jlo, jhi, d, scale, wide)
+                    else:
+                        mx = _score_keys(qb, r * d, tile, -j0 * d, d, sc, so + r * L, jlo, jhi, d, scale, wide)
+                    if mx > mrow[r]:
+                        mrow[r] = mx
+
+
+@njit(**_JIT_VEC)
+def _softmax_rows(op, sc, so, L, j_start, p0, nq, gh, g, h_lo, mrow):
+    """Per row r (token tt, head h_lo + hh of group g): the maximum (mrow[r], or the sink when
+    larger), exp(score - max) summed in float64 in key order (plus the sink's term), and the
+    probabilities float16(e * float32(1/sum)) in place over the row's keys."""
+    nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
     sinks = _q.view_f32(op[O_SINKS], nh)
     has_sinks = op[O_HAS_SINKS] != 0
     for tt in range(nq):
         p = p0 + tt
-        lo = j_start
-        if window > 0 and p - window + 1 > lo:
-            lo = p - window + 1
+        lo, hi = _row_keys(p, window, j_start, p + 1)
         for hh in range(gh):
             r = tt * gh + hh
             mx = mrow[r]
             h = g * group + h_lo + hh
             if has_sinks and sinks[h] > mx:
                 mx = sinks[h]
-            a = r * L + lo - j_start
-            b = r * L + p + 1 - j_start
+            a = so + r * L + lo - j_start
+            b = so + r * L + hi - j_start
             total = _exp_shifted(sc, a, b, mx)
             if has_sinks:
                 total += np.float64(np.exp(sinks[h] - mx))
             _normalise_f16(sc, a, b, np.float32(1.0 / total))
-    for j0 in range(j_start, j_end, bk):
-        nb = min(bk, j_end - j0)
-        _load_rows(op[O_VC], vfmt, seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, kt)
-        for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
-            if jhi <= jlo:
-                continue
-            for hh in range(gh):
-                r = tt * gh + hh
-                _pv_exact(acc, r * dv, sc, r * L + j0 - j_start, kt, jlo - j0, jhi - j0, dv)
-    out = _q.view_f32(op[O_OUT], ntok * nh * dv)
+
+
+@njit(**_JIT_VEC)
+def run_task_exact(op, tasks, ti):
+    """Task ``ti`` with the two-pass softmax of the module docstring's contract: the scores of
+    every key of the task's range for its R query rows (heads h_lo..h_hi-1 of the group) into
+    a scratch [R, L] while streaming K once, then per row the maximum, the float64 sum of the
+    exponentials and the float16-rounded probabilities, then P.V streaming V once."""
+    nh, dv, group = op[O_NH], op[O_DV], op[O_GROUP]
+    tb = ti * TASK_W
+    seq, t_lo, t_hi, p0 = tasks[tb], tasks[tb + 1], tasks[tb + 2], tasks[tb + 3]
+    g, h_lo, h_hi = tasks[tb + 4], tasks[tb + 5], tasks[tb + 6]
+    nq = t_hi - t_lo
+    gh = h_hi - h_lo
+    R = nq * gh
+    qb = _gather_q(op, t_lo, nq, g, h_lo, gh)
+    j_end = p0 + nq
+    j_start = max(0, p0 - op[O_WINDOW] + 1) if op[O_WINDOW] > 0 else 0
+    L = j_end - j_start
+    sc = np.empty(R * L, np.float32)
+    mrow = np.full(R, -np.inf, np.float32)
+    acc = np.zeros(R * dv, np.float32)
+    _tile_pass(op, False, qb, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, mrow, acc, 0)
+    _softmax_rows(op, sc, 0, L, j_start, p0, nq, gh, g, h_lo, mrow)
+    _tile_pass(op, True, qb, seq, p0, nq, gh, g, j_start, j_end, sc, -j_start, L, mrow, acc, 0)
+    out = _q.view_f32(op[O_OUT], op[O_NTOK] * nh * dv)
     for tt in range(nq):
         for hh in range(gh):
             r = tt * gh + hh
@@ -619,38 +731,10 @@ def run_part_k(op, tasks, ti, meta, sc):
     """Exact split, phase 0: the scores of keys kp_lo..kp_hi-1 for the group's rows into the
     group's scores buffer (as run_task_exact's first pass, over one key range)."""
     seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
-    nh, d, group, bk = op[O_NH], op[O_D], op[O_GROUP], op[O_BK]
-    scale = _q.view_f32(op.ctypes.data + 8 * O_SCALE, 1)[0]
-    window = op[O_WINDOW]
-    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
-    q = _q.view_f32(op[O_Q], op[O_NTOK] * nh * d)
-    qb = np.empty(nq * gh * d, np.float32)
-    for tt in range(nq):
-        for hh in range(gh):
-            qo = ((t_lo + tt) * nh + g * group + h_lo + hh) * d
-            for i in range(d):
-                qb[(tt * gh + hh) * d + i] = _f16_bits_to_f32(_f32_to_f16_bits(q[qo + i]))
-    kt = np.empty(bk * d, np.float32)
-    kseq, kpos, khead = op[O_K_SEQ], op[O_K_POS], op[O_K_HEAD]
-    for j0 in range(kp_lo, kp_hi, bk):
-        nb = min(bk, kp_hi - j0)
-        _load_rows(op[O_KC], op[O_KFMT], seq * kseq + j0 * kpos + g * khead, kpos, nb, d, kt)
-        for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
-            if jhi <= jlo:
-                continue
-            hh = 0
-            while hh + 2 <= gh:  # the same head pairing as run_task_exact: the same bits per (row, key)
-                r = tt * gh + hh
-                _scores2(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, L, jlo - j0, jhi - j0, d, scale)
-                hh += 2
-            if hh < gh:
-                r = tt * gh + hh
-                _scores(qb, r * d, kt, sc, sc_off + r * L + j0 - j_start, jlo - j0, jhi - j0, d, scale)
+    qb = _gather_q(op, t_lo, nq, g, h_lo, gh)
+    mrow = np.full(nq * gh, -np.inf, np.float32)
+    _tile_pass(op, False, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1], mrow,
+               mrow, 0)
 
 
 @njit(**_JIT_VEC)
@@ -662,56 +746,30 @@ def run_norm(op, tasks, meta, mi, sc):
     tb = ti * TASK_W
     nq, p0, g = tasks[tb + 2] - tasks[tb + 1], tasks[tb + 3], tasks[tb + 4]
     sc_off, L, j_start, h_lo, gh = meta[mb], meta[mb + 1], meta[mb + 2], meta[mb + 3], meta[mb + 4] - meta[mb + 3]
-    nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
-    sinks = _q.view_f32(op[O_SINKS], nh)
-    has_sinks = op[O_HAS_SINKS] != 0
+    window = op[O_WINDOW]
+    mrow = np.empty(nq * gh, np.float32)
     for tt in range(nq):
-        p = p0 + tt
-        lo = j_start
-        if window > 0 and p - window + 1 > lo:
-            lo = p - window + 1
+        lo, hi = _row_keys(p0 + tt, window, j_start, p0 + tt + 1)
         for hh in range(gh):
             r = tt * gh + hh
-            a = sc_off + r * L + lo - j_start
-            b = sc_off + r * L + p + 1 - j_start
             mx = np.float32(-np.inf)
-            for j in range(a, b):
+            for j in range(sc_off + r * L + lo - j_start, sc_off + r * L + hi - j_start):
                 mx = max(mx, _q.ld(sc, j))
-            h = g * group + h_lo + hh
-            if has_sinks and sinks[h] > mx:
-                mx = sinks[h]
-            total = _exp_shifted(sc, a, b, mx)
-            if has_sinks:
-                total += np.float64(np.exp(sinks[h] - mx))
-            _normalise_f16(sc, a, b, np.float32(1.0 / total))
+            mrow[r] = mx
+    _softmax_rows(op, sc, sc_off, L, j_start, p0, nq, gh, g, h_lo, mrow)
 
 
 @njit(**_JIT_VEC)
 def run_part_v(op, tasks, ti, meta, sc, pacc):
     """Exact split, phase 2: P.V over keys kp_lo..kp_hi-1 into this part's partial rows."""
     seq, t_lo, nq, p0, g, gh, h_lo, kp_lo, kp_hi, mb = _part_rows(op, tasks, ti, meta)
-    dv, bk, window = op[O_DV], op[O_BK], op[O_WINDOW]
-    sc_off, L, j_start = meta[mb], meta[mb + 1], meta[mb + 2]
+    dv = op[O_DV]
     R = nq * gh
     ao = (meta[mb + 7] + (ti - meta[mb + 5]) * R) * dv  # meta[7]: the group's first partial row
     for i in range(R * dv):
         pacc[ao + i] = 0.0
-    vt = np.empty(bk * dv, np.float32)
-    vseq, vpos, vhead = op[O_V_SEQ], op[O_V_POS], op[O_V_HEAD]
-    for j0 in range(kp_lo, kp_hi, bk):
-        nb = min(bk, kp_hi - j0)
-        _load_rows(op[O_VC], op[O_VFMT], seq * vseq + j0 * vpos + g * vhead, vpos, nb, dv, vt)
-        for tt in range(nq):
-            p = p0 + tt
-            jlo = j0
-            if window > 0 and p - window + 1 > jlo:
-                jlo = p - window + 1
-            jhi = min(j0 + nb, p + 1)
-            if jhi <= jlo:
-                continue
-            for hh in range(gh):
-                r = tt * gh + hh
-                _pv_exact(pacc, ao + r * dv, sc, sc_off + r * L + j0 - j_start, vt, jlo - j0, jhi - j0, dv)
+    _tile_pass(op, True, pacc, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, meta[mb] - meta[mb + 2], meta[mb + 1],
+               pacc, pacc, ao)  # (qb and mrow unused by the V pass)
 
 
 @njit(**_JIT_VEC)
@@ -1065,6 +1123,70 @@ def _fill_addresses(op, q, kc, vc, out, tasks, pml, pacc, sinks, sc, meta):
     op[O_SINKS] = sinks.ctypes.data
 
 
+@njit(**_JIT)
+def _exact_prepare(op, sp, q, kc, vc, out, sinks, n_workers, fn, qrows, budget, min_keys, serial_work):
+    """The default mode's whole setup in one compiled call (a decode step calls attend once per
+    layer; separate Python and numba calls cost more than a short decode's attention): plan
+    (_plan_exact), scratch buffers, addresses into ``op``; a small step (or one worker) runs
+    right here on the calling thread. Returns (tasks, meta, scores, partial accumulators,
+    items, bounds) for pool.run_arrays, items empty when the step already ran. The returned
+    buffers must stay alive while the pool runs (op holds their addresses)."""
+    group, nkv, window, dv, nt = op[O_GROUP], op[O_NKV], op[O_WINDOW], op[O_DV], 1 if n_workers <= 1 else n_workers
+    tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, nt, window, qrows, budget, min_keys)
+    n_tasks = tasks.shape[0]
+    serial = n_workers <= 1 or (work < serial_work and n_direct == n_tasks)
+    if serial and n_direct != n_tasks:  # (planned with splits: plan again without)
+        tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, 1, window, qrows, budget, min_keys)
+        n_tasks = tasks.shape[0]
+    pacc = np.empty(max(1, acc_rows * dv), np.float32)
+    sc = np.empty(max(1, sc_size), np.float32)
+    meta1 = meta if meta.shape[0] else np.zeros((1, META_W), np.int64)
+    _fill_addresses(op, q, kc, vc, out, tasks, pacc, pacc, sinks, sc, meta1)
+    flat = tasks.reshape(-1)
+    if serial:
+        for ti in range(n_tasks):
+            run_task_exact(op, flat, ti)
+        return tasks, meta1, sc, pacc, np.zeros((0, _pool.ITEM_W), np.int64), np.zeros((0, 1, 2), np.int64)
+    n_groups = meta.shape[0]
+    n_parts = n_tasks - n_direct
+    n_items = n_tasks + n_groups + n_parts + n_groups if n_groups else n_tasks
+    items = np.zeros((n_items, _pool.ITEM_W), np.int64)
+    for i in range(n_items):
+        items[i, 0] = _pool.K_CALL
+        items[i, 1] = fn
+    if not n_groups:
+        for i in range(n_tasks):
+            items[i, 2] = 2
+            items[i, 3] = i
+        bounds = np.zeros((1, 1, 2), np.int64)
+        bounds[0, 0, 1] = n_tasks
+        return tasks, meta1, sc, pacc, items, bounds
+    # phase 0: K parts, then whole tiles; 1: normalise; 2: V parts; 3: combine
+    k = 0
+    for i in range(n_direct, n_tasks):
+        items[k, 2], items[k, 3] = 3, i
+        k += 1
+    for i in range(n_direct):
+        items[k, 2], items[k, 3] = 2, i
+        k += 1
+    for i in range(n_groups):
+        items[k, 2], items[k, 3] = 4, i
+        k += 1
+    for i in range(n_direct, n_tasks):
+        items[k, 2], items[k, 3] = 5, i
+        k += 1
+    for i in range(n_groups):
+        items[k, 2], items[k, 3] = 6, i
+        k += 1
+    bounds = np.zeros((4, 1, 2), np.int64)
+    e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
+    bounds[0, 0, 1] = e0
+    bounds[1, 0, 0], bounds[1, 0, 1] = e0, e1
+    bounds[2, 0, 0], bounds[2, 0, 1] = e1, e2
+    bounds[3, 0, 0], bounds[3, 0, 1] = e2, n_items
+    return tasks, meta1, sc, pacc, items, bounds
+
+
 _NO_SINKS = np.zeros(1, np.float32)
 _NO_PML = np.zeros(1, np.float64)
 _NO_PACC = np.zeros(1, np.float32)
@@ -1112,52 +1234,24 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     n_workers = pool.n_workers if pool is not None else 1
     rmax = max(1, QUERY_ROWS // group) * group
     window = int(window)
-    sc, meta = _NO_PACC, _NO_META
-    if online:
-        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
-        tasks, pml, pacc, serial, n_tasks = pl.tasks, pl.pml, pl.pacc, pl.serial, pl.n_tasks
-    else:
-        tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, n_workers, window, QUERY_ROWS,
-                                                                     SCORE_BUDGET, MIN_SPLIT_KEYS)
-        pml, n_tasks = _NO_PML, tasks.shape[0]
-        pacc = np.empty(acc_rows * dv, np.float32) if acc_rows else _NO_PACC
-        if sc_size:
-            sc = np.empty(sc_size, np.float32)
-        serial = n_workers <= 1 or (work < SERIAL_WORK and n_direct == n_tasks)
-        if serial and n_direct != n_tasks:  # (one worker: plan again without splits)
-            tasks, meta, n_direct, work, sc_size, acc_rows = _plan_exact(sp, group, nkv, 1, window, QUERY_ROWS,
-                                                                         SCORE_BUDGET, MIN_SPLIT_KEYS)
-            n_tasks = tasks.shape[0]
     op = np.empty(OP_LEN, np.int64)
     krow, vrow = kc.shape[3], vc.shape[3]
-    _fill_addresses(op, q32, kc, vc, o32, tasks, pml, pacc, s, sc, meta)
     op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
                            kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
                            vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
                            _f32_bits(scale), window, int(sinks is not None), rmax, T)
-    if serial:
-        _run_serial(op, tasks.reshape(-1), n_tasks, pml, pacc, not online)
-    elif online:
-        pool.run_arrays(pl.items, pl.bounds, op)
+    op[O_WIDE] = int(T == 1 or d % 16 != 0)
+    if not online:
+        keep = _exact_prepare(op, sp, q32, kc, vc, o32, s, n_workers, item_address(), QUERY_ROWS, SCORE_BUDGET,
+                              MIN_SPLIT_KEYS, SERIAL_WORK)
+        if keep[4].shape[0]:
+            pool.run_arrays(keep[4], keep[5], op)
     else:
-        n_parts, n_groups = n_tasks - n_direct, meta.shape[0]
-        n_items = n_tasks + n_groups + n_parts + n_groups if n_groups else n_tasks
-        items = np.zeros((n_items, _pool.ITEM_W), np.int64)
-        items[:, 0] = _pool.K_CALL
-        items[:, 1] = item_address()
-        if not n_groups:
-            items[:, 2] = 2
-            items[:, 3] = np.arange(n_tasks)
-            bounds = np.array([[[0, n_tasks]]], np.int64)
-        else:  # phase 0: K parts, then whole tiles; 1: normalise; 2: V parts; 3: combine
-            k = 0
-            for kind, idx in ((3, np.arange(n_direct, n_tasks)), (2, np.arange(n_direct)),
-                              (4, np.arange(n_groups)), (5, np.arange(n_direct, n_tasks)), (6, np.arange(n_groups))):
-                items[k:k + idx.size, 2] = kind
-                items[k:k + idx.size, 3] = idx
-                k += idx.size
-            e0, e1, e2 = n_tasks, n_tasks + n_groups, n_tasks + n_groups + n_parts
-            bounds = np.array([[[0, e0]], [[e0, e1]], [[e1, e2]], [[e2, n_items]]], np.int64)
-        pool.run_arrays(items, bounds, op)
+        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
+        _fill_addresses(op, q32, kc, vc, o32, pl.tasks, pl.pml, pl.pacc, s, _NO_PACC, _NO_META)
+        if pl.serial:
+            _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc, False)
+        else:
+            pool.run_arrays(pl.items, pl.bounds, op)
     if o32 is not out:
         out[...] = o32

@@ -183,6 +183,58 @@ def test_exact_mode_matches_the_scalar_contract(pool):
     assert (diff == 0).mean() > 0.5  # measured 0.84
 
 
+def _ggml_dot(q, k, lanes):
+    """ggml's float16 dot product order on AVX-512, in numpy float32: element i into lane
+    i % lanes over the first n - n % lanes dims, lanes folded in halves, the rest in float64
+    (ggml_vec_dot_f16: lanes 64; llamafile's tinyBLAS: lanes 16, n a multiple of 16)."""
+    n = len(q) - len(q) % lanes
+    acc = np.zeros(lanes, np.float32)
+    for b in range(0, n, lanes):
+        acc = (acc + q[b:b + lanes] * k[b:b + lanes]).astype(np.float32)
+    while acc.size > 1:
+        acc = (acc[:acc.size // 2] + acc[acc.size // 2:]).astype(np.float32)
+    total = np.float64(acc[0])
+    for i in range(n, len(q)):
+        total += np.float64(np.float32(q[i] * k[i]))
+    return np.float32(total)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 576])
+def test_score_dot_products_sum_in_ggml_order(d):
+    """The scores' dot products round exactly as ggml's (bit for bit): 64 lanes for a
+    one-token step (wide), 16 lanes otherwise, from the float16 cache and from a float32 tile."""
+    rng = np.random.default_rng(d)
+    n = 21
+    k16 = (rng.standard_normal((n, d)) * 3).astype(np.float16)
+    q = rng.standard_normal(d).astype(np.float16).astype(np.float32)
+    for wide in (True, False):
+        if not wide and d % 16:
+            continue
+        want = np.array([_ggml_dot(q, k16[j].astype(np.float32), 64 if wide else 16) for j in range(n)], np.float32)
+        for kb in (k16.view(np.uint16).reshape(-1), k16.astype(np.float32).reshape(-1)):
+            s = np.empty(n, np.float32)
+            mx = attention._score_keys(q, 0, kb, 0, d, s, 0, 0, n, d, np.float32(1.0), wide)
+            assert np.array_equal(s, want), (d, wide, kb.dtype, np.abs(s - want).max())
+            assert mx == want.max()
+
+
+@pytest.mark.parametrize("d", [64, 128, 576])
+def test_four_row_scores_equal_one_row_scores(d):
+    """The prefill K pass's four-rows-per-key kernel gives the 16-lane scores bit for bit."""
+    rng = np.random.default_rng(d + 1)
+    n, L = 19, 23
+    k16 = (rng.standard_normal((n, d)) * 3).astype(np.float16)
+    q = rng.standard_normal((4, d)).astype(np.float16).astype(np.float32).reshape(-1)
+    s = np.full(4 * L, np.nan, np.float32)
+    mrow = np.full(4, -np.inf, np.float32)
+    attention._score_keys4(q, 0, d, k16.view(np.uint16).reshape(-1), 0, d, s, 0, L, 2, n, np.float32(0.5), mrow, 0)
+    for r in range(4):
+        want = np.array([_ggml_dot(q[r * d:(r + 1) * d], k16[j].astype(np.float32), 16) * np.float32(0.5)
+                         for j in range(2, n)], np.float32)
+        assert np.array_equal(s[r * L + 2:r * L + n], want), (d, r)
+        assert mrow[r] == want.max()
+
+
 def test_q8_0_matches_ggml_rounding():
     """Q8_0 rows as ggml's quantize_row_q8_0_ref: d = amax/127 (float16), q = roundf(x/d)."""
     x = np.array([0.5, -1.27, 2.54, -2.54] + [0.0] * 27 + [1.905], np.float32)
