@@ -393,13 +393,24 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_deepseek4 --preset NAME --out PATH [--ratios 0,4,128]
-    [--expert-type T] [--seed S] [--sparse]``."""
+    [--hash-layers N] [--expert-type T] [--seed S] [--sparse]``.
+
+    ``--ratios`` with fewer layers than the preset's hash-routed layers keeps the hash routing
+    on at most that many layers (e.g. ``--preset deepseek-v4-flash --ratios 4,128``: two
+    layers, both hash-routed), unless ``--hash-layers`` says otherwise."""
 
     def extra_args(ap) -> None:
         ap.add_argument("--ratios", default=None, help="compress ratio per trunk layer, comma-separated (layer count)")
+        ap.add_argument("--hash-layers", type=int, default=None,
+                        help="leading layers routed by token id (default: the preset's, capped at the layer count)")
 
     def write(args) -> Path:
-        extra = {} if args.ratios is None else {"compress_ratios": tuple(int(x) for x in args.ratios.split(","))}
+        extra: dict[str, Any] = {}
+        if args.ratios is not None:
+            extra["compress_ratios"] = tuple(int(x) for x in args.ratios.split(","))
+            extra["hash_layers"] = min(PRESETS[args.preset].hash_layers, len(extra["compress_ratios"]))
+        if args.hash_layers is not None:
+            extra["hash_layers"] = args.hash_layers
         return write_deepseek4(args.out, args.preset, expert_type=args.expert_type, seed=args.seed,
                                sparse=args.sparse, **extra)
 

@@ -137,6 +137,18 @@ def test_check_on_a_v4_flash_shaped_file(tmp_path):
     assert "plan:" not in r.stdout
 
 
+@pytest.mark.parametrize("args, hash_layers", [(["--ratios", "4,128"], 2), (["--ratios", "4,128", "--hash-layers", "1"], 1),
+                                               ([], 3)])
+def test_the_writer_cli_shortens_a_preset(tmp_path, args, hash_layers):
+    from moe_service.synth_deepseek4 import main
+
+    out = tmp_path / "v4f.gguf"
+    assert main(["--preset", "deepseek-v4-flash", "--out", str(out), "--sparse", *args]) == 0
+    meta = GGUFModel.open(out).metadata
+    assert meta["deepseek4.hash_layer_count"] == hash_layers
+    assert len(meta["deepseek4.attention.compress_ratios"]) == (2 if args else 4)
+
+
 def test_goldens_cross_the_window_and_the_blocks_and_are_decisive():
     man = json.loads((GOLDEN / "deepseek4.json").read_text())
     (name, m), = man["models"].items()
