@@ -44,6 +44,26 @@ HTTP_LOOP_STALL_S = 10.0
 pinging (its /health could not answer anyway)."""
 
 
+class LoopHeartbeat:
+    """The HTTP event loop's own liveness, as a Liveness check.
+
+    The serve stage's coroutine calls :meth:`beat` every 0.1 s on the event loop; the watchdog
+    thread calls :meth:`check`, which names the stall once the last beat is older than
+    ``stall_s`` seconds (a handler or a library call that blocks the loop: then /health cannot
+    answer either, so only the watchdog can tell systemd)."""
+
+    def __init__(self, stall_s: float = HTTP_LOOP_STALL_S) -> None:
+        self.stall_s = stall_s
+        self.last_s = time.monotonic()
+
+    def beat(self) -> None:
+        self.last_s = time.monotonic()
+
+    def check(self) -> str | None:
+        late_s = time.monotonic() - self.last_s
+        return f"the HTTP event loop has not run for {late_s:.1f} s" if late_s > self.stall_s else None
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: any free port), non-blocking.
 
@@ -288,18 +308,13 @@ class ServeStage(Stage):
         ctx.notifier.ready(f"serving {service.model_name} on {self.url}")
         log.info("service_ready", url=self.url, model=service.model_name, parallel=cfg.parallel,
                  n_ctx=engine.n_ctx, stage_durations_s={k: round(v, 3) for k, v in ctx.stage_durations_s.items()})
-        loop_beat = [time.monotonic()]  # the HTTP event loop's own liveness
-
-        def http_loop_check() -> str | None:
-            late_s = time.monotonic() - loop_beat[0]
-            return f"the HTTP event loop has not run for {late_s:.0f} s" if late_s > HTTP_LOOP_STALL_S else None
-
-        ctx.liveness.add_check("http", http_loop_check)
+        heartbeat = LoopHeartbeat()
+        ctx.liveness.add_check("http", heartbeat.check)
         watchdog = start_watchdog(ctx.notifier, ctx.liveness)
         try:
             while not ctx.shutdown.is_set() and not task.done():
                 await asyncio.sleep(0.1)
-                loop_beat[0] = time.monotonic()
+                heartbeat.beat()
             if task.done():
                 task.result()
                 raise StageError(f"the HTTP server on {self.url} stopped on its own")

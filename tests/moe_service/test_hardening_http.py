@@ -19,7 +19,7 @@ from moe_service.engine.sampler import StopSequenceMatcher
 from moe_service.engine.tokenizer import ChatTemplate
 from moe_service.notify import Liveness, Watchdog
 from moe_service.request_limits import MAX_STOP_CHARS
-from pipeline.serve import _uvicorn_server
+from pipeline.serve import LoopHeartbeat, _uvicorn_server
 from tests.moe_service.test_server import Stack
 from tests.support.serving_fakes import FakeTokenizer
 
@@ -320,6 +320,59 @@ def test_failed_steps_turn_health_503_and_stop_the_watchdog():
             assert c.get("/health").status_code == 200 and liveness.problem() is None
     finally:
         s.batch.stop()
+
+
+def test_a_blocked_http_event_loop_stops_the_watchdog():
+    """The serve stage's heartbeat check: the engine keeps stepping (its counter advances on
+    another thread), but a handler blocks the event loop; the pings stop while it is blocked,
+    naming the event loop, and resume when the loop runs again."""
+    import asyncio
+
+    liveness = Liveness()
+    heartbeat = LoopHeartbeat(stall_s=0.3)
+    liveness.add_check("http", heartbeat.check)
+    engine_running = threading.Event()
+    engine_running.set()
+
+    def engine_loop():
+        while engine_running.is_set():
+            liveness.beat()
+            time.sleep(0.01)
+
+    notifier = _Notifier()
+    seen: dict[str, object] = {}
+
+    async def serve():
+        async def run_loop(seconds):
+            t_end = time.monotonic() + seconds
+            while time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+                heartbeat.beat()
+
+        await run_loop(0.4)
+        seen["pings_healthy"] = notifier.pings
+        time.sleep(0.5)  # a handler that blocks the loop past stall_s
+        seen["problem"] = liveness.problem()
+        pings_at = notifier.pings
+        time.sleep(0.4)  # still blocked: no ping goes out
+        seen["pings_while_blocked"] = notifier.pings - pings_at
+        await run_loop(0.4)
+        seen["problem_after"] = liveness.problem()
+
+    threading.Thread(target=engine_loop, daemon=True).start()
+    wd = Watchdog(notifier, liveness, interval_s=0.05).start()
+    try:
+        pings_before = notifier.pings
+        asyncio.run(serve())
+        pings_after = notifier.pings
+        time.sleep(0.2)
+    finally:
+        wd.stop()
+        engine_running.clear()
+    assert seen["pings_healthy"] > 2
+    assert str(seen["problem"]).startswith("http: the HTTP event loop has not run for")
+    assert seen["pings_while_blocked"] == 0
+    assert seen["problem_after"] is None and notifier.pings > pings_after >= pings_before
 
 
 def test_a_dead_worker_pool_turns_health_503():
