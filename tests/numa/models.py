@@ -39,7 +39,7 @@ def model_path(name: str) -> Path:
 def ensure_models(names: tuple[str, ...] = tuple(MODELS)) -> dict[str, Path]:
     """Write the models that are missing (with the load engineer's GGUFWriter factory);
     return name -> path."""
-    from tests.gguf_factory import write_moe_gguf
+    from tests.support.gguf_factory import write_moe_gguf
 
     out = {}
     for name in names:
