@@ -45,12 +45,20 @@ def sinkhorn(comb: np.ndarray, iters: int, eps: float) -> np.ndarray:
     return c.astype(np.float32)
 
 
+def _mix(xn: np.ndarray, fn: np.ndarray) -> np.ndarray:
+    """xn [T, K] float32 times fn [M, K] transposed -> [T, M] float32, summed in float64: a row's
+    result must not depend on how many rows the step has (float32 sgemm rounds a row by its
+    place in the matrix; the 1e-7 changes reach the indexer's top-k and the routing near-ties
+    and flip them), and float64's 1e-14 differences vanish in the rounding to float32."""
+    return (xn.astype(np.float64) @ fn.astype(np.float64, copy=False).T).astype(np.float32)
+
+
 def hc_pre(x: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, eps_rms: float, eps_hc: float,
            iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Hyper-connection input mix (build_hc_pre). x [T, C, H]; fn [M, C*H] (the GGUF tensor
     {C*H, M} as rows); scale [3]; base [M]. Returns (h [T, H], post [T, C], comb [T, C(src), C(dst)])."""
     T, C, H = x.shape
-    mixes = rms(x.reshape(T, C * H), eps_rms) @ fn.T  # [T, M]
+    mixes = _mix(rms(x.reshape(T, C * H), eps_rms), fn)  # [T, M]
     pre = sigmoid(mixes[:, :C] * scale[0] + base[:C]) + F32(eps_hc)
     post = F32(2.0) * sigmoid(mixes[:, C:2 * C] * scale[1] + base[C:2 * C])
     comb = (mixes[:, 2 * C:2 * C + C * C] * scale[2] + base[2 * C:2 * C + C * C]).reshape(T, C, C)
@@ -69,7 +77,7 @@ def hc_head(x: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, 
             eps_hc: float) -> np.ndarray:
     """The final stream merge (build_hc_head): x [T, C, H], fn [C, C*H], scale [1], base [C] -> [T, H]."""
     T, C, H = x.shape
-    mixes = rms(x.reshape(T, C * H), eps_rms) @ fn.T
+    mixes = _mix(rms(x.reshape(T, C * H), eps_rms), fn)
     pre = sigmoid(mixes * scale[0] + base) + F32(eps_hc)
     return np.einsum("tc,tch->th", pre, x).astype(np.float32)
 

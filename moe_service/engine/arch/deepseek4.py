@@ -480,8 +480,9 @@ class Deepseek4(Architecture):
         i = lw.index
         pre = f"blk.{i}."
         m = be.m
-        d: dict = {"hc_attn_fn": _np(be.matrix(pre + "hc_attn_fn.weight")),
-                    "hc_ffn_fn": _np(be.matrix(pre + "hc_ffn_fn.weight"))}
+        # the mixing matrices as float64 (ds4_ops._mix: sums that do not depend on the step's rows)
+        d: dict = {"hc_attn_fn": _np(be.matrix(pre + "hc_attn_fn.weight")).astype(np.float64),
+                   "hc_ffn_fn": _np(be.matrix(pre + "hc_ffn_fn.weight")).astype(np.float64)}
         for short in ("attn_compressor_ape", "indexer_compressor_ape"):
             if pre + short + ".weight" in m.catalog.tensors:
                 d[short] = _np(be.matrix(pre + short + ".weight"))  # [ratio, c*D]
@@ -563,7 +564,8 @@ class Deepseek4(Architecture):
         hp = self.hp
         head = getattr(self, "_hc_head", None)
         if head is None:
-            head = self._hc_head = tuple(_np(be.matrix(f"output_hc_{n}.weight")) for n in ("fn", "scale", "base"))
+            fn, scale, base = (_np(be.matrix(f"output_hc_{n}.weight")) for n in ("fn", "scale", "base"))
+            head = self._hc_head = (fn.astype(np.float64), scale, base)
         xs = _np(x)
         fn, scale, base = head
         h = ops.hc_head(xs.reshape(xs.shape[0], hp.hc, hp.n_embd), fn, scale.reshape(-1), base.reshape(-1),
