@@ -8,7 +8,8 @@ In one run, on the same GGUF file and thread count:
   the same measurements (bench/peer.py), said clearly when it is not installed;
 - the roofline: bytes read per decoded token (dense matrices, the output head, and K of E
   experts' slabs per MoE layer: the routed share of the file) / measured memory read
-  bandwidth (numba reduction over 1 GiB on --threads threads), and the fraction of it our
+  bandwidth (bench.kernels.memory_bandwidth_gbps: pinned threads streaming a 1 GiB THP array
+  with vector loads, the slowest thread's time, best of 3), and the fraction of it our
   decode reaches (``bandwidth_fraction``); the MoE step alone at T=1 over every layer
   (``moe_bandwidth_fraction``).
 

@@ -26,10 +26,11 @@ How the work runs (:func:`attend`): tasks of (sequence, KV head, query tile[, pa
 engine's persistent worker pool (pool.K_CALL items calling this module's compiled item
 function through its address, so editing this file never recompiles the pool's kernels).
 A task gathers its tile's query rows of the heads of one KV head's group (R = tokens x
-heads), rounds them to float16, and streams the cache in key tiles of ``BK`` rows (K and V
-tiles of float32 about one L1d): each K tile is widened from the float16 (or Q8_0) cache once
-and dotted with all R query rows, four keys per pass over a query row, in vector lanes over
-the head dim; each V tile is widened once and accumulated into all R rows. Small steps run
+heads), rounds them to float16, and walks the cache in key tiles of ``BK`` rows (a tile
+serves all R query rows). Default mode: a float16 cache is read in place, K.Q as vector dot
+products in ggml's lane order (a prefill reads each key once for four heads of a token) and
+P.V as fused multiply-adds over the float16 rows; a Q8_0 cache is widened to a float32 tile
+first. Online mode widens K and V tiles (float32, about one L1d) once each. Small steps run
 on the calling thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
 one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
 range. Default mode, four phases: K parts write their rows' scores into one buffer per task,
