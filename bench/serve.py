@@ -23,7 +23,6 @@ throughput of a 2-core box depends on what else runs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -37,14 +36,6 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def _service_proc():
-    spec = importlib.util.spec_from_file_location("moe_bench_service_proc", REPO / "tests" / "e2e" / "service_proc.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["moe_bench_service_proc"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def busy_processes(limit: int = 6) -> list[str]:
@@ -116,7 +107,7 @@ def measure_streams(url: str, model: str, streams: int, max_tokens: int) -> dict
 
 def run_bench(model_path: Path, *, max_tokens: int = 64, streams: int = 4, cache_root: Path | None = None) -> dict:
     """The whole benchmark (module docstring); returns the report as a dict."""
-    sp_mod = _service_proc()
+    from bench import service_proc as sp_mod
     cache_root = cache_root or Path(tempfile.mkdtemp(prefix="moe-bench-cache-"))
     kernel_cache = Path(tempfile.mkdtemp(prefix="moe-bench-numba-"))
     report: dict = {
@@ -173,7 +164,7 @@ def run_prefix_bench(model_path: Path, *, prefix_tokens: int = 3000, questions: 
     question (cold: nothing cached), then ``questions`` requests with the same prefix and other
     questions, one at a time. TTFT of each (client side, first streamed token), the prompt and
     cached token counts from usage, and the cold / median-reused TTFT ratio (goal >= 10x)."""
-    sp_mod = _service_proc()
+    from bench import service_proc as sp_mod
     cache_root = cache_root or Path(tempfile.mkdtemp(prefix="moe-bench-cache-"))
     kernel_cache = os.environ.get("NUMBA_CACHE_DIR") or str(Path(tempfile.mkdtemp(prefix="moe-bench-numba-")))
     prefix = prefix_prompt(model_path, prefix_tokens)

@@ -1,5 +1,5 @@
 """Shared fixtures: a datagram socket standing in for systemd's notify socket
-(tests.support.datagram.DatagramSink), and config helpers."""
+(bench.datagram.DatagramSink), and config helpers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.datagram import DatagramSink
+from bench.datagram import DatagramSink
 
 REPO = Path(__file__).resolve().parent.parent
 

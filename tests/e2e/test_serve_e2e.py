@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.service_proc import build_demo_model, default_numba_cache_dir, start_service
+from bench.service_proc import build_demo_model, default_numba_cache_dir, start_service
 from tests.fixtures.golden import golden_model
 
 GOLDEN = "smollm2-135m-moe8"

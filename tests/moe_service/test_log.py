@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from bench.datagram import DatagramSink
 from moe_service.log import configure_logging, encode_journal_fields, get_logger
 from tests.conftest import REPO
-from tests.support.datagram import DatagramSink
 
 
 def parse_journal(data: bytes) -> dict[str, bytes]:

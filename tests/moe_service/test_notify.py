@@ -6,8 +6,8 @@ import os
 import time
 import uuid
 
+from bench.datagram import DatagramSink
 from moe_service.notify import Liveness, Notifier, TimeoutExtender, Watchdog, watchdog_interval_s
-from tests.support.datagram import DatagramSink
 
 
 def test_path_socket_receives_exactly_the_messages(notify_socket):

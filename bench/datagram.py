@@ -1,6 +1,6 @@
 """A bound AF_UNIX datagram socket that records what is sent to it: systemd's notify socket (and
 journald's) as the tests see it. Used by the ``notify_socket`` fixture (tests/conftest.py), the
-log and notify tests, and the e2e service harness."""
+log and notify tests, and the service harness (bench/service_proc.py: bench serve and the e2e tests)."""
 
 from __future__ import annotations
 
