@@ -57,6 +57,7 @@ import numpy as np
 
 from bench.peer import _CpuWindow, llama_cpp_unavailable_reason
 from moe_service import fileio, memory
+from moe_service.config import FastloadConfig
 from moe_service.gguf_model import GGUFModel
 from moe_service.layout import plain_layout
 from moe_service.sizes import GiB, MiB
@@ -64,6 +65,10 @@ from moe_service.weights import WeightStore
 from pipeline.fastload import choose_io, fastload, reread
 
 IO = ("buffered", "direct")
+
+# fastload.direct_above_free_fraction's default: the "auto" column shows what a default config
+# picks (choose_io's own default is for callers that pass nothing).
+AUTO_DIRECT_ABOVE_FREE_FRACTION = FastloadConfig.model_fields["direct_above_free_fraction"].default
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -290,7 +295,8 @@ def run_bench(
                 result["cold_method"] = evict(paths)
 
         prep()
-        runs["auto_io"] = choose_io(catalog, "auto").io  # what the service would do now
+        # what the service would do now, with its default config
+        runs["auto_io"] = choose_io(catalog, "auto", direct_above_free_fraction=AUTO_DIRECT_ABOVE_FREE_FRACTION).io
         for io in IO:
             if io != IO[0]:
                 prep()
