@@ -92,19 +92,30 @@ def _unpack32(builder, f, ptrs):
     return q
 
 
+def _e8m0_half(e: int) -> float:
+    """float32 of ggml's E8M0 half conversion: bits 0x00200000 << e for e < 2, else (e - 1) << 23."""
+    import struct
+
+    bits = (0x00200000 << e) if e < 2 else ((e - 1) << 23)
+    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
+_E8M0_HALF = ir.Constant(ir.ArrayType(_F32, 256), [_e8m0_half(e) for e in range(256)])
+
+
 def _scales32(builder, f, ptrs):
     """<2n x float>: [d, m] of each block (m only meaningful for Q4_1 / Q5_1), widened
     exactly from float16 (MXFP4: [2^(e-128), 0])."""
     n = len(ptrs)
     if f.kind == "mxfp4":
-        e = ir.Constant(_vt(_I32, 2 * n), None)
+        # one load per block from a 256-entry float table (the exact values the shifts below
+        # would build: ggml's E8M0 "half" conversion, 2^(e-128))
+        table = cgutils.global_constant(builder, "_e8m0_half_f32", _E8M0_HALF)
+        d = ir.Constant(_vt(_F32, 2 * n), [0.0] * 2 * n)
         for j, p in enumerate(ptrs):
-            e = builder.insert_element(e, builder.zext(builder.load(p), _I32), ir.Constant(_I32, 2 * j))
-            e = builder.insert_element(e, ir.Constant(_I32, 2), ir.Constant(_I32, 2 * j + 1))
-        small = builder.shl(_cvec(_I32, [0x00200000] * 2 * n), e)
-        big = builder.shl(builder.sub(e, _cvec(_I32, [1] * 2 * n)), _cvec(_I32, [23] * 2 * n))
-        bits = builder.select(builder.icmp_unsigned("<", e, _cvec(_I32, [2] * 2 * n)), small, big)
-        return builder.bitcast(bits, _vt(_F32, 2 * n))
+            v = builder.load(builder.gep(table, [_ci(0), builder.zext(builder.load(p), _I64)]))
+            d = builder.insert_element(d, v, ir.Constant(_I32, 2 * j))
+        return d
     w = ir.Constant(_vt(_I32, n), None)
     for j, p in enumerate(ptrs):
         w = builder.insert_element(w, _ldv(builder, p, _ci(0), _I32), ir.Constant(_I32, j))
