@@ -197,7 +197,11 @@ def test_rolling_restart_loses_no_request(fleet):
     t0, t1 = s["window"]
     for server in SERVERS:
         (left, back), = out_intervals(s["stats_changes"], server)
-        assert t0 <= left and back is not None and back <= t1
+        assert back is not None, f"{server} never came back"
+        # the sampler saw it UP at `back`, and it was not yet UP at the sample before: the
+        # playbook (which waits for UP) must have ended after that earlier sample
+        back_after = next(c.get("after") or c["t"] for c in s["stats_changes"] if c["t"] == back)
+        assert t0 <= left and back_after <= t1, (t0, left, back_after, back, t1)
         served_while_out = [r for r in s["records"] if left <= r["t0"] and r["t1"] <= back]
         assert served_while_out, f"no request completed while {server} was out"
 

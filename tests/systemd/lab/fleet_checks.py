@@ -200,6 +200,7 @@ class StatsSampler:
 
     def run(self) -> None:
         last = None
+        last_t = None  # when the previous sample was read: a change happened after it
         while not self.stop.is_set():
             try:
                 now = {name: {k: s[k] for k in ("status", "admin_state", "sessions")} for name, s in ctl_status().items()}
@@ -207,10 +208,12 @@ class StatsSampler:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 now = None
             if now is not None:
+                t = round(time.monotonic(), 3)
                 shape = {n: (s["status"], s["admin_state"]) for n, s in now.items()}
                 if shape != last:
-                    self.changes.append({"t": round(time.monotonic(), 3), "servers": now})
+                    self.changes.append({"t": t, "after": last_t, "servers": now})
                     last = shape
+                last_t = t
             time.sleep(0.2)
 
     def __enter__(self):
