@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from moe_service.engine.model import Model
-from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
 from tests.fixtures.golden import demo_chain, golden_model, golden_model_names, model_file
@@ -40,14 +38,6 @@ TINY = (0.5, 0.1)  # max, mean |logit difference|
 SMOLLM2 = (2.0, 0.6)
 TIE = (4.0, 1.0)
 ROUTE_TIE = 1e-3  # routing margin below which the engines may pick different experts
-
-
-@pytest.fixture(scope="module")
-def ops():
-    torch.set_num_threads(1)
-    o = CpuOps(threads=0)
-    yield o
-    o.close()
 
 
 def _run(g, path, ops) -> tuple[np.ndarray, list[int], float]:

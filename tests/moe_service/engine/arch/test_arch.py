@@ -21,7 +21,6 @@ from moe_service.engine.arch import (
 )
 from moe_service.engine.arch.rope import rope_tables
 from moe_service.engine.model import CpuPath, LayerWeights, Model, TorchPath, torch_route
-from moe_service.engine.ops import CpuOps
 from moe_service.errors import ConfigError, ModelFileError
 from moe_service.gguf_model import GGUFModel
 from moe_service.metrics import Metrics
@@ -159,14 +158,6 @@ def test_rope_tables_plain_and_yarn():
     m = np.float32(1 + 0.1 * np.log(4.0))
     np.testing.assert_allclose(cy[8, 0], np.cos(8.0) * m, rtol=1e-5)  # pair 0: full extrapolation
     np.testing.assert_allclose(cy[8, 7] / m, c4[8, 7], rtol=1e-5)  # last pair: interpolation
-
-
-@pytest.fixture(scope="module")
-def ops():
-    torch.set_num_threads(1)
-    o = CpuOps(threads=0)
-    yield o
-    o.close()
 
 
 def test_experts_per_token_overrides_top_k_and_is_exported(ops, tmp_path):

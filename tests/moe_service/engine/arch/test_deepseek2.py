@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from moe_service.engine.arch.base import GATING_SIGMOID
 from moe_service.engine.model import Model
-from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
 from tests.fixtures.golden import GOLDEN_DIR, golden_model, golden_model_names, load_manifest, model_file
@@ -43,14 +41,6 @@ DS2 = (1.0, 0.2)  # max, mean |logit difference| vs llama.cpp, CPU path
 DS2_TORCH = (2.0, 0.4)  # the torch path (float activations)
 
 NAMES = [n for n in golden_model_names() if golden_model(n).source.get("arch") == "deepseek2"]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    torch.set_num_threads(1)
-    o = CpuOps(threads=0)
-    yield o
-    o.close()
 
 
 def _selection_margin(model, lw, h) -> float:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from moe_service.engine.model import Model
-from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth import sha256_file
 from moe_service.synth_deepseek4 import write_deepseek4
@@ -31,14 +29,6 @@ pytestmark = needs_smollm2
 
 GOLDEN = REPO / "tests" / "fixtures" / "golden"
 BOUND = (1.0, 0.2)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    torch.set_num_threads(1)
-    o = CpuOps(threads=0)
-    yield o
-    o.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from moe_service.engine import kv
 from moe_service.engine.model import Model
-from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth_deepseek2 import write_deepseek2
 from moe_service.synth_deepseek4 import write_deepseek4
@@ -27,14 +25,6 @@ from tests.support.smollm2 import needs_smollm2
 
 pytestmark = needs_smollm2
 GIB = 1024**3
-
-
-@pytest.fixture(scope="module")
-def ops():
-    torch.set_num_threads(1)
-    o = CpuOps(threads=0)
-    yield o
-    o.close()
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from moe_service.engine.model import Model
-from moe_service.engine.ops import CpuOps
 from moe_service.gguf_model import GGUFModel
 from moe_service.weights import WeightStore
 from tests.fixtures.golden import GOLDEN_DIR, GoldenModel, model_file
@@ -41,14 +39,6 @@ def _golden(name: str) -> tuple[GoldenModel, np.ndarray]:
                     greedy_gaps=list(m["greedy_top1_top2_gap"]), self_deviation=m["llama_cpp_self_deviation"],
                     logits_stats=m["logits_stats"])
     return g, np.load(GOLDEN_DIR / m["after_chain_logits_file"])
-
-
-@pytest.fixture(scope="module")
-def ops():
-    torch.set_num_threads(1)
-    o = CpuOps(threads=0)
-    yield o
-    o.close()
 
 
 @pytest.mark.parametrize("dense", ["quant", "torch"])
