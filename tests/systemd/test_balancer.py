@@ -100,7 +100,7 @@ def test_config_has_one_server_per_instance_of_the_backend(tmp_path):
         ["server", "gpu-2.example:8000", "[fd00::12]:8000"],
     ]
     for line in ("bind *:8000", "balance leastconn", "option httpchk GET /health", "http-check expect status 200",
-                 "option redispatch 1", "retries 3", "retry-on conn-failure empty-response", "timeout server 900s", "timeout client 900s",
+                 "option redispatch 1", "retries 3", "retry-on conn-failure empty-response 503", "timeout server 900s", "timeout client 900s",
                  "stats socket /run/haproxy/admin.sock mode 660 level admin", "bind 127.0.0.1:8404",
                  "default-server check inter 2s downinter 5s fastinter 1s fall 2 rise 2"):
         assert line in cfg, line
