@@ -133,6 +133,7 @@ class LayerWeights:
         self.experts: ExpertSet | None = None
         # numpy on the CPU path, torch on the device path (like ``vecs``)
         self.router: Any = None  # [E, H] float32
+        self.router_mat: QMat | None = None  # the router read in place (CPU path: pool kernels)
         self.router_bias: Any = None  # [E] selection bias (exp_probs_b), or None
 
 
@@ -338,11 +339,19 @@ class CpuPath:
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts], axis=axis)
 
     def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
-        """h [T, H] times the router [E, H]^T (+ the router's logit bias): [T, E] float32."""
-        out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
-        cpu_layers.router_logits(np.ascontiguousarray(h, dtype=np.float32), lw.router, out)
-        b = lw.vecs.get("ffn_gate_inp.bias")
-        return out if b is None else out + b
+        """h [T, H] times the router [E, H]^T (+ the router's logit bias): [T, E] float32.
+
+        The router is read in place by the format kernels on the worker pool, as ggml's
+        mul_mat does (F32: float32 products summed in the kernel's fixed vector order; F16 /
+        BF16: the activation rounded to the weight's precision; quantized: the partner
+        format). A row's result does not depend on T, so chunked prefill equals one-shot."""
+        if lw.router_mat is None:  # a router made up in code (tests), not read from the file
+            out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
+            cpu_layers.router_logits(np.ascontiguousarray(h, dtype=np.float32), lw.router, out)
+            b = lw.vecs.get("ffn_gate_inp.bias")
+            return out if b is None else out + b
+        (out,) = self.linear(lw, ("ffn_gate_inp",), h)
+        return out
 
     def route(self, lw: LayerWeights, h: np.ndarray, rule: Routing) -> tuple[np.ndarray, np.ndarray]:
         """ids int32 [T, K], weights float32 [T, K] by ``rule`` (cpu_layers.route)."""
@@ -708,6 +717,7 @@ class Model:
                 lw.vecs[key] = self.path.vec(s.name)
             elif s.role == "router":
                 lw.router = self.path.matrix(s.name)  # [E, H] float32
+                lw.router_mat = lw.mats["ffn_gate_inp"] = self._qmat(s.name)
             elif s.role == "router_bias":
                 lw.router_bias = self.path.vec(s.name)
             elif s.role == "expert_bias":  # ffn_{gate,up,down,gate_up}_exps.bias: read in place

@@ -526,3 +526,47 @@ def _tile_args(context, builder, sig, args, n_w, n_a):
     arows = [builder.load(builder.gep(arow, [builder.add(i0, _ci(t))])) for t in range(n_a)]
     return rb, nb, i0, ostride, ocol, xq8, xd32, x3p, orow, outp, wrow, arows
 
+
+@intrinsic
+def dot_f32_ggml(typingctx, arena, wo, xf, xo, n):
+    """float32 dot of the n float32 at byte ``wo`` of ``arena`` with ``xf[xo : xo + n]``, in
+    ggml's F32 order on AVX-512 (llamafile's tinyBLAS, what llama.cpp runs for an F32
+    matrix such as an MoE router): 16 lanes, lane l = fma over elements l, l + 16, ... in
+    order, then the pairwise tree of _mm512_reduce_add_ps ((l, l + 8), (l, l + 4),
+    (l, l + 2), (0, 1)). Elements past the last multiple of 16 (tinyBLAS refuses such
+    rows; ggml then uses another kernel) are added by fma one by one. The explicit vector
+    IR fixes the order on every ISA (AVX2 runs each 16-lane fma as two 8-lane ones), so the
+    result does not depend on the host CPU, T, or the caller's fast-math flags."""
+    sig = types.float32(arena, wo, xf, xo, n)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        base = builder.bitcast(_data(context, builder, ty[0], args[0]), _I8.as_pointer())
+        w0 = context.cast(builder, args[1], ty[1], types.int64)
+        xp = builder.bitcast(_data(context, builder, ty[2], args[2]), _F32.as_pointer())
+        x0 = context.cast(builder, args[3], ty[3], types.int64)
+        nn = context.cast(builder, args[4], ty[4], types.int64)
+        v16 = _vt(_F32, 16)
+        acc = cgutils.alloca_once(builder, v16)
+        builder.store(ir.Constant(v16, [0.0] * 16), acc)
+        nv = builder.lshr(nn, _ci(4))
+        with cgutils.for_range(builder, nv) as loop:
+            j = builder.mul(loop.index, _ci(16))
+            w = _ldv(builder, base, builder.add(w0, builder.mul(j, _ci(4))), v16)
+            xv = builder.load(builder.bitcast(builder.gep(xp, [builder.add(x0, j)]), v16.as_pointer()))
+            xv.align = 4
+            builder.store(_call(builder, "llvm.fma.v16f32", v16, [w, xv, builder.load(acc)]), acc)
+        v = builder.load(acc)
+        for h in (8, 4, 2, 1):
+            v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, 2 * h)))
+        res = cgutils.alloca_once(builder, _F32)
+        builder.store(builder.extract_element(v, ir.Constant(_I32, 0)), res)
+        tail0 = builder.mul(nv, _ci(16))
+        with cgutils.for_range(builder, builder.sub(nn, tail0)) as loop:
+            j = builder.add(tail0, loop.index)
+            w = _ldv(builder, base, builder.add(w0, builder.mul(j, _ci(4))), _F32)
+            xv = builder.load(builder.gep(xp, [builder.add(x0, j)]))
+            builder.store(_call(builder, "llvm.fma.f32", _F32, [w, xv, builder.load(res)]), res)
+        return builder.load(res)
+
+    return sig, codegen

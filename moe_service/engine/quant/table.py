@@ -26,10 +26,10 @@ from moe_service.engine.quant.ir import (
     _JIT_INLINE,
     _VNNI,
     data_ptr,
+    dot_f32_ggml,
     ld,
     ld_bf16,
     ld_f16,
-    ld_f32,
     st,
 )
 from moe_service.engine.quant.tiles32 import _tile32_codegen
@@ -106,12 +106,13 @@ def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, x
 
 @njit(**_JIT_INLINE)
 def _row1_float(ggml_type, arena, wo, n, xf, a):
-    """F32 / F16 / BF16 row x activation row a (already rounded to the weight's precision)."""
+    """F32 / F16 / BF16 row x activation row a (already rounded to the weight's precision).
+    F32 sums in ggml's fixed 16-lane order (ir.dot_f32_ggml); F16 / BF16 in the order LLVM's
+    vectorizer picks for the host."""
     s = np.float32(0.0)
     xo = a * n
     if ggml_type == GGML_F32:
-        for j in range(n):
-            s += ld_f32(arena, wo + 4 * j) * ld(xf, xo + j)
+        s = dot_f32_ggml(arena, wo, xf, xo, n)
     elif ggml_type == GGML_F16:
         for j in range(n):
             s += ld_f16(arena, wo + 2 * j) * ld(xf, xo + j)

@@ -7,7 +7,7 @@ row on AVX2). Every row's float32 steps follow one fixed per-lane order, so:
   and activations from a counter-based generator, no numpy RNG stream involved), recorded
   from the kernels before tiling (one-row kernels, main at 557e4a5). Any change to the
   numerics of any format shows up here, on this host's ISA and (in a subprocess) on the
-  AVX2 code. (F32/F16/BF16 dot products are summed in the order LLVM's vectorizer picks
+  AVX2 code. (F16/BF16 dot products are summed in the order LLVM's vectorizer picks
   under the kernels' reassoc flag, which depends on the host CPU: ``FLOAT_RECORDED`` holds
   their digests from an AVX-512 VNNI host and from an AVX2-only host (AMD EPYC), and a
   numba/LLVM upgrade may move them.)
@@ -38,17 +38,17 @@ NAMES = {t: q.FORMATS[t].name for t in ALL_TYPES}
 
 # sha256(outputs)[:16] per format, from the one-row kernels before tiling (see module doc).
 RECORDED = {
-    "F32": "4a1b9248248e67b4", "F16": "c813e0f575cfe004", "Q4_0": "d3c45de6a41db9a2",
+    "F32": "98fd28f88ad847b1", "F16": "c813e0f575cfe004", "Q4_0": "d3c45de6a41db9a2",
     "Q4_1": "c8e03e00075c8757", "Q5_0": "992046dbf52145b0", "Q5_1": "ac15f893c759efe5",
     "Q8_0": "ece95a51908e5b18", "Q4_K": "f2828244dd77151c", "Q5_K": "6da3e98f3dc51ad4",
     "Q6_K": "1c8cff244759131f", "BF16": "1b61783ed388b217", "MXFP4": "aab4b25310807aaf",
 }
 
-# F32/F16/BF16: LLVM vectorizes the float kernels for the host CPU it compiles on, so their
-# sums run in that host's order: one of these digests per format (the first from the AVX-512
+# F16/BF16: LLVM vectorizes the float kernels for the host CPU it compiles on, so their
+# sums run in that host's order (F32 sums in ggml's fixed 16-lane order, ir.dot_f32_ggml,
+# the same on every host): one of these digests per format (the first from the AVX-512
 # VNNI host of RECORDED, the second from an AVX2-only AMD EPYC host).
 FLOAT_RECORDED = {
-    "F32": ("4a1b9248248e67b4", "9cfcf1bc902ba5e2"),
     "F16": ("c813e0f575cfe004", "2209ee0bdbceea10"),
     "BF16": ("1b61783ed388b217", "ad7fa1913311dab1"),
 }
