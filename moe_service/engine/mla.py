@@ -10,12 +10,18 @@ and dotted with head h's rows by the same format kernels as every other matmul
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import threading
+from typing import Any
 
+import numpy as np
+from numba import carray, cfunc, njit
+
+from moe_service.engine import pool as _pool
 from moe_service.engine import quant
 from moe_service.engine.quant import matmul_rows
+from moe_service.engine.quant.ir import ld, view_f32, view_i8, view_i16, view_i64, view_u8
 
+_POOL_MIN_MACS = 1 << 20  # per head: below this one head's matmul is too short to dispatch
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 
 
@@ -30,15 +36,54 @@ def _head_matmul_kernel(arena, w_off, head_stride, ggml_type, n_cols, rb, n_rows
                     rows, rows, out, n_rows, 0, kernels)
 
 
+# The pooled form: one K_CALL item per range of heads (pool.CALL_ITEM_SIG); ``op`` holds the
+# addresses and sizes below, ``rows`` int64 [NH, T] the (t * NH + h) activation/output row of
+# each (head, token).
+(O_ARENA, O_WOFF, O_STRIDE, O_TYPE, O_NCOLS, O_RB, O_NROWS, O_NHEAD, O_NTOK, O_XF, O_XQ, O_XD, O_XS, O_XBS,
+ O_OUT, O_KERNELS, O_ROWS, OP_LEN) = range(18)
+
+
+def _item(items_ptr, i, op_ptr):
+    """Heads [it[2], it[3]) of a pooled head_matmul (compiled as a cfunc, see item_address)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, OP_LEN)
+    b = i * _pool.ITEM_W
+    n_tok, n_head, n_rows, n_cols = op[O_NTOK], op[O_NHEAD], op[O_NROWS], op[O_NCOLS]
+    big = n_tok * n_head * n_cols
+    arena = view_u8(op[O_ARENA], 1)
+    xf, xq = view_f32(op[O_XF], big), view_i8(op[O_XQ], big)
+    xd, xs, xbs = view_f32(op[O_XD], big), view_f32(op[O_XS], big), view_i16(op[O_XBS], big)
+    out = view_f32(op[O_OUT], n_tok * n_head * n_rows)
+    kernels = view_i64(op[O_KERNELS], 64)
+    for h in range(it[b + 2], it[b + 3]):
+        rows = view_i64(op[O_ROWS] + 8 * h * n_tok, n_tok)
+        matmul_rows(arena, op[O_WOFF] + h * op[O_STRIDE], op[O_TYPE], n_cols, op[O_RB], 0, n_rows, xf, xq, xd, xs,
+                    xbs, rows, rows, out, n_rows, 0, kernels)
+
+
+_ITEM_CFUNC: Any = None
+_ITEM_LOCK = threading.Lock()
+
+
+def item_address() -> int:
+    """Address of the compiled item function (pool.K_CALL), compiled or loaded once."""
+    global _ITEM_CFUNC
+    with _ITEM_LOCK:
+        if _ITEM_CFUNC is None:
+            _ITEM_CFUNC = cfunc(_pool.CALL_ITEM_SIG, nopython=True, cache=True)(_item)
+        return _ITEM_CFUNC.address
+
+
 def head_matmul(arena: np.ndarray, offset: int, ggml_type: int, n_head: int, n_rows: int, n_cols: int,
-                x: np.ndarray, head_stride_bytes: int | None = None) -> np.ndarray:
+                x: np.ndarray, head_stride_bytes: int | None = None, pool: Any = None) -> np.ndarray:
     """Per-head matmul on a 3-D GGUF weight read in place (ggml_mul_mat broadcast over heads):
     out[t, h] = W[h] @ x[t, h].
 
     arena: uint8 [*]; W[h]: ``n_rows`` rows of ``n_cols`` ``ggml_type`` elements starting at
     byte ``offset + h * head_stride_bytes`` (default: heads back to back); x: float32
     [T, NH, n_cols] (each (t, h) row quantized to the weight's partner format, as ggml
-    does). Returns float32 [T, NH, n_rows]. Single-threaded on the calling thread.
+    does). Returns float32 [T, NH, n_rows]. ``pool``: a WorkerPool to spread the heads over
+    (a prefill step; the result is the same bit for bit), else the calling thread runs all.
     Raises ValueError when a head's rows run past the arena or x has the wrong shape.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -50,6 +95,18 @@ def head_matmul(arena: np.ndarray, offset: int, ggml_type: int, n_head: int, n_r
     T = x.shape[0]
     pa = quant.quantize_activations(x.reshape(T * n_head, n_cols), quant.block_format(ggml_type).partner)
     out = np.empty(T * n_head * n_rows, np.float32)
+    kernels = quant.ensure_kernels([ggml_type])
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and n_head > 1 and T * n_rows * n_cols >= _POOL_MIN_MACS:
+        rows = (np.arange(T, dtype=np.int64)[None, :] * n_head + np.arange(n_head, dtype=np.int64)[:, None]).copy()
+        op = np.array([arena.ctypes.data, int(offset), stride, int(ggml_type), int(n_cols), rb, int(n_rows),
+                       int(n_head), T, pa.xf.ctypes.data, pa.xq.ctypes.data, pa.xd.ctypes.data, pa.xs.ctypes.data,
+                       pa.xbs.ctypes.data, out.ctypes.data, kernels.ctypes.data, rows.ctypes.data], np.int64)
+        step = max(1, -(-n_head // (4 * n_workers)))
+        items = [(_pool.K_CALL, item_address(), h, min(n_head, h + step)) for h in range(0, n_head, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+        return out.reshape(T, n_head, n_rows)
     _head_matmul_kernel(arena, int(offset), stride, int(ggml_type), int(n_cols), rb, int(n_rows), int(n_head), T,
-                        pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, out, quant.ensure_kernels([ggml_type]))
+                        pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, out, kernels)
     return out.reshape(T, n_head, n_rows)

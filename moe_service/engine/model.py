@@ -331,7 +331,7 @@ class CpuPath:
 
         if isinstance(w, HeadMat):
             return mla.head_matmul(self.m.weights.arena, w.offset, w.ggml_type, w.n_head, w.n_rows, w.n_cols, x,
-                                   head_stride_bytes=w.head_stride)
+                                   head_stride_bytes=w.head_stride, pool=getattr(self.m.ops, "pool", None))
         return np.einsum("hrc,thc->thr", w, np.ascontiguousarray(x, dtype=np.float32),
                          optimize=False).astype(np.float32, copy=False)
 
