@@ -25,6 +25,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from moe_service.engine.quant.ir import dot_f32_ggml
+
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 
 
@@ -170,14 +172,16 @@ def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
 
 
 @njit(**_JIT)
-def router_logits(h, r, out):
-    """out[t, e] = sum_i h[t, i] * r[e, i] in float32 (h [T, H], r [E, H], out [T, E])."""
-    for t in range(h.shape[0]):
-        for e in range(r.shape[0]):
-            acc = np.float32(0.0)
-            for i in range(h.shape[1]):
-                acc += h[t, i] * r[e, i]
-            out[t, e] = acc
+def router_logits(h, w_bytes, w_off, out):
+    """out[t, e] = router row e . h[t] in ggml's F32 order (quant.ir.dot_f32_ggml, the same
+    numbers as the F32 matmul kernel on the worker pool). h: float32 [T, H] C-contiguous;
+    the router: E rows of H float32 at byte ``w_off`` of ``w_bytes`` (uint8: the arena, or a
+    float32 matrix's bytes); out: float32 [T, E]. The caller checks the bounds."""
+    n_tok, n = h.shape
+    hf = h.reshape(-1)
+    for t in range(n_tok):
+        for e in range(out.shape[1]):
+            out[t, e] = dot_f32_ggml(w_bytes, w_off + e * n * 4, hf, t * n, n)
 
 
 @njit(**_JIT)

@@ -54,12 +54,14 @@ from moe_service.engine.arch.base import (
     Routing,
 )
 from moe_service.engine.arch.rope import rope_tables
+from moe_service.engine.quant.formats import GGML_F32
 from moe_service.errors import ConfigError, ModelFileError
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
 
 SILU = MoEAct()  # silu(g) * u, the default GLU activation
+_ROUTER_POOL_MACS = 1 << 20  # an F32 router step below this runs on the calling thread (no dispatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,13 +343,27 @@ class CpuPath:
     def router_logits(self, lw: LayerWeights, h: np.ndarray) -> np.ndarray:
         """h [T, H] times the router [E, H]^T (+ the router's logit bias): [T, E] float32.
 
-        The router is read in place by the format kernels on the worker pool, as ggml's
-        mul_mat does (F32: float32 products summed in the kernel's fixed vector order; F16 /
-        BF16: the activation rounded to the weight's precision; quantized: the partner
-        format). A row's result does not depend on T, so chunked prefill equals one-shot."""
-        if lw.router_mat is None:  # a router made up in code (tests), not read from the file
-            out = np.empty((h.shape[0], lw.router.shape[0]), np.float32)  # [T, E]
-            cpu_layers.router_logits(np.ascontiguousarray(h, dtype=np.float32), lw.router, out)
+        The router is read in place as ggml's mul_mat reads it: an F32 router sums in
+        ggml's F32 order (quant.ir.dot_f32_ggml) on the calling thread when the step is
+        small (a decode step), else on the worker pool (the same numbers); other types go
+        through their format kernel on the pool (F16 / BF16: the activation rounded to the
+        weight's precision; quantized: the partner format). A row's result never depends
+        on T, so chunked prefill equals one-shot."""
+        mat = lw.router_mat
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        n_expert, n_embd = lw.router.shape
+        if mat is None or (mat.ggml_type == GGML_F32 and h.shape[0] * n_expert * n_embd < _ROUTER_POOL_MACS):
+            out = np.empty((h.shape[0], n_expert), np.float32)  # [T, E]
+            if h.shape[1] != n_embd:
+                raise ValueError(f"router_logits: h has {h.shape[1]} columns, the router {n_embd}")
+            if mat is None:  # a router made up in code (tests), not read from the file
+                cpu_layers.router_logits(h, np.ascontiguousarray(lw.router, dtype=np.float32).reshape(-1).view(np.uint8),
+                                         0, out)
+            else:
+                arena = self.m.weights.arena
+                if mat.offset + n_expert * n_embd * 4 > arena.size:  # checked at load; never read past it
+                    raise ModelFileError(f"router {mat.name} runs past the weights")
+                cpu_layers.router_logits(h, arena, mat.offset, out)
             b = lw.vecs.get("ffn_gate_inp.bias")
             return out if b is None else out + b
         (out,) = self.linear(lw, ("ffn_gate_inp",), h)

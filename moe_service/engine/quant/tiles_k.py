@@ -260,7 +260,9 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
         w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
         a = _shuf(builder, a64, range(32 * h, 32 * h + 32))
         halves.append(_madd(builder, _maddubs(builder, w, a), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
-    return builder.add(iacc, _concat(builder, halves[0], halves[1]))
+    # AVX2: iacc is the 8 folded lanes (lane k + lane k + 8 of the 16-lane form, exact), so
+    # one ymm per (row, item) and tiles of 8 items fit in the 16 registers
+    return builder.add(iacc, builder.add(halves[0], halves[1]))
 
 
 def _hsum_i32(builder, vs):
@@ -313,8 +315,12 @@ def _tilek_codegen(fmt, n_w, n_a):
             bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
             wk = [_kq_pieces(builder, fmt, wb[k]) for k in range(n_w)]
             # int32 lanes per (row, item); Q6_K / Q3_K start from offset * (scales . bsums) in lanes 0..7
-            iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
-                     if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
+            if _VNNI:
+                iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
+                         if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
+            else:  # 8 lanes, already folded (see _kq_dot)
+                iacc = [[_madd(builder, wk[k].offset, bs[t]) if wk[k].offset is not None else ir.Constant(_VI, [0] * 8)
+                         for t in range(n_a)] for k in range(n_w)]
             for g in range(4):  # piece-major: one piece of every row live at a time
                 for t in range(n_a):
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
@@ -322,7 +328,8 @@ def _tilek_codegen(fmt, n_w, n_a):
                         iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a64, wk[k].scales[g], iacc[k][t], f.signed)
             for k in range(n_w):
                 _, _, mins, _, d2 = wk[k]
-                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) for v in iacc[k]]
+                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) if _VNNI else v
+                         for v in iacc[k]]
                 dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item
                 for p in range(n_pk):
                     two = 2 * p + 1 < n_a
