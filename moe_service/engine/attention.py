@@ -363,6 +363,84 @@ def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ost
 
 
 @intrinsic
+def _dot64_keys8(typingctx, qarr, qo, karr, ko, kstride, n_blocks, oarr, oo):
+    """Eight :func:`_lane_dot` (lanes = 64) dot products of one query row qarr[qo ...] (float32
+    holding float16 values) with the eight float16 keys at karr[ko + i * kstride] (uint16
+    bits, i < 8), written to oarr[oo + i]: the same order (64 lanes, block after block, then
+    lane l + h into lane l for h = 32, ..., 1), the same values except that a score of
+    exactly zero may carry the other sign: the products of float16 values are exact in
+    float32, so a block's fused multiply-add rounds as the multiply then add, and the first
+    block starts from its product instead of 0 + product. Each key is widened once; the last
+    three halving steps of the eight keys are done together (quant.ir._tree8_many's
+    transposed tree, exactly these pairings)."""
+    sig = types.void(qarr, qo, karr, ko, kstride, n_blocks, oarr, oo)
+    n_blocks_literal = n_blocks.literal_value if isinstance(n_blocks, types.IntegerLiteral) else 0
+
+    def codegen(context, builder, signature, args):
+        i64 = _ir.IntType(64)
+        v64 = _ir.VectorType(_ir.FloatType(), 64)
+
+        def idx(k):
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        qp = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
+        kp = builder.gep(_qir._data(context, builder, signature.args[2], args[2]), [idx(3)])
+        op_ = builder.gep(_qir._data(context, builder, signature.args[6], args[6]), [idx(7)])
+        kst, nb = idx(4), idx(5)
+
+        def block(i, off):
+            qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v64.as_pointer()), align=4)
+            hv = builder.load(builder.bitcast(builder.gep(kp, [builder.add(builder.mul(_ir.Constant(i64, i), kst),
+                                                                           off)]),
+                                              _ir.VectorType(_ir.IntType(16), 64).as_pointer()), align=2)
+            return qv, builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 64)), v64)
+
+        eights = []
+        for i in range(8):
+            q0, k0 = block(i, _ir.Constant(i64, 0))
+            acc = builder.fmul(q0, k0)
+            if n_blocks_literal != 1:
+                acc_p = _cg.alloca_once_value(builder, acc)
+                with _cg.for_range(builder, builder.sub(nb, _ir.Constant(i64, 1))) as loop:
+                    qv, kv = block(i, builder.mul(builder.add(loop.index, _ir.Constant(i64, 1)),
+                                                  _ir.Constant(i64, 64)))
+                    builder.store(_qir._call(builder, "llvm.fma.v64f32", v64, [qv, kv, builder.load(acc_p)]), acc_p)
+                acc = builder.load(acc_p)
+            for h in (32, 16, 8):
+                acc = builder.fadd(_qir._shuf(builder, acc, range(h)), _qir._shuf(builder, acc, range(h, 2 * h)))
+            eights.append(acc)
+        sums, lane = _qir._tree8_many(builder, eights, [(i,) for i in range(8)])
+        for i in range(8):
+            builder.store(builder.extract_element(sums, _ir.Constant(_ir.IntType(32), lane[i])),
+                          builder.gep(op_, [_ir.Constant(i64, i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _score_keys_wide16(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale):
+    """:func:`_score_keys` of a one-token step over a float16 cache read in place, D a
+    multiple of 64: eight keys per :func:`_dot64_keys8` (the same scores; a zero may change
+    sign), the rest one by one."""
+    mx = np.float32(-np.inf)
+    j = ja
+    while j + 8 <= jb:
+        if d == 64:  # one block (a literal: no block loop)
+            _dot64_keys8(qb, qo, kb, k0 + j * kstride, kstride, 1, s, so + j)
+        else:
+            _dot64_keys8(qb, qo, kb, k0 + j * kstride, kstride, d // 64, s, so + j)
+        for i in range(8):
+            v = _q.ld(s, so + j + i) * scale
+            _q.st(s, so + j + i, v)
+            mx = max(mx, v)
+        j += 8
+    if j < jb:
+        mx = max(mx, _score_keys(qb, qo, kb, k0, kstride, s, so, j, jb, d, scale, True))
+    return mx
+
+
+@intrinsic
 def _ld_f32(typingctx, arr, idx):
     """arr[idx] as float32: a float32 array's element, or a uint16 array's float16 bits widened."""
     sig = types.float32(arr, idx)
@@ -652,7 +730,9 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
                 elif values:
                     _pv_exact(acc, ao + r * n_dim, sc, so + r * L, tile, -j0 * n_dim, n_dim, jlo, jhi, n_dim)
                 else:
-                    if fmt == FMT_F16:
+                    if fmt == FMT_F16 and wide and d % 64 == 0:
+                        mx = _score_keys_wide16(qb, r * d, c16, base, pos, sc, so + r * L, jlo, jhi, d, scale)
+                    elif fmt == FMT_F16:
                         mx = _score_keys(qb, r * d, c16, base, pos, sc, so + r * L, jlo, jhi, d, scale, wide)
                     else:
                         mx = _score_keys(qb, r * d, tile, -j0 * d, d, sc, so + r * L, jlo, jhi, d, scale, wide)
