@@ -6,9 +6,10 @@ A format of this family declares its tile parameters in formats.py (``kind``, ``
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
 
-from moe_service.engine.quant.formats import FORMATS, MXFP4_KVALUES, QK
+from moe_service.engine.quant.formats import BY_NAME, FORMATS, MXFP4_KVALUES, QK
 from moe_service.engine.quant.ir import (
     _F32,
     _I8,
@@ -18,6 +19,7 @@ from moe_service.engine.quant.ir import (
     _ONES16,
     _PF_MIN_32,
     _VF,
+    _VI,
     _VNNI,
     _abs8,
     _call,
@@ -66,9 +68,10 @@ from moe_service.engine.quant.ir import (
 
 
 
-def _unpack32(builder, f, ptrs):
+def _unpack32(builder, f, ptrs, offset=0):
     """The int8 values of the blocks at i8* ptrs (1 or 2 consecutive blocks of one row) as
-    one <32*len(ptrs) x i8> (signed values for signed formats, else 0..31)."""
+    one <32*len(ptrs) x i8> (signed values for signed formats, else 0..31); ``offset`` (see
+    OFFSET): the signed values plus offset, as unsigned bytes."""
     n = len(ptrs)
     if f.kind == "q8":
         return _cat(builder, [_ldv(builder, p, _ci(f.qs), _vt(_I8, 32)) for p in ptrs])
@@ -79,7 +82,7 @@ def _unpack32(builder, f, ptrs):
     w16 = builder.lshr(builder.bitcast(dup, _vt(_I16, 16 * n)), _cvec(_I16, ([0] * 8 + [4] * 8) * n))
     q = builder.and_(builder.bitcast(w16, _vt(_I8, 32 * n)), _cvec(_I8, [15] * 32 * n))
     if f.kind == "mxfp4":
-        table = _cvec(_I8, [v_ & 0xFF for v_ in MXFP4_KVALUES] * (2 * n))
+        table = _cvec(_I8, [(v_ + offset) & 0xFF for v_ in MXFP4_KVALUES] * (2 * n))
         name = "llvm.x86.avx512.pshuf.b.512" if n == 2 else "llvm.x86.avx2.pshuf.b"
         return _call(builder, name, _vt(_I8, 32 * n), [table, q])
     if f.qh >= 0:
@@ -87,8 +90,8 @@ def _unpack32(builder, f, ptrs):
         m = bits[0] if n == 1 else builder.or_(bits[0], builder.shl(bits[1], _ci(32)))
         mask = builder.bitcast(builder.trunc(m, _I32) if n == 1 else m, _vt(ir.IntType(1), 32 * n))
         q = builder.or_(q, builder.select(mask, _cvec(_I8, [16] * 32 * n), _cvec(_I8, [0] * 32 * n)))
-    if f.bias:
-        q = builder.sub(q, _cvec(_I8, [f.bias] * 32 * n))
+    if f.bias and offset != f.bias:
+        q = builder.sub(q, _cvec(_I8, [f.bias - offset] * 32 * n))
     return q
 
 
@@ -101,6 +104,15 @@ def _e8m0_half(e: int) -> float:
 
 
 _E8M0_HALF = ir.Constant(ir.ArrayType(_F32, 256), [_e8m0_half(e) for e in range(256)])
+
+
+OFFSET = {} if _VNNI else {BY_NAME["MXFP4"].type_id: 12, BY_NAME["Q4_0"].type_id: 8, BY_NAME["Q5_0"].type_id: 16}
+"""AVX2, one item: signed formats whose values w lie in [-OFFSET, OFFSET] take w + OFFSET
+(0..24 / 0..15 / 0..31, unsigned) straight into vpmaddubsw, and each int32 lane (four
+products) then subtracts OFFSET x the sum of its four activation values, computed once per
+matmul call (table._mmq): the same integer as |w| x sign(a, w), without the vpabsb / vpsignb
+per block (no int16 pair sum saturates: 2 x 31 x 127 < 32767). Several items keep the sign
+trick: their sums would be needed per (item, block)."""
 
 
 def _scales32(builder, f, ptrs):
@@ -165,6 +177,13 @@ def _tile32_codegen(fmt, n_w, n_a):
         rb, nb, i0, ostride, ocol, xq8, xd32, x3, orow, outp, wrow, arows = _tile_args(context, builder, sig,
                                                                                         args, n_w, n_a)
         xs32 = builder.bitcast(x3, _F32.as_pointer())
+        # the offset form (OFFSET) when the caller passes the int32 sums in place of the Q8_1 sums
+        aux_ty = sig.args[9]
+        # (table._mmq passes them to single-item calls only; the wider tiles it also compiles
+        # there never run, and keep the sign trick)
+        offset = OFFSET.get(fmt, 0) if (n_a == 1 and isinstance(aux_ty, types.CPointer)
+                                        and aux_ty.dtype == types.int32) else 0
+        corr32 = builder.bitcast(x3, _I32.as_pointer())
         n_cols = builder.mul(nb, _ci(QK))
         pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_32)
         xq_t = [builder.gep(xq8, [builder.mul(a, n_cols)]) for a in arows]
@@ -195,7 +214,7 @@ def _tile32_codegen(fmt, n_w, n_a):
             if _VNNI:
                 ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
             else:
-                ws = [[_unpack32(builder, f, [wp[k][j]]) for j in range(n)] for k in range(n_w)]
+                ws = [[_unpack32(builder, f, [wp[k][j]], offset) for j in range(n)] for k in range(n_w)]
             sc = [_scales32(builder, f, wp[k]) for k in range(n_w)]  # [d0, m0, (d1, m1)]
             if _VNNI:
                 dw = [[_shuf(builder, sc[k], [0] * 8 + ([2] * 8 if n == 2 else []))] for k in range(n_w)]
@@ -230,7 +249,14 @@ def _tile32_codegen(fmt, n_w, n_a):
                     dx = [_splat_load(builder, builder.gep(xd_t[t], [builder.add(b, _ci(j))])) for j in range(n)]
                 for k in range(n_w):
                     for j in range(len(av)):
-                        li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
+                        if offset:
+                            cj = builder.bitcast(builder.gep(corr32, [builder.mul(builder.add(b, _ci(j)), _ci(8))]),
+                                                 _VI.as_pointer())
+                            corr = builder.load(cj)
+                            corr.align = 4
+                            li = builder.sub(_madd(builder, _maddubs(builder, ws[k][j], av[j]), _ONES16), corr)
+                        else:
+                            li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
                         fl = builder.sitofp(li, _vt(_F32, li.type.count))
                         s = builder.fmul(dw[k][j], dx[j])
                         if _VNNI:
