@@ -24,8 +24,9 @@ format against the machine's read bandwidth):
 
 - The block dot products are written in LLVM vector IR (numba intrinsics). A matmul runs
   in *tiles*: 4 consecutive weight rows x up to 4 activation rows per pass over the rows'
-  blocks (AVX-512 VNNI; 1 row on AVX2). Each weight block is unpacked once per tile and
-  each activation block loaded once per tile, so a weight row is read from memory once per
+  blocks (AVX-512 VNNI; 1 row on AVX2, where the K-quants take up to 8 activation rows).
+  Each weight block is unpacked once per tile and each activation block loaded once per
+  tile, so a weight row is read from memory once per
   call however many tokens there are, and the per-token cost at T >= 4 is the vpdpbusd /
   vpmaddubsw arithmetic, not the unpacking. Accumulators stay in registers; the horizontal
   sum happens once per (row, token). Tiles prefetch the next tile's rows.

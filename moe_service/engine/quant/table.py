@@ -309,8 +309,9 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     activation row and output row of each item (arange(T) for a plain matmul; the tokens
     routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
-    Quantized formats run in tiles of 4 weight rows x 4 items (see the tile sections): each
-    weight row is read from memory once per call and each block unpacked once per tile.
+    Quantized formats run in tiles of 4 weight rows x 4 items (AVX2: 1 row x up to 4 items, 8
+    for the K-quants; see the tile sections): each weight row is read from memory once per
+    call and each block unpacked once per tile.
     The caller validates types, offsets and shapes; a type whose kernel is not compiled
     writes nothing.
     """
