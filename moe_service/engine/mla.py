@@ -19,7 +19,7 @@ from numba import carray, cfunc, njit
 from moe_service.engine import pool as _pool
 from moe_service.engine import quant
 from moe_service.engine.quant import matmul_rows
-from moe_service.engine.quant.ir import ld, view_f32, view_i8, view_i16, view_i64, view_u8
+from moe_service.engine.quant.ir import view_f32, view_i8, view_i16, view_i64, view_u8
 
 _POOL_MIN_MACS = 1 << 20  # per head: below this one head's matmul is too short to dispatch
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
