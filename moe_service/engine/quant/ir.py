@@ -557,8 +557,11 @@ def dot_f32_ggml(typingctx, arena, wo, xf, xo, n):
             xv.align = 4
             builder.store(_call(builder, "llvm.fma.v16f32", v16, [w, xv, builder.load(acc)]), acc)
         v = builder.load(acc)
+        # numba's fastmath pass adds its flags (reassoc among them) to every float op that has
+        # none, in the whole module of a fastmath caller (table._mm_float): a flag of no effect
+        # on an add ('arcp') keeps these adds in the order written
         for h in (8, 4, 2, 1):
-            v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, 2 * h)))
+            v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, 2 * h)), flags=("arcp",))
         res = cgutils.alloca_once(builder, _F32)
         builder.store(builder.extract_element(v, ir.Constant(_I32, 0)), res)
         tail0 = builder.mul(nv, _ci(16))
