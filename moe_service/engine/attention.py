@@ -78,12 +78,11 @@ query head that joins the softmax's denominator and contributes no value.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 from llvmlite import ir as _ir
-from numba import carray, cfunc, njit, types
+from numba import carray, njit, types
 from numba.core import cgutils as _cg
 from numba.extending import intrinsic
 
@@ -956,17 +955,9 @@ def _item(items_ptr, i, op_ptr):
         run_merge(op, tasks, it[b + 3], it[b + 4], pml, pacc)
 
 
-_ITEM_CFUNC = None
-_ITEM_LOCK = threading.Lock()
-
-
 def item_address() -> int:
     """Address of the compiled item function (pool.K_CALL), compiled or loaded once."""
-    global _ITEM_CFUNC
-    with _ITEM_LOCK:
-        if _ITEM_CFUNC is None:
-            _ITEM_CFUNC = cfunc(_pool.CALL_ITEM_SIG, nopython=True, cache=True)(_item)
-        return _ITEM_CFUNC.address
+    return _pool.call_item_address(_item)
 
 
 @njit(**_JIT)

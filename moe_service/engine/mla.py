@@ -10,11 +10,10 @@ and dotted with head h's rows by the same format kernels as every other matmul
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
-from numba import carray, cfunc, njit
+from numba import carray, njit
 
 from moe_service.engine import pool as _pool
 from moe_service.engine import quant
@@ -61,17 +60,9 @@ def _item(items_ptr, i, op_ptr):
                     xbs, rows, rows, out, n_rows, 0, kernels)
 
 
-_ITEM_CFUNC: Any = None
-_ITEM_LOCK = threading.Lock()
-
-
 def item_address() -> int:
     """Address of the compiled item function (pool.K_CALL), compiled or loaded once."""
-    global _ITEM_CFUNC
-    with _ITEM_LOCK:
-        if _ITEM_CFUNC is None:
-            _ITEM_CFUNC = cfunc(_pool.CALL_ITEM_SIG, nopython=True, cache=True)(_item)
-        return _ITEM_CFUNC.address
+    return _pool.call_item_address(_item)
 
 
 def head_matmul(arena: np.ndarray, offset: int, ggml_type: int, n_head: int, n_rows: int, n_cols: int,

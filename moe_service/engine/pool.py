@@ -187,6 +187,19 @@ CALL_ITEM_SIG = types.void(types.CPointer(types.int64), types.int64, types.CPoin
 outside this file (attention.py) are compiled as numba cfuncs of this signature and called
 through their address, so editing them neither recompiles nor stales the pool's cached code."""
 
+_CALL_ITEM_CFUNCS: dict = {}  # python function -> its cfunc (keeps the code alive)
+_CALL_ITEM_LOCK = threading.Lock()
+
+
+def call_item_address(fn) -> int:
+    """Address of ``fn`` compiled (or loaded from numba's cache) once as a cfunc of
+    CALL_ITEM_SIG: the function a K_CALL item names (attention.py, mla.py)."""
+    with _CALL_ITEM_LOCK:
+        cf = _CALL_ITEM_CFUNCS.get(fn)
+        if cf is None:
+            cf = _CALL_ITEM_CFUNCS[fn] = cfunc(CALL_ITEM_SIG, nopython=True, cache=True)(fn)
+        return cf.address
+
 
 @intrinsic
 def _call_item_fn(typingctx, addr, items, i, op):

@@ -78,7 +78,8 @@ The results are the same bit for bit (integer sums)."""
 
 
 @intrinsic
-def _a8_impl(typingctx, fmt):
+def _a8(typingctx, fmt):
+    """Whether the literal format ``fmt`` is in _A8, as a constant."""
     if not isinstance(fmt, types.IntegerLiteral):
         return None
     val = fmt.literal_value in _A8
@@ -88,8 +89,6 @@ def _a8_impl(typingctx, fmt):
 
     return types.boolean(fmt), codegen
 
-
-_a8 = _a8_impl
 
 _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
 
