@@ -28,9 +28,11 @@ function through its address, so editing this file never recompiles the pool's k
 A task gathers its tile's query rows of the heads of one KV head's group (R = tokens x
 heads), rounds them to float16, and walks the cache in key tiles of ``BK`` rows (a tile
 serves all R query rows). Default mode: a float16 cache is read in place, K.Q as vector dot
-products in ggml's lane order (a prefill reads each key once for four heads of a token) and
-P.V as fused multiply-adds over the float16 rows; a Q8_0 cache is widened to a float32 tile
-first. Online mode widens K and V tiles (float32, about one L1d) once each. Small steps run
+products in ggml's lane order (a prefill reads each key once for four heads of a token, a
+decode once for two to four heads of the group: :func:`_dot64_heads_keys8`) and P.V as fused
+multiply-adds over the float16 rows (each row widened once for up to four heads, whose
+accumulators stay in registers: :func:`_pv_heads16`); a Q8_0 cache is widened to a float32
+tile first. Online mode widens K and V tiles (float32, about one L1d) once each. Small steps run
 on the calling thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
 one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
 range. Default mode, four phases: K parts write their rows' scores into one buffer per task,
@@ -43,7 +45,10 @@ these files; the former single-threaded kernel, kept as cpu_layers.attention, st
 scalar code): Q rounded to float16, K.Q in float32 in ggml's summation order (below),
 scores = K.Q * scale, masked (causal, and the sliding window when ``window`` > 0), softmax
 with the maximum taken over the scores (and the head's sink logit when ``sinks`` is given),
-exponentials (Cephes' expf polynomial, ~1 ulp) summed in float64 in key order, scaled by
+exponentials (Cephes' expf polynomial, ~1 ulp) summed in float64 (four partial sums, the
+row's k-th key into sum k % 4, added as (s0 + s1) + (s2 + s3), then the last keys in order;
+twice as fast as one chain, and float32(1 / sum) is the same as after a key-order sum unless
+the two float64 sums straddle a float32 rounding boundary), scaled by
 float32(1/sum), probabilities rounded to float16, then P.V in float32 in key order (fused
 multiply-adds change nothing there: the product of two float16 values is exact in float32).
 A task keeps its rows' scores (at most SCORE_BUDGET floats; long prefills get shorter query
@@ -59,7 +64,8 @@ vector lanes and still round exactly as ggml's do (the former strict key order c
 be vectorised; LLVM's own reassociation lost a decisive greedy step of the gpt-oss l3
 golden). Against the scalar kernel: a score differs in its last bits now and then, which
 moves a probability across a float16 rounding boundary (tests/moe_service/engine/test_attention.py
-bounds it), plus, for a split decode, the order of the float32 additions of the parts' P.V.
+bounds it), plus, for a split decode, the order of the float32 additions of the parts' P.V,
+plus the four float64 partial sums of the exponentials.
 The goldens are unchanged and pass.
 
 Online mode (``online=True``; flash attention, as ggml's CPU flash-attention path): one pass,
@@ -417,6 +423,203 @@ def _dot64_keys8(typingctx, qarr, qo, karr, ko, kstride, n_blocks, oarr, oo):
     return sig, codegen
 
 
+def _fold64(builder, t):
+    """The 64-lane halving of ggml_vec_dot_f16 on eight 8-lane parts (part y = lanes 8y..8y+7):
+    lane l + 32, then l + 16, then l + 8, leaving the 8 lanes that :func:`_qir._tree8_many`
+    then halves three more times (64 -> 32: part y + part y + 4; 32 -> 16: y + y + 2;
+    16 -> 8: part 0 + part 1)."""
+    u = [builder.fadd(t[y], t[y + 4]) for y in range(4)]
+    w = [builder.fadd(u[y], u[y + 2]) for y in range(2)]
+    return builder.fadd(w[0], w[1])
+
+
+@intrinsic
+def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, n_blocks, oarr, oo, ostride):
+    """:func:`_dot64_keys8` for ``n_heads`` query rows at once (both literals: n_heads rows at
+    qarr[qo + h * qstride], float32 holding float16 values; n_blocks = D / 64): the scores of
+    each row with the eight float16 keys at karr[ko + i * kstride] go to
+    oarr[oo + h * ostride + i]. Each key part is loaded and widened once for all the rows (a
+    GQA group's heads share their KV head's keys); every score is summed exactly as
+    :func:`_dot64_keys8` sums it (64 lanes over the blocks, the first block's product, fused
+    multiply-adds after it; then the halving tree)."""
+    if not (isinstance(n_heads, types.IntegerLiteral) and isinstance(n_blocks, types.IntegerLiteral)):
+        return None
+    sig = types.void(qarr, qo, qstride, n_heads, karr, ko, kstride, n_blocks, oarr, oo, ostride)
+    nh = n_heads.literal_value
+    nb = n_blocks.literal_value
+
+    def codegen(context, builder, signature, args):
+        i64 = _ir.IntType(64)
+        v8 = _ir.VectorType(_ir.FloatType(), 8)
+        h8 = _ir.VectorType(_ir.IntType(16), 8)
+
+        def idx(k):
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        qp = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
+        kp = builder.gep(_qir._data(context, builder, signature.args[4], args[4]), [idx(5)])
+        op_ = builder.gep(_qir._data(context, builder, signature.args[8], args[8]), [idx(9)])
+        qs, kst, ost = idx(2), idx(6), idx(10)
+
+        def c(n):
+            return _ir.Constant(i64, n)
+
+        def qpart(h, b, y):
+            p = builder.gep(qp, [builder.add(builder.mul(c(h), qs), c(64 * b + 8 * y))])
+            return builder.load(builder.bitcast(p, v8.as_pointer()), align=4)
+
+        xs = [[] for _ in range(nh)]
+        for i in range(8):
+            krow = builder.gep(kp, [builder.mul(c(i), kst)])
+            t = [[None] * 8 for _ in range(nh)]
+            for y in (0, 4, 1, 5, 2, 6, 3, 7):
+                for b in range(nb):
+                    hv = builder.load(builder.bitcast(builder.gep(krow, [c(64 * b + 8 * y)]), h8.as_pointer()), align=2)
+                    kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 8)), v8)
+                    for h in range(nh):
+                        if b == 0:
+                            t[h][y] = builder.fmul(qpart(h, b, y), kv)
+                        else:
+                            t[h][y] = _qir._call(builder, "llvm.fma.v8f32", v8, [qpart(h, b, y), kv, t[h][y]])
+            for h in range(nh):
+                xs[h].append(_fold64(builder, t[h]))
+        for h in range(nh):
+            sums, lane = _qir._tree8_many(builder, xs[h], [(i,) for i in range(8)])
+            orow = builder.gep(op_, [builder.mul(c(h), ost)])
+            for i in range(8):
+                builder.store(builder.extract_element(sums, _ir.Constant(_ir.IntType(32), lane[i])),
+                              builder.gep(orow, [c(i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vstride, ja, jb, n_dim, n_parts):
+    """acc[ao + h * astride + i] += p[po + h * pstride + j] * v_j[i] for the ``n_heads`` rows h
+    (a literal, at most 4) of one KV head's group, j = ja..jb-1 in key order, i < n_dim (a
+    multiple of 16), v_j the float16 row at vb[vo + j * vstride] (uint16 bits): every
+    element's sum is :func:`_pv_exact`'s (fused multiply-adds in key order), but each value
+    part is loaded and widened once for all the rows, and 16 dims x n_heads rows of
+    accumulators stay in registers over the whole key range."""
+    if not (isinstance(n_heads, types.IntegerLiteral) and isinstance(n_parts, types.IntegerLiteral)):
+        return None
+    sig = types.void(acc, ao, astride, n_heads, p, po, pstride, vb, vo, vstride, ja, jb, n_dim, n_parts)
+    nh = n_heads.literal_value
+    npt = n_parts.literal_value
+
+    def codegen(context, builder, signature, args):
+        i64 = _ir.IntType(64)
+        v8 = _ir.VectorType(_ir.FloatType(), 8)
+        h8 = _ir.VectorType(_ir.IntType(16), 8)
+
+        def idx(k):
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        ap = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
+        pp = builder.gep(_qir._data(context, builder, signature.args[4], args[4]), [idx(5)])
+        vp = builder.gep(_qir._data(context, builder, signature.args[7], args[7]), [idx(8)])
+        ast, pst, vst, ja_, jb_, nd = idx(2), idx(6), idx(9), idx(10), idx(11), idx(12)
+
+        def c(n):
+            return _ir.Constant(i64, n)
+
+        with _cg.for_range(builder, builder.sdiv(nd, c(8 * npt))) as dl:
+            d0 = builder.mul(dl.index, c(8 * npt))
+            aptr = [[builder.bitcast(builder.gep(ap, [builder.add(builder.mul(c(h), ast), builder.add(d0, c(8 * y)))]),
+                                     v8.as_pointer()) for y in range(npt)] for h in range(nh)]
+            accs = [[_cg.alloca_once_value(builder, builder.load(aptr[h][y], align=4)) for y in range(npt)]
+                    for h in range(nh)]
+            with _cg.for_range_slice(builder, ja_, jb_, c(1), inc=True) as (j, _):
+                vrow = builder.gep(vp, [builder.add(builder.mul(j, vst), d0)])
+                kv = [builder.fpext(builder.bitcast(builder.load(builder.bitcast(builder.gep(vrow, [c(8 * y)]),
+                                                                                 h8.as_pointer()), align=2),
+                                                    _ir.VectorType(_ir.HalfType(), 8)), v8) for y in range(npt)]
+                for h in range(nh):
+                    pj = builder.load(builder.gep(pp, [builder.add(builder.mul(c(h), pst), j)]))
+                    pv = builder.shuffle_vector(builder.insert_element(_ir.Constant(v8, None), pj, _ir.Constant(_ir.IntType(32), 0)),
+                                                _ir.Constant(v8, None), _ir.Constant(_ir.VectorType(_ir.IntType(32), 8), [0] * 8))
+                    for y in range(npt):
+                        builder.store(_qir._call(builder, "llvm.fma.v8f32", v8, [pv, kv[y], builder.load(accs[h][y])]),
+                                      accs[h][y])
+            for h in range(nh):
+                for y in range(npt):
+                    builder.store(builder.load(accs[h][y]), aptr[h][y], align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _score_heads_wide16(qb, qo, gh, kb, k0, kstride, s, so, L, ja, jb, d, scale, mrow, r0):
+    """:func:`_score_keys_wide16` for the ``gh`` query rows qb[qo + r * d] (r < gh) of one KV
+    head, whose scores go to s[so + r * L + j]: the same scores, each key read and widened once
+    for up to four rows; mrow[r0 + r] raised to each row's maximum. D = 64 or 128."""
+    nb = d // 64
+    hb = 4 if nb == 1 else 2  # rows per key read: measured best (D = 64: 3.7 ns per (row, key); 128: 6.0)
+    h0 = 0
+    while h0 < gh:
+        hn = min(hb, gh - h0)
+        qh = qo + h0 * d
+        sh = so + h0 * L
+        j = ja
+        while j + 8 <= jb:
+            ko = k0 + j * kstride
+            if nb == 1:
+                if hn == 4:
+                    _dot64_heads_keys8(qb, qh, d, 4, kb, ko, kstride, 1, s, sh + j, L)
+                elif hn == 3:
+                    _dot64_heads_keys8(qb, qh, d, 3, kb, ko, kstride, 1, s, sh + j, L)
+                elif hn == 2:
+                    _dot64_heads_keys8(qb, qh, d, 2, kb, ko, kstride, 1, s, sh + j, L)
+                else:
+                    _dot64_heads_keys8(qb, qh, d, 1, kb, ko, kstride, 1, s, sh + j, L)
+            else:
+                if hn == 4:
+                    _dot64_heads_keys8(qb, qh, d, 4, kb, ko, kstride, 2, s, sh + j, L)
+                elif hn == 3:
+                    _dot64_heads_keys8(qb, qh, d, 3, kb, ko, kstride, 2, s, sh + j, L)
+                elif hn == 2:
+                    _dot64_heads_keys8(qb, qh, d, 2, kb, ko, kstride, 2, s, sh + j, L)
+                else:
+                    _dot64_heads_keys8(qb, qh, d, 1, kb, ko, kstride, 2, s, sh + j, L)
+            j += 8
+        for r in range(hn):
+            o = sh + r * L
+            mx = mrow[r0 + h0 + r]
+            for jj in range(ja, j):
+                v = _q.ld(s, o + jj) * scale
+                _q.st(s, o + jj, v)
+                mx = max(mx, v)
+            if j < jb:
+                mx = max(mx, _score_keys(qb, qh + r * d, kb, k0, kstride, s, o, j, jb, d, scale, True))
+            mrow[r0 + h0 + r] = mx
+        h0 += hn
+
+
+@njit(**_JIT_INLINE)
+def _pv_heads_f16(acc, ao, gh, p, po, L, vb, vo, vstride, ja, jb, dv):
+    """:func:`_pv_exact` for the ``gh`` rows of one KV head (acc rows ao + r * dv, probabilities
+    at p[po + r * L + j]) over a float16 cache read in place, Dv a multiple of 16: the same
+    sums, each value row widened once per four rows."""
+    h0 = 0
+    while h0 < gh:
+        hn = min(4, gh - h0)
+        a, q = ao + h0 * dv, po + h0 * L
+        if hn == 4:
+            _pv_heads16(acc, a, dv, 4, p, q, L, vb, vo, vstride, ja, jb, dv, 2)
+        elif hn == 3:
+            _pv_heads16(acc, a, dv, 3, p, q, L, vb, vo, vstride, ja, jb, dv, 2)
+        elif hn == 2:
+            if dv % 32 == 0:
+                _pv_heads16(acc, a, dv, 2, p, q, L, vb, vo, vstride, ja, jb, dv, 4)
+            else:
+                _pv_heads16(acc, a, dv, 2, p, q, L, vb, vo, vstride, ja, jb, dv, 2)
+        else:  # one row: the row-at-a-time kernel is as fast
+            _pv_exact(acc, a, p, q, vb, vo, vstride, ja, jb, dv)
+        h0 += hn
+
+
 @njit(**_JIT_INLINE)
 def _score_keys_wide16(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale):
     """:func:`_score_keys` of a one-token step over a float16 cache read in place, D a
@@ -515,7 +718,9 @@ _LN2_LO = np.float32(-2.12194440e-4)
 
 @njit(**_JIT_VEC)
 def _exp_shifted(s, ja, jb, mx):
-    """s[j] = exp(s[j] - mx) for j in ja..jb-1 (every s[j] <= mx), returns their sum in float64.
+    """s[j] = exp(s[j] - mx) for j in ja..jb-1 (every s[j] <= mx), returns their sum in float64:
+    four partial sums (s[ja + k] into sum k % 4; one float64 chain of additions costs a
+    nanosecond per key), added (s0 + s1) + (s2 + s3), then the last jb - ja mod 4 in order.
 
     Cephes' expf (range reduction by ln2 in two parts, degree-5 polynomial, 2^n from the
     exponent bits; ~1 ulp), written as a plain loop so it runs in vector lanes (libm's expf
@@ -533,8 +738,20 @@ def _exp_shifted(s, ja, jb, mx):
         p = p * r + np.float32(5.0000001201e-1)
         p = p * r * r + r + np.float32(1.0)
         _q.st(s, j, p * _q.bits_f32((np.int32(n) + np.int32(127)) << np.int32(23)))
-    for j in range(ja, jb):  # apart from the loop above, which then runs in vector lanes
+    t1 = 0.0
+    t2 = 0.0
+    t3 = 0.0
+    j = ja
+    while j + 4 <= jb:  # four float64 partial sums (key j into sum j % 4), apart from the loop above
         total += np.float64(_q.ld(s, j))
+        t1 += np.float64(_q.ld(s, j + 1))
+        t2 += np.float64(_q.ld(s, j + 2))
+        t3 += np.float64(_q.ld(s, j + 3))
+        j += 4
+    total = (total + t1) + (t2 + t3)
+    while j < jb:
+        total += np.float64(_q.ld(s, j))
+        j += 1
     return total
 
 
@@ -722,6 +939,14 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
                     r = tt * gh + hh0
                     _score_keys4(qb, r * d, d, c16, base, pos, sc, so + r * L, L, jlo, jhi, scale, mrow, r)
                     hh0 += 4
+            elif not values and wide and fmt == FMT_F16 and gh > 1 and (d == 64 or d == 128):  # the group's heads per K read
+                r = tt * gh
+                _score_heads_wide16(qb, r * d, gh, c16, base, pos, sc, so + r * L, L, jlo, jhi, d, scale, mrow, r)
+                hh0 = gh
+            elif values and fmt == FMT_F16 and n_dim % 16 == 0:  # the token's heads per V read
+                r = tt * gh
+                _pv_heads_f16(acc, ao + r * n_dim, gh, sc, so + r * L, L, c16, base, pos, jlo, jhi, n_dim)
+                hh0 = gh
             for hh in range(hh0, gh):
                 r = tt * gh + hh
                 if values and fmt == FMT_F16:
@@ -742,7 +967,7 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
 @njit(**_JIT_VEC)
 def _softmax_rows(op, sc, so, L, j_start, p0, nq, gh, g, h_lo, mrow):
     """Per row r (token tt, head h_lo + hh of group g): the maximum (mrow[r], or the sink when
-    larger), exp(score - max) summed in float64 in key order (plus the sink's term), and the
+    larger), exp(score - max) summed in float64 (:func:`_exp_shifted`; plus the sink's term), and the
     probabilities float16(e * float32(1/sum)) in place over the row's keys."""
     nh, group, window = op[O_NH], op[O_GROUP], op[O_WINDOW]
     sinks = _q.view_f32(op[O_SINKS], nh)
@@ -820,7 +1045,7 @@ def run_part_k(op, tasks, ti, meta, sc):
 @njit(**_JIT_VEC)
 def run_norm(op, tasks, meta, mi, sc):
     """Exact split, phase 1: per row of group ``mi`` the maximum over all its keys (and the
-    sink), the float64 sum of the exponentials in key order, float16 probabilities in place."""
+    sink), the float64 sum of the exponentials (:func:`_exp_shifted`), float16 probabilities in place."""
     mb = mi * META_W
     ti = meta[mb + 5]
     tb = ti * TASK_W
