@@ -28,7 +28,7 @@ function through its address, so editing this file never recompiles the pool's k
 A task gathers its tile's query rows of the heads of one KV head's group (R = tokens x
 heads), rounds them to float16, and walks the cache in key tiles of ``BK`` rows (a tile
 serves all R query rows). Default mode: a float16 cache is read in place, K.Q as vector dot
-products in ggml's lane order (a prefill reads each key once for four heads of a token, a
+products in ggml's lane order (a prefill reads each key once for two to four heads of a token, a
 decode once for two to four heads of the group: :func:`_dot64_heads_keys8`) and P.V as fused
 multiply-adds over the float16 rows (each row widened once for up to four heads, whose
 accumulators stay in registers: :func:`_pv_heads16`); a Q8_0 cache is widened to a float32
@@ -288,7 +288,7 @@ def _lane_dot(lanes: int):
                     kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), lanes)), vty)
                 else:
                     kv = builder.load(builder.bitcast(builder.gep(kp, [off]), vty.as_pointer()), align=4)
-                builder.store(builder.fadd(builder.load(acc_p), builder.fmul(qv, kv)), acc_p)
+                builder.store(_qir._call(builder, f"llvm.fma.v{lanes}f32", vty, [qv, kv, builder.load(acc_p)]), acc_p)
             acc = builder.load(acc_p)
             h = lanes
             while h > 1:
@@ -309,13 +309,17 @@ _dot64 = _lane_dot(64)
 
 
 @intrinsic
-def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride):
-    """Four :func:`_lane_dot` (lanes = 16) dot products at once, bit for bit the same: query
-    rows qb[qo + r * qstride ...] (r < 4) with one key kb[ko ...], each K vector loaded (and
-    widened from float16) once for the four rows; out[oo + r * ostride] = the results. The four
-    rows' halving trees are folded together, two rows per shuffle-and-add (lane l + h into
-    lane l of each row, h = 8, 4, 2, 1, exactly as one row alone)."""
-    sig = types.void(qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride)
+def _dot16_rows(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride, n_rows):
+    """``n_rows`` (a literal, 1 to 4) :func:`_lane_dot` (lanes = 16) dot products at once, bit
+    for bit the same: query rows qb[qo + r * qstride ...] (r < n_rows) with one key kb[ko ...],
+    each K vector loaded (and widened from float16) once for the rows; out[oo + r * ostride] =
+    the results. Fused multiply-adds (the products of float16 values are exact in float32).
+    The rows' halving trees are folded together, two rows per shuffle-and-add (lane l + h
+    into lane l of each row, h = 8, 4, 2, 1, exactly as one row alone)."""
+    if not isinstance(n_rows, types.IntegerLiteral):
+        return None
+    nr = n_rows.literal_value
+    sig = types.void(qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostride, n_rows)
     k_half = karr.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
@@ -330,7 +334,7 @@ def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ost
         kp = builder.gep(_qir._data(context, builder, signature.args[3], ka), [idx(4)])
         op_ = builder.gep(_qir._data(context, builder, signature.args[6], oa), [idx(7)])
         qs, nb, ostr = idx(2), idx(5), idx(8)
-        accs = [_cg.alloca_once_value(builder, _ir.Constant(v16, [0.0] * 16)) for _ in range(4)]
+        accs = [_cg.alloca_once_value(builder, _ir.Constant(v16, [0.0] * 16)) for _ in range(nr)]
         with _cg.for_range(builder, nb) as loop:
             off = builder.mul(loop.index, _ir.Constant(i64, 16))
             if k_half:
@@ -339,11 +343,13 @@ def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ost
                 kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 16)), v16)
             else:
                 kv = builder.load(builder.bitcast(builder.gep(kp, [off]), v16.as_pointer()), align=4)
-            for r in range(4):
+            for r in range(nr):
                 qrow = builder.gep(qp, [builder.add(builder.mul(_ir.Constant(i64, r), qs), off)])
                 qv = builder.load(builder.bitcast(qrow, v16.as_pointer()), align=4)
-                builder.store(builder.fadd(builder.load(accs[r]), builder.fmul(qv, kv)), accs[r])
+                builder.store(_qir._call(builder, "llvm.fma.v16f32", v16, [qv, kv, builder.load(accs[r])]), accs[r])
         vecs = [(builder.load(a), [r], 16) for r, a in enumerate(accs)]
+        while len(vecs) & (len(vecs) - 1):  # a power of two: pad with zero rows (not stored)
+            vecs.append((_ir.Constant(v16, [0.0] * 16), [None], 16))
         while vecs[0][2] > 1:
             nxt = []
             for i in range(0, len(vecs), 2):
@@ -359,6 +365,8 @@ def _dot16_rows4(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ost
             vecs = nxt
         for v, rows, _w in vecs:
             for n, r in enumerate(rows):
+                if r is None:
+                    continue
                 builder.store(builder.extract_element(v, _ir.Constant(i32, n)),
                               builder.gep(op_, [builder.mul(_ir.Constant(i64, r), ostr)]))
         return context.get_dummy_value()
@@ -686,13 +694,18 @@ def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
 
 
 @njit(**_JIT_INLINE)
-def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0):
-    """:func:`_score_keys` (16 lanes, D a multiple of 16) for the four query rows at qb[qo],
-    qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read once for
-    the four rows (:func:`_dot16_rows4`); mrow[r0 .. r0 + 3] raised to the rows' maxima."""
+def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, nr):
+    """:func:`_score_keys` (16 lanes, D a multiple of 16) for the ``nr`` (2 to 4) query rows at
+    qb[qo], qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read
+    once for the rows (:func:`_dot16_rows`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
     for j in range(ja, jb):
-        _dot16_rows4(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L)
-    for r in range(4):
+        if nr == 4:
+            _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 4)
+        elif nr == 3:
+            _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 3)
+        else:
+            _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 2)
+    for r in range(nr):
         mx = mrow[r0 + r]
         o = so + r * L
         for j in range(ja, jb):
@@ -934,11 +947,12 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
             if jhi <= jlo:
                 continue
             hh0 = 0
-            if not values and not wide and fmt == FMT_F16:  # prefill: four heads of the token per K read
-                while hh0 + 4 <= gh:
+            if not values and not wide and fmt == FMT_F16:  # prefill: two to four heads of the token per K read
+                while hh0 + 2 <= gh:
                     r = tt * gh + hh0
-                    _score_keys4(qb, r * d, d, c16, base, pos, sc, so + r * L, L, jlo, jhi, scale, mrow, r)
-                    hh0 += 4
+                    nr = min(4, gh - hh0)
+                    _score_keys4(qb, r * d, d, c16, base, pos, sc, so + r * L, L, jlo, jhi, scale, mrow, r, nr)
+                    hh0 += nr
             elif not values and wide and fmt == FMT_F16 and gh > 1 and (d == 64 or d == 128):  # the group's heads per K read
                 r = tt * gh
                 _score_heads_wide16(qb, r * d, gh, c16, base, pos, sc, so + r * L, L, jlo, jhi, d, scale, mrow, r)

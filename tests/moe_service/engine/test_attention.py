@@ -218,21 +218,51 @@ def test_score_dot_products_sum_in_ggml_order(d):
             assert mx == want.max()
 
 
+@pytest.mark.parametrize("nr", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128, 576])
-def test_four_row_scores_equal_one_row_scores(d):
-    """The prefill K pass's four-rows-per-key kernel gives the 16-lane scores bit for bit."""
-    rng = np.random.default_rng(d + 1)
+def test_multi_row_scores_equal_one_row_scores(d, nr):
+    """The prefill K pass's rows-per-key kernel (2 to 4 rows) gives the 16-lane scores bit for bit."""
+    rng = np.random.default_rng(d + nr)
     n, L = 19, 23
     k16 = (rng.standard_normal((n, d)) * 3).astype(np.float16)
-    q = rng.standard_normal((4, d)).astype(np.float16).astype(np.float32).reshape(-1)
-    s = np.full(4 * L, np.nan, np.float32)
-    mrow = np.full(4, -np.inf, np.float32)
-    attention._score_keys4(q, 0, d, k16.view(np.uint16).reshape(-1), 0, d, s, 0, L, 2, n, np.float32(0.5), mrow, 0)
-    for r in range(4):
+    q = rng.standard_normal((nr, d)).astype(np.float16).astype(np.float32).reshape(-1)
+    s = np.full(nr * L, np.nan, np.float32)
+    mrow = np.full(nr, -np.inf, np.float32)
+    attention._score_keys4(q, 0, d, k16.view(np.uint16).reshape(-1), 0, d, s, 0, L, 2, n, np.float32(0.5), mrow, 0,
+                           nr)
+    for r in range(nr):
         want = np.array([_ggml_dot(q[r * d:(r + 1) * d], k16[j].astype(np.float32), 16) * np.float32(0.5)
                          for j in range(2, n)], np.float32)
         assert np.array_equal(s[r * L + 2:r * L + n], want), (d, r)
         assert mrow[r] == want.max()
+
+
+@pytest.mark.parametrize("gh", [2, 3, 5, 8, 9])
+@pytest.mark.parametrize("d", [64, 128])
+def test_group_decode_kernels_equal_row_kernels(d, gh):
+    """A decode's group kernels (each key and value row read once for several heads) give the
+    one-row kernels' scores and P.V bit for bit, partial blocks of eight keys included."""
+    rng = np.random.default_rng(10 * d + gh)
+    n, L, kstride = 45, 50, 2 * d  # keys 3..44 of a cache with two KV heads per position
+    k16 = (rng.standard_normal((n, 2, d)) * 3).astype(np.float16)
+    v16 = rng.standard_normal((n, 2, d)).astype(np.float16)
+    q = rng.standard_normal((gh, d)).astype(np.float16).astype(np.float32).reshape(-1)
+    kb, vb = k16.view(np.uint16).reshape(-1), v16.view(np.uint16).reshape(-1)
+    s = np.full(gh * L, np.nan, np.float32)
+    mrow = np.full(gh, -np.inf, np.float32)
+    attention._score_heads_wide16(q, 0, gh, kb, d, kstride, s, 0, L, 3, n, d, np.float32(0.5), mrow, 0)
+    p = np.zeros(gh * L, np.float32)
+    acc_rows = rng.standard_normal(gh * d).astype(np.float32)
+    acc_group = acc_rows.copy()
+    for r in range(gh):
+        want = np.empty(L, np.float32)
+        mx = attention._score_keys(q, r * d, kb, d, kstride, want, 0, 3, n, d, np.float32(0.5), True)
+        assert np.array_equal(s[r * L + 3:r * L + n], want[3:n]), (d, gh, r)
+        assert mrow[r] == mx
+        p[r * L + 3:r * L + n] = rng.random(n - 3).astype(np.float16)
+        attention._pv_exact(acc_rows, r * d, p, r * L, vb, d, kstride, 3, n, d)
+    attention._pv_heads_f16(acc_group, 0, gh, p, 0, L, vb, d, kstride, 3, n, d)
+    assert np.array_equal(acc_group, acc_rows), (d, gh)
 
 
 def test_q8_0_matches_ggml_rounding():
