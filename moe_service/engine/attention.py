@@ -628,6 +628,81 @@ def _pv_heads_f16(acc, ao, gh, p, po, L, vb, vo, vstride, ja, jb, dv):
         h0 += hn
 
 
+@intrinsic
+def _dot64_tile_keys8(typingctx, qarr, qo, tarr, to, tstride, n_blocks, oarr, oo):
+    """:func:`_dot64_keys8` of one query row with eight keys already widened to float32 in a
+    tile (tarr[to + i * tstride ...], i < 8; n_blocks = D / 64, a literal): the same sums (64
+    lanes over the blocks, the first block's product, fused multiply-adds after it, then
+    the halving tree). Slice by slice of eight lanes, the row's n_blocks query parts stay in
+    registers over the eight keys (a latent cache has D = 576: nine blocks, one float32 load
+    per fused multiply-add)."""
+    if not isinstance(n_blocks, types.IntegerLiteral):
+        return None
+    sig = types.void(qarr, qo, tarr, to, tstride, n_blocks, oarr, oo)
+    nb = n_blocks.literal_value
+
+    def codegen(context, builder, signature, args):
+        i64 = _ir.IntType(64)
+        v8 = _ir.VectorType(_ir.FloatType(), 8)
+
+        def idx(k):
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        def c(n):
+            return _ir.Constant(i64, n)
+
+        qp = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
+        tp = builder.gep(_qir._data(context, builder, signature.args[2], args[2]), [idx(3)])
+        op_ = builder.gep(_qir._data(context, builder, signature.args[6], args[6]), [idx(7)])
+        tst = idx(4)
+
+        def ld8(p, off):
+            return builder.load(builder.bitcast(builder.gep(p, [off]), v8.as_pointer()), align=4)
+
+        t = [[None] * 8 for _ in range(8)]
+        krows = [builder.gep(tp, [builder.mul(c(i), tst)]) for i in range(8)]
+        for y in range(8):
+            for b in range(nb):  # block outer, key inner: eight independent chains in flight
+                qv = ld8(qp, c(64 * b + 8 * y))
+                for i in range(8):
+                    kv = ld8(krows[i], c(64 * b + 8 * y))
+                    t[i][y] = builder.fmul(qv, kv) if b == 0 else \
+                        _qir._call(builder, "llvm.fma.v8f32", v8, [qv, kv, t[i][y]])
+        xs = [_fold64(builder, t[i]) for i in range(8)]
+        sums, lane = _qir._tree8_many(builder, xs, [(i,) for i in range(8)])
+        for i in range(8):
+            builder.store(builder.extract_element(sums, _ir.Constant(_ir.IntType(32), lane[i])),
+                          builder.gep(op_, [c(i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _score_latent(qb, qo, gh, kb, k0, kstride, s, so, L, ja, jb, d, scale, mrow, r0, tile):
+    """:func:`_score_keys_wide16` for the ``gh`` query rows qb[qo + r * d] of a latent (MLA)
+    cache, D = 576 (kv_lora_rank 512 + 64 rope dims): the same scores. Every key is widened
+    to float32 once (eight at a time into ``tile``, float32 [>= 8 * D]) for all the rows, instead of
+    once per row (one vcvtph2ps per eight dims per row was the bound); then eight keys per
+    :func:`_dot64_tile_keys8`. mrow[r0 + r] raised to each row's maximum."""
+    n = jb - ja
+    n8 = n - n % 8
+    for j in range(0, n8, 8):  # eight keys at a time: their float32 tile (18 KiB) stays in L1d for every row
+        _load_rows(kb.ctypes.data, FMT_F16, k0 + (ja + j) * kstride, kstride, 8, d, tile)
+        for r in range(gh):
+            _dot64_tile_keys8(qb, qo + r * d, tile, 0, d, 9, s, so + r * L + ja + j)
+    for r in range(gh):
+        o = so + r * L
+        mx = mrow[r0 + r]
+        for jj in range(ja, ja + n8):
+            v = _q.ld(s, o + jj) * scale
+            _q.st(s, o + jj, v)
+            mx = max(mx, v)
+        if n8 < n:
+            mx = max(mx, _score_keys(qb, qo + r * d, kb, k0, kstride, s, o, ja + n8, jb, d, scale, True))
+        mrow[r0 + r] = mx
+
+
 @njit(**_JIT_INLINE)
 def _score_keys_wide16(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale):
     """:func:`_score_keys` of a one-token step over a float16 cache read in place, D a
@@ -938,6 +1013,7 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
     wide = op[O_WIDE] != 0
     c16 = _view_u16(addr, 1)
     tile = np.empty(bk * n_dim if fmt != FMT_F16 else 1, np.float32)
+    ltile = np.empty(8 * n_dim if (fmt == FMT_F16 and not values and wide and n_dim == 576) else 1, np.float32)
     for j0 in range(kp_lo, kp_hi, bk):
         nb = min(bk, kp_hi - j0)
         if fmt != FMT_F16:
@@ -953,6 +1029,10 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
                     nr = min(4, gh - hh0)
                     _score_keys4(qb, r * d, d, c16, base, pos, sc, so + r * L, L, jlo, jhi, scale, mrow, r, nr)
                     hh0 += nr
+            elif not values and wide and fmt == FMT_F16 and gh >= 8 and d == 576:  # a latent cache: K widened once
+                r = tt * gh
+                _score_latent(qb, r * d, gh, c16, base, pos, sc, so + r * L, L, jlo, jhi, d, scale, mrow, r, ltile)
+                hh0 = gh
             elif not values and wide and fmt == FMT_F16 and gh > 1 and (d == 64 or d == 128):  # the group's heads per K read
                 r = tt * gh
                 _score_heads_wide16(qb, r * d, gh, c16, base, pos, sc, so + r * L, L, jlo, jhi, d, scale, mrow, r)

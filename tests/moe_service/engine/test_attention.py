@@ -265,6 +265,26 @@ def test_group_decode_kernels_equal_row_kernels(d, gh):
     assert np.array_equal(acc_group, acc_rows), (d, gh)
 
 
+@pytest.mark.parametrize("n", [8, 13, 16])
+def test_latent_scores_equal_row_scores(n):
+    """A latent (MLA, D = 576) decode's scores, each key widened once for all the heads, are
+    the one-row kernel's bit for bit (a partial block of eight keys included)."""
+    d, gh, L, kstride = 576, 9, 20, 576
+    rng = np.random.default_rng(n)
+    k16 = (rng.standard_normal((n + 2, d)) * 3).astype(np.float16)
+    q = rng.standard_normal((gh, d)).astype(np.float16).astype(np.float32).reshape(-1)
+    kb = k16.view(np.uint16).reshape(-1)
+    s = np.full(gh * L, np.nan, np.float32)
+    mrow = np.full(gh, -np.inf, np.float32)
+    attention._score_latent(q, 0, gh, kb, 0, kstride, s, 0, L, 2, n + 2, d, np.float32(0.5), mrow, 0,
+                            np.empty(8 * d, np.float32))
+    for r in range(gh):
+        want = np.empty(L, np.float32)
+        mx = attention._score_keys(q, r * d, kb, 0, kstride, want, 0, 2, n + 2, d, np.float32(0.5), True)
+        assert np.array_equal(s[r * L + 2:r * L + n + 2], want[2:n + 2]), r
+        assert mrow[r] == mx
+
+
 def test_q8_0_matches_ggml_rounding():
     """Q8_0 rows as ggml's quantize_row_q8_0_ref: d = amax/127 (float16), q = roundf(x/d)."""
     x = np.array([0.5, -1.27, 2.54, -2.54] + [0.0] * 27 + [1.905], np.float32)
