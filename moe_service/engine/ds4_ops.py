@@ -11,6 +11,7 @@ llama.cpp's goldens. Shapes: T tokens, C hyper-connection streams, H hidden, M =
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 F32 = np.float32
 
@@ -32,6 +33,9 @@ def sinkhorn(comb: np.ndarray, iters: int, eps: float) -> np.ndarray:
     c = comb.astype(np.float64)
     c = np.exp(c - c.max(axis=-1, keepdims=True))
     c = c / c.sum(axis=-1, keepdims=True) + eps
+    if c.shape[-1] < 8:  # numpy sums fewer than 8 terms left to right: the loops below are exact copies
+        _sinkhorn_iters(c, iters, eps)
+        return c.astype(np.float32)
 
     def cols(c):
         return c / (c.sum(axis=-2, keepdims=True) + eps)
@@ -43,6 +47,34 @@ def sinkhorn(comb: np.ndarray, iters: int, eps: float) -> np.ndarray:
     for _ in range(1, iters):
         c = cols(rows(c))
     return c.astype(np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _sinkhorn_iters(c, iters, eps):
+    """sinkhorn's normalisations in place on c float64 [T, C, C] (C < 8): column-normalise, then
+    ``iters - 1`` times row- and column-normalise. Each sum runs left to right from the first
+    term and each element is divided by (sum + eps), as numpy computes them for fewer than 8
+    terms (its pairwise summation starts at 8), so the result is numpy's bit for bit; 20
+    iterations of numpy calls on a 4 x 4 matrix took ~0.19 ms per call, a decode step makes
+    two per layer."""
+    T, C = c.shape[0], c.shape[1]
+    for it in range(iters):
+        for t in range(T):
+            if it > 0:
+                for a in range(C):
+                    s = c[t, a, 0]
+                    for b in range(1, C):
+                        s += c[t, a, b]
+                    s += eps
+                    for b in range(C):
+                        c[t, a, b] = c[t, a, b] / s
+            for b in range(C):
+                s = c[t, 0, b]
+                for a in range(1, C):
+                    s += c[t, a, b]
+                s += eps
+                for a in range(C):
+                    c[t, a, b] = c[t, a, b] / s
 
 
 def _mix(xn: np.ndarray, fn: np.ndarray) -> np.ndarray:
