@@ -1,4 +1,4 @@
-"""ds4_ops: the compiled Sinkhorn normalisation is numpy's formula bit for bit."""
+"""ds4_ops: the compiled Sinkhorn normalisation, rms and rope are numpy's formulas bit for bit."""
 
 from __future__ import annotations
 
@@ -29,3 +29,46 @@ def test_sinkhorn_equals_numpy(n_streams):
         iters, eps = int(rng.integers(1, 25)), float(rng.choice([1e-9, 1e-6, 1e-3]))
         got, want = ds4_ops.sinkhorn(comb, iters, eps), _numpy_sinkhorn(comb, iters, eps)
         assert np.array_equal(got, want), (n_streams, trial)
+
+
+def _numpy_rms(x, eps):
+    x = x.astype(np.float32)
+    return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 512), (3, 64, 512), (1, 16384), (2, 16384), (1, 512), (7, 128), (4, 37),
+                                   (1, 3), (2, 1000), (1, 129), (1, 136)])
+def test_rms_equals_numpy(shape):
+    """The compiled rms sums the squares as numpy's pairwise summation does (8 interleaved
+    sums up to 128 terms, halves split at multiples of 8 above), bit for bit."""
+    rng = np.random.default_rng(len(shape) * 1000 + shape[-1])
+    for _ in range(10):
+        x = (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape))).astype(np.float32)
+        for eps in (1e-6, np.float32(1e-5)):
+            assert np.array_equal(ds4_ops.rms(x, eps), _numpy_rms(x, eps)), (shape, eps)
+
+
+def _numpy_rope_last(x, pos, cos, sin, inverse=False):
+    x = x.astype(np.float32).copy()
+    R = 2 * cos.shape[1]
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    if inverse:
+        s = -s
+    a, b = x[..., -R::2].copy(), x[..., -R + 1::2].copy()
+    x[..., -R::2] = a * c - b * s
+    x[..., -R + 1::2] = a * s + b * c
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape,half", [((1, 64, 512), 32), ((3, 8, 128), 32), ((2, 4, 64), 32), ((1, 2, 14), 7)])
+def test_rope_last_equals_numpy(dtype, shape, half):
+    rng = np.random.default_rng(half + shape[0])
+    ang = rng.standard_normal((300, half)) * 10
+    cos, sin = np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    for _ in range(10):
+        x = (rng.standard_normal(shape) * 3).astype(np.float32)
+        pos = rng.integers(0, 300, shape[0])
+        for inverse in (False, True):
+            assert np.array_equal(ds4_ops.rope_last(x, pos, cos, sin, inverse),
+                                  _numpy_rope_last(x, pos, cos, sin, inverse))
