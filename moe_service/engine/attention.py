@@ -252,6 +252,35 @@ def _load_rows(addr, fmt, base, stride, n_rows, n_dim, dst):
                     _q.st(dst, od + i, d * np.float32(_q.ld(srci, ob + 2 + i)))
 
 
+def _i64_arg(context, builder, signature, args, k):
+    """Codegen: an intrinsic's integer argument ``k`` as an i64 value."""
+    return context.cast(builder, args[k], signature.args[k], types.int64)
+
+
+def _ptr_arg(context, builder, signature, args, a, o):
+    """Codegen: the element pointer of an intrinsic's array argument ``a`` at the offset held by
+    its integer argument ``o``."""
+    return builder.gep(_qir._data(context, builder, signature.args[a], args[a]),
+                       [_i64_arg(context, builder, signature, args, o)])
+
+
+def _c64(n: int):
+    return _ir.Constant(_ir.IntType(64), n)
+
+
+def _load_f32(builder, ptr, off, n: int):
+    """<n x float> at float* ``ptr`` + ``off`` (i64 value)."""
+    return builder.load(builder.bitcast(builder.gep(ptr, [off]), _ir.VectorType(_ir.FloatType(), n).as_pointer()),
+                        align=4)
+
+
+def _load_half(builder, ptr, off, n: int):
+    """<n x float> widened exactly from the n float16 (uint16 bits) at i16* ``ptr`` + ``off``."""
+    hv = builder.load(builder.bitcast(builder.gep(ptr, [off]), _ir.VectorType(_ir.IntType(16), n).as_pointer()),
+                      align=2)
+    return builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), n)), _ir.VectorType(_ir.FloatType(), n))
+
+
 def _lane_dot(lanes: int):
     """An intrinsic ``f(qb, qo, kb, ko, n_blocks) -> float32``: the dot product of
     qb[qo : qo + n_blocks * lanes] (float32) with kb[ko : ...] (float32, or float16 bits as
@@ -270,24 +299,16 @@ def _lane_dot(lanes: int):
         k_half = karr.dtype == types.uint16
 
         def codegen(context, builder, signature, args):
-            qa, qo_, ka, ko_, nb_ = args
             i64 = _ir.IntType(64)
             vty = _ir.VectorType(_ir.FloatType(), lanes)
-            qp = builder.gep(_qir._data(context, builder, signature.args[0], qa),
-                             [context.cast(builder, qo_, signature.args[1], types.int64)])
-            kp = builder.gep(_qir._data(context, builder, signature.args[2], ka),
-                             [context.cast(builder, ko_, signature.args[3], types.int64)])
-            nb = context.cast(builder, nb_, signature.args[4], types.int64)
+            qp = _ptr_arg(context, builder, signature, args, 0, 1)
+            kp = _ptr_arg(context, builder, signature, args, 2, 3)
+            nb = _i64_arg(context, builder, signature, args, 4)
             acc_p = _cg.alloca_once_value(builder, _ir.Constant(vty, [0.0] * lanes))
             with _cg.for_range(builder, nb) as loop:
                 off = builder.mul(loop.index, _ir.Constant(i64, lanes))
-                qv = builder.load(builder.bitcast(builder.gep(qp, [off]), vty.as_pointer()), align=4)
-                if k_half:
-                    hv = builder.load(builder.bitcast(builder.gep(kp, [off]),
-                                                      _ir.VectorType(_ir.IntType(16), lanes).as_pointer()), align=2)
-                    kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), lanes)), vty)
-                else:
-                    kv = builder.load(builder.bitcast(builder.gep(kp, [off]), vty.as_pointer()), align=4)
+                qv = _load_f32(builder, qp, off, lanes)
+                kv = (_load_half if k_half else _load_f32)(builder, kp, off, lanes)
                 builder.store(_qir._call(builder, f"llvm.fma.v{lanes}f32", vty, [qv, kv, builder.load(acc_p)]), acc_p)
             acc = builder.load(acc_p)
             h = lanes
@@ -323,31 +344,25 @@ def _dot16_rows(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostr
     k_half = karr.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        qa, ka, oa = args[0], args[3], args[6]
         i64 = _ir.IntType(64)
         i32 = _ir.IntType(32)
         v16 = _ir.VectorType(_ir.FloatType(), 16)
-        def idx(k):
-            return context.cast(builder, args[k], signature.args[k], types.int64)
 
-        qp = builder.gep(_qir._data(context, builder, signature.args[0], qa), [idx(1)])
-        kp = builder.gep(_qir._data(context, builder, signature.args[3], ka), [idx(4)])
-        op_ = builder.gep(_qir._data(context, builder, signature.args[6], oa), [idx(7)])
+        def idx(k):
+            return _i64_arg(context, builder, signature, args, k)
+
+        qp = _ptr_arg(context, builder, signature, args, 0, 1)
+        kp = _ptr_arg(context, builder, signature, args, 3, 4)
+        op_ = _ptr_arg(context, builder, signature, args, 6, 7)
         qs, nb, ostr = idx(2), idx(5), idx(8)
         accs = [_cg.alloca_once_value(builder, _ir.Constant(v16, [0.0] * 16)) for _ in range(nr)]
         with _cg.for_range(builder, nb) as loop:
             off = builder.mul(loop.index, _ir.Constant(i64, 16))
-            if k_half:
-                hv = builder.load(builder.bitcast(builder.gep(kp, [off]),
-                                                  _ir.VectorType(_ir.IntType(16), 16).as_pointer()), align=2)
-                kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 16)), v16)
-            else:
-                kv = builder.load(builder.bitcast(builder.gep(kp, [off]), v16.as_pointer()), align=4)
+            kv = (_load_half if k_half else _load_f32)(builder, kp, off, 16)
             for r in range(nr):
-                qrow = builder.gep(qp, [builder.add(builder.mul(_ir.Constant(i64, r), qs), off)])
-                qv = builder.load(builder.bitcast(qrow, v16.as_pointer()), align=4)
+                qv = _load_f32(builder, qp, builder.add(builder.mul(_ir.Constant(i64, r), qs), off), 16)
                 builder.store(_qir._call(builder, "llvm.fma.v16f32", v16, [qv, kv, builder.load(accs[r])]), accs[r])
-        vecs = [(builder.load(a), [r], 16) for r, a in enumerate(accs)]
+        vecs: list[tuple[Any, list[int | None], int]] = [(builder.load(a), [r], 16) for r, a in enumerate(accs)]
         while len(vecs) & (len(vecs) - 1):  # a power of two: pad with zero rows (not stored)
             vecs.append((_ir.Constant(v16, [0.0] * 16), [None], 16))
         while vecs[0][2] > 1:
@@ -364,11 +379,11 @@ def _dot16_rows(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostr
                 nxt.append((builder.fadd(lo_v, hi_v), rx + ry, h))
             vecs = nxt
         for v, rows, _w in vecs:
-            for n, r in enumerate(rows):
-                if r is None:
+            for n, row in enumerate(rows):
+                if row is None:
                     continue
                 builder.store(builder.extract_element(v, _ir.Constant(i32, n)),
-                              builder.gep(op_, [builder.mul(_ir.Constant(i64, r), ostr)]))
+                              builder.gep(op_, [builder.mul(_ir.Constant(i64, row), ostr)]))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -392,21 +407,14 @@ def _dot64_keys8(typingctx, qarr, qo, karr, ko, kstride, n_blocks, oarr, oo):
     def codegen(context, builder, signature, args):
         i64 = _ir.IntType(64)
         v64 = _ir.VectorType(_ir.FloatType(), 64)
-
-        def idx(k):
-            return context.cast(builder, args[k], signature.args[k], types.int64)
-
-        qp = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
-        kp = builder.gep(_qir._data(context, builder, signature.args[2], args[2]), [idx(3)])
-        op_ = builder.gep(_qir._data(context, builder, signature.args[6], args[6]), [idx(7)])
-        kst, nb = idx(4), idx(5)
+        qp = _ptr_arg(context, builder, signature, args, 0, 1)
+        kp = _ptr_arg(context, builder, signature, args, 2, 3)
+        op_ = _ptr_arg(context, builder, signature, args, 6, 7)
+        kst, nb = _i64_arg(context, builder, signature, args, 4), _i64_arg(context, builder, signature, args, 5)
 
         def block(i, off):
-            qv = builder.load(builder.bitcast(builder.gep(qp, [off]), v64.as_pointer()), align=4)
-            hv = builder.load(builder.bitcast(builder.gep(kp, [builder.add(builder.mul(_ir.Constant(i64, i), kst),
-                                                                           off)]),
-                                              _ir.VectorType(_ir.IntType(16), 64).as_pointer()), align=2)
-            return qv, builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 64)), v64)
+            return (_load_f32(builder, qp, off, 64),
+                    _load_half(builder, kp, builder.add(builder.mul(_ir.Constant(i64, i), kst), off), 64))
 
         eights = []
         for i in range(8):
@@ -457,33 +465,23 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
     nb = n_blocks.literal_value
 
     def codegen(context, builder, signature, args):
-        i64 = _ir.IntType(64)
         v8 = _ir.VectorType(_ir.FloatType(), 8)
-        h8 = _ir.VectorType(_ir.IntType(16), 8)
-
-        def idx(k):
-            return context.cast(builder, args[k], signature.args[k], types.int64)
-
-        qp = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
-        kp = builder.gep(_qir._data(context, builder, signature.args[4], args[4]), [idx(5)])
-        op_ = builder.gep(_qir._data(context, builder, signature.args[8], args[8]), [idx(9)])
-        qs, kst, ost = idx(2), idx(6), idx(10)
-
-        def c(n):
-            return _ir.Constant(i64, n)
+        c = _c64
+        qp = _ptr_arg(context, builder, signature, args, 0, 1)
+        kp = _ptr_arg(context, builder, signature, args, 4, 5)
+        op_ = _ptr_arg(context, builder, signature, args, 8, 9)
+        qs, kst, ost = (_i64_arg(context, builder, signature, args, k) for k in (2, 6, 10))
 
         def qpart(h, b, y):
-            p = builder.gep(qp, [builder.add(builder.mul(c(h), qs), c(64 * b + 8 * y))])
-            return builder.load(builder.bitcast(p, v8.as_pointer()), align=4)
+            return _load_f32(builder, qp, builder.add(builder.mul(c(h), qs), c(64 * b + 8 * y)), 8)
 
-        xs = [[] for _ in range(nh)]
+        xs: list[list[Any]] = [[] for _ in range(nh)]
         for i in range(8):
             krow = builder.gep(kp, [builder.mul(c(i), kst)])
-            t = [[None] * 8 for _ in range(nh)]
+            t: list[list[Any]] = [[None] * 8 for _ in range(nh)]
             for y in (0, 4, 1, 5, 2, 6, 3, 7):
                 for b in range(nb):
-                    hv = builder.load(builder.bitcast(builder.gep(krow, [c(64 * b + 8 * y)]), h8.as_pointer()), align=2)
-                    kv = builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), 8)), v8)
+                    kv = _load_half(builder, krow, c(64 * b + 8 * y), 8)
                     for h in range(nh):
                         if b == 0:
                             t[h][y] = builder.fmul(qpart(h, b, y), kv)
@@ -517,20 +515,12 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
     npt = n_parts.literal_value
 
     def codegen(context, builder, signature, args):
-        i64 = _ir.IntType(64)
         v8 = _ir.VectorType(_ir.FloatType(), 8)
-        h8 = _ir.VectorType(_ir.IntType(16), 8)
-
-        def idx(k):
-            return context.cast(builder, args[k], signature.args[k], types.int64)
-
-        ap = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
-        pp = builder.gep(_qir._data(context, builder, signature.args[4], args[4]), [idx(5)])
-        vp = builder.gep(_qir._data(context, builder, signature.args[7], args[7]), [idx(8)])
-        ast, pst, vst, ja_, jb_, nd = idx(2), idx(6), idx(9), idx(10), idx(11), idx(12)
-
-        def c(n):
-            return _ir.Constant(i64, n)
+        c = _c64
+        ap = _ptr_arg(context, builder, signature, args, 0, 1)
+        pp = _ptr_arg(context, builder, signature, args, 4, 5)
+        vp = _ptr_arg(context, builder, signature, args, 7, 8)
+        ast, pst, vst, ja_, jb_, nd = (_i64_arg(context, builder, signature, args, k) for k in (2, 6, 9, 10, 11, 12))
 
         with _cg.for_range(builder, builder.sdiv(nd, c(8 * npt))) as dl:
             d0 = builder.mul(dl.index, c(8 * npt))
@@ -540,9 +530,7 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
                     for h in range(nh)]
             with _cg.for_range_slice(builder, ja_, jb_, c(1), inc=True) as (j, _):
                 vrow = builder.gep(vp, [builder.add(builder.mul(j, vst), d0)])
-                kv = [builder.fpext(builder.bitcast(builder.load(builder.bitcast(builder.gep(vrow, [c(8 * y)]),
-                                                                                 h8.as_pointer()), align=2),
-                                                    _ir.VectorType(_ir.HalfType(), 8)), v8) for y in range(npt)]
+                kv = [_load_half(builder, vrow, c(8 * y), 8) for y in range(npt)]
                 for h in range(nh):
                     pj = builder.load(builder.gep(pp, [builder.add(builder.mul(c(h), pst), j)]))
                     pv = builder.shuffle_vector(builder.insert_element(_ir.Constant(v8, None), pj, _ir.Constant(_ir.IntType(32), 0)),
@@ -556,6 +544,31 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _scale_max(s, a, b, scale, mx):
+    """s[j] = s[j] * scale for j in a..b-1 (raw dot products to scores); returns the largest
+    of mx and those scores."""
+    for j in range(a, b):
+        v = _q.ld(s, j) * scale
+        _q.st(s, j, v)
+        mx = max(mx, v)
+    return mx
+
+
+@njit(**_JIT_INLINE)
+def _finish_rows(qb, qo, nrows, d, kb, k0, kstride, s, so, L, ja, jdone, jb, scale, mrow, r0):
+    """After a several-rows kernel left the raw dot products of keys ja..jdone-1 for rows
+    r < nrows (query qb[qo + r * d], scores s[so + r * L + j]): scale them, score keys
+    jdone..jb-1 one by one (:func:`_score_keys`, 64 lanes), raise mrow[r0 + r] to each row's
+    maximum."""
+    for r in range(nrows):
+        o = so + r * L
+        mx = _scale_max(s, o + ja, o + jdone, scale, mrow[r0 + r])
+        if jdone < jb:
+            mx = max(mx, _score_keys(qb, qo + r * d, kb, k0, kstride, s, o, jdone, jb, d, scale, True))
+        mrow[r0 + r] = mx
 
 
 @njit(**_JIT_INLINE)
@@ -592,16 +605,7 @@ def _score_heads_wide16(qb, qo, gh, kb, k0, kstride, s, so, L, ja, jb, d, scale,
                 else:
                     _dot64_heads_keys8(qb, qh, d, 1, kb, ko, kstride, 2, s, sh + j, L)
             j += 8
-        for r in range(hn):
-            o = sh + r * L
-            mx = mrow[r0 + h0 + r]
-            for jj in range(ja, j):
-                v = _q.ld(s, o + jj) * scale
-                _q.st(s, o + jj, v)
-                mx = max(mx, v)
-            if j < jb:
-                mx = max(mx, _score_keys(qb, qh + r * d, kb, k0, kstride, s, o, j, jb, d, scale, True))
-            mrow[r0 + h0 + r] = mx
+        _finish_rows(qb, qh, hn, d, kb, k0, kstride, s, sh, L, ja, j, jb, scale, mrow, r0 + h0)
         h0 += hn
 
 
@@ -642,24 +646,17 @@ def _dot64_tile_keys8(typingctx, qarr, qo, tarr, to, tstride, n_blocks, oarr, oo
     nb = n_blocks.literal_value
 
     def codegen(context, builder, signature, args):
-        i64 = _ir.IntType(64)
         v8 = _ir.VectorType(_ir.FloatType(), 8)
-
-        def idx(k):
-            return context.cast(builder, args[k], signature.args[k], types.int64)
-
-        def c(n):
-            return _ir.Constant(i64, n)
-
-        qp = builder.gep(_qir._data(context, builder, signature.args[0], args[0]), [idx(1)])
-        tp = builder.gep(_qir._data(context, builder, signature.args[2], args[2]), [idx(3)])
-        op_ = builder.gep(_qir._data(context, builder, signature.args[6], args[6]), [idx(7)])
-        tst = idx(4)
+        c = _c64
+        qp = _ptr_arg(context, builder, signature, args, 0, 1)
+        tp = _ptr_arg(context, builder, signature, args, 2, 3)
+        op_ = _ptr_arg(context, builder, signature, args, 6, 7)
+        tst = _i64_arg(context, builder, signature, args, 4)
 
         def ld8(p, off):
-            return builder.load(builder.bitcast(builder.gep(p, [off]), v8.as_pointer()), align=4)
+            return _load_f32(builder, p, off, 8)
 
-        t = [[None] * 8 for _ in range(8)]
+        t: list[list[Any]] = [[None] * 8 for _ in range(8)]
         krows = [builder.gep(tp, [builder.mul(c(i), tst)]) for i in range(8)]
         for y in range(8):
             for b in range(nb):  # block outer, key inner: eight independent chains in flight
@@ -691,16 +688,7 @@ def _score_latent(qb, qo, gh, kb, k0, kstride, s, so, L, ja, jb, d, scale, mrow,
         _load_rows(kb.ctypes.data, FMT_F16, k0 + (ja + j) * kstride, kstride, 8, d, tile)
         for r in range(gh):
             _dot64_tile_keys8(qb, qo + r * d, tile, 0, d, 9, s, so + r * L + ja + j)
-    for r in range(gh):
-        o = so + r * L
-        mx = mrow[r0 + r]
-        for jj in range(ja, ja + n8):
-            v = _q.ld(s, o + jj) * scale
-            _q.st(s, o + jj, v)
-            mx = max(mx, v)
-        if n8 < n:
-            mx = max(mx, _score_keys(qb, qo + r * d, kb, k0, kstride, s, o, ja + n8, jb, d, scale, True))
-        mrow[r0 + r] = mx
+    _finish_rows(qb, qo, gh, d, kb, k0, kstride, s, so, L, ja, ja + n8, jb, scale, mrow, r0)
 
 
 @njit(**_JIT_INLINE)
@@ -715,10 +703,7 @@ def _score_keys_wide16(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale):
             _dot64_keys8(qb, qo, kb, k0 + j * kstride, kstride, 1, s, so + j)
         else:
             _dot64_keys8(qb, qo, kb, k0 + j * kstride, kstride, d // 64, s, so + j)
-        for i in range(8):
-            v = _q.ld(s, so + j + i) * scale
-            _q.st(s, so + j + i, v)
-            mx = max(mx, v)
+        mx = _scale_max(s, so + j, so + j + 8, scale, mx)
         j += 8
     if j < jb:
         mx = max(mx, _score_keys(qb, qo, kb, k0, kstride, s, so, j, jb, d, scale, True))
@@ -732,8 +717,7 @@ def _ld_f32(typingctx, arr, idx):
     half = arr.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        p = builder.gep(_qir._data(context, builder, signature.args[0], args[0]),
-                        [context.cast(builder, args[1], signature.args[1], types.int64)])
+        p = _ptr_arg(context, builder, signature, args, 0, 1)
         v = builder.load(p)
         return builder.fpext(builder.bitcast(v, _ir.HalfType()), _ir.FloatType()) if half else v
 
@@ -781,13 +765,7 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
         else:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 2)
     for r in range(nr):
-        mx = mrow[r0 + r]
-        o = so + r * L
-        for j in range(ja, jb):
-            v = _q.ld(s, o + j) * scale
-            _q.st(s, o + j, v)
-            mx = max(mx, v)
-        mrow[r0 + r] = mx
+        mrow[r0 + r] = _scale_max(s, so + r * L + ja, so + r * L + jb, scale, mrow[r0 + r])
 
 
 @njit(**_JIT_INLINE)
