@@ -58,42 +58,37 @@ def _pairwise_leaf(a, o, n):
 
 
 @njit(cache=True, nogil=True)
-def _pairwise_sum(a, o, n):
+def _pairwise_sum(a, o, n, frames, left):
     """numpy's pairwise summation of a[o:o+n] (float64; numpy/_core/src/umath/loops_utils.h:
     fewer than 8 terms left to right from 0; up to 128 in eight interleaved sums added
     ((0+1)+(2+3))+((4+5)+(6+7)), then the rest in order; above, the two halves, split at a
     multiple of 8, summed apart and added), so a sum equals np.add.reduce's bit for bit.
     numpy recurses; this walks the same tree with an explicit stack (numba's on-disk cache
-    mislinks a recursive function: it crashed when loaded from the cache)."""
+    mislinks a recursive function: it crashed when loaded from the cache). ``frames`` int64
+    [64, 3] (offset, count, stage) and ``left`` float64 [64] are that stack's scratch, from
+    the caller (a halving depth of 64 covers any n)."""
     if n <= 128:
         return _pairwise_leaf(a, o, n)
-    so = np.empty(64, np.int64)
-    sn = np.empty(64, np.int64)
-    stage = np.zeros(64, np.int64)
-    left = np.zeros(64, np.float64)
-    so[0], sn[0], stage[0] = o, n, 0
+    frames[0, 0], frames[0, 1], frames[0, 2] = o, n, 0
     top = 0
     ret = 0.0
     while top >= 0:
-        fo, fn = so[top], sn[top]
+        fo, fn, stage = frames[top, 0], frames[top, 1], frames[top, 2]
         if fn <= 128:
             ret = _pairwise_leaf(a, fo, fn)
             top -= 1
-        elif stage[top] == 0:
-            n2 = fn // 2
-            n2 -= n2 % 8
-            stage[top] = 1
-            top += 1
-            so[top], sn[top], stage[top] = fo, n2, 0
             continue
-        elif stage[top] == 1:
+        n2 = fn // 2
+        n2 -= n2 % 8
+        if stage == 0:  # the left half next
+            frames[top, 2] = 1
+            top += 1
+            frames[top, 0], frames[top, 1], frames[top, 2] = fo, n2, 0
+        elif stage == 1:  # the left half's sum is in: the right half next
             left[top] = ret
-            n2 = fn // 2
-            n2 -= n2 % 8
-            stage[top] = 2
+            frames[top, 2] = 2
             top += 1
-            so[top], sn[top], stage[top] = fo + n2, fn - n2, 0
-            continue
+            frames[top, 0], frames[top, 1], frames[top, 2] = fo + n2, fn - n2, 0
         else:
             ret = left[top] + ret
             top -= 1
@@ -105,11 +100,13 @@ def _rms_rows(x, eps, out):
     """out[r] = float32(x[r] / sqrt(mean(x[r]^2) + eps)) in float64, row by row (x float32 [R, n])."""
     n = x.shape[1]
     sq = np.empty(n, np.float64)
+    frames = np.empty((64, 3), np.int64)
+    left = np.empty(64, np.float64)
     for r in range(x.shape[0]):
         for i in range(n):
             v = np.float64(x[r, i])
             sq[i] = v * v
-        den = np.sqrt(_pairwise_sum(sq, 0, n) / n + eps)
+        den = np.sqrt(_pairwise_sum(sq, 0, n, frames, left) / n + eps)
         for i in range(n):
             out[r, i] = np.float32(np.float64(x[r, i]) / den)
 
@@ -209,26 +206,23 @@ def hc_head(x: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, 
 def rope_last(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
     """ggml NORM rope on the LAST 2*cos.shape[1] dims of each head (rope_set_offset(D - R)):
     adjacent pairs. x [T, heads, D]; cos/sin tables [n_ctx, R/2] (moe_service.engine.arch.rope);
-    ``inverse``: ggml_rope_ext_back (rotation by -theta). Compiled for x [T, heads, D] with
-    float32 or float64 tables (:func:`_rope_last_rows`, numpy's arithmetic and roundings),
-    numpy otherwise."""
-    if x.ndim == 3 and cos.dtype == sin.dtype and cos.dtype in (np.float32, np.float64) and 0 < 2 * cos.shape[1] <= x.shape[2]:
-        out = np.array(x, dtype=np.float32, order="C")  # a copy
-        p = np.ascontiguousarray(pos, dtype=np.int64).reshape(-1)
-        if p.shape[0] == out.shape[0] and (p.size == 0 or (p.min() >= 0 and p.max() < cos.shape[0])):
-            _rope_last_rows(out, p, np.ascontiguousarray(cos), np.ascontiguousarray(sin), bool(inverse))
-            return out
-    x = x.astype(np.float32).copy()
-    R = 2 * cos.shape[1]
-    c = cos[pos][:, None, :]
-    s = sin[pos][:, None, :]
-    if inverse:
-        s = -s
-    a = x[..., -R::2].copy()
-    b = x[..., -R + 1::2].copy()
-    x[..., -R::2] = a * c - b * s
-    x[..., -R + 1::2] = a * s + b * c
-    return x
+    ``inverse``: ggml_rope_ext_back (rotation by -theta). Compiled (:func:`_rope_last_rows`),
+    in numpy's arithmetic: the tables' values in the type numpy would compute in (float32, or
+    float64 for float64 tables). ValueError for shapes that do not agree, IndexError for a
+    position outside the tables."""
+    x = np.asarray(x)
+    half = cos.shape[1] if cos.ndim == 2 else 0
+    if x.ndim != 3 or sin.shape != cos.shape or not 0 < 2 * half <= x.shape[2]:
+        raise ValueError(f"rope_last: x {x.shape} and tables {cos.shape} / {sin.shape} do not agree")
+    p = np.ascontiguousarray(pos, dtype=np.int64).reshape(-1)
+    if p.shape[0] != x.shape[0]:
+        raise ValueError(f"rope_last: {p.shape[0]} positions for {x.shape[0]} rows")
+    if p.size and (p.min() < 0 or p.max() >= cos.shape[0]):
+        raise IndexError(f"rope_last: positions {p.min()}..{p.max()} outside the tables' {cos.shape[0]} rows")
+    dt = np.promote_types(np.float32, np.result_type(cos.dtype, sin.dtype))
+    out = np.array(x, dtype=np.float32, order="C")  # a copy
+    _rope_last_rows(out, p, np.ascontiguousarray(cos, dtype=dt), np.ascontiguousarray(sin, dtype=dt), bool(inverse))
+    return out
 
 
 @njit(cache=True, nogil=True)
