@@ -25,8 +25,9 @@ come out as 400 naming the field), unsupported values (n > 1, penalties, ...), a
 prompt, an unknown model, a schema the grammar engine cannot compile or a prompt that does
 not fit the context; 401 without a valid API key, 415 for a body that is not declared JSON
 (moe_service.api.auth); 429 ``rate_limit_error`` when the queue is full; 503 while loading
-or stopping; 500 ``server_error`` when the engine failed on the request's step. A client that
-goes away has its sequence cancelled.
+and once the engine loop stopped (after SIGTERM, a request that arrives before the listener
+closes is still served, with ``Connection: close``); 500 ``server_error`` when the engine
+failed on the request's step. A client that goes away has its sequence cancelled.
 
 Tool calls, reasoning_content, response_format and logprobs: moe_service.api (chat.py,
 tools.py, grammar.py, logprobs.py).
@@ -322,9 +323,20 @@ class Service:
         return check() if check is not None else None
 
     def check_serving(self) -> None:
-        if self.stopping:
-            raise RequestError("the server is shutting down", status=503, type="server_error", code="shutting_down")
+        """Raise RequestError 503 ``loading`` before the engine serves, ``shutting_down`` after
+        the serve stage closed it.
+
+        ``stopping`` alone (SIGTERM received, /health already 503) refuses nothing: a request
+        that reaches the instance before uvicorn closes its listener and idle connections (the
+        next tick of its main loop, ~0.1 s) is served and drained with the others. Refusing it
+        would fail a request a balancer sent before its checks saw the 503, and HAProxy's retry
+        of a 503 may go back to this same instance (tests/systemd/test_fleet_lab.py, a restart
+        by hand with no drain). Once the engine loop stops, BatchLoop.submit refuses.
+        """
         if not self.ready or self.engine is None or self.batch is None:
+            if self.stopping:
+                raise RequestError("the server is shutting down", status=503, type="server_error",
+                                   code="shutting_down")
             raise RequestError(f"the model is loading (stage: {self.stage()})", status=503, type="server_error",
                                code="loading")
 
@@ -430,6 +442,28 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class _CloseWhenStopping:
+    """After SIGTERM (``service.stopping``) every response says ``Connection: close``, so a
+    balancer does not send its next request over a kept-alive connection that is about to be
+    closed (it would see an empty response and have to retry)."""
+
+    def __init__(self, app, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.service.stopping:
+            return await self.app(scope, receive, send)
+
+        async def send_closing(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": headers + [(b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, receive, send_closing)
+
+
 class _MetricsMiddleware:
     """Counts every HTTP request by route (unknown paths as ``other``) and final status."""
 
@@ -476,6 +510,7 @@ def create_app(service: Service) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
+    app.add_middleware(_CloseWhenStopping, service=service)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):

@@ -158,8 +158,15 @@ def test_models_and_health(client, stack):
     assert r.status_code == 503 and r.json() == {"status": "loading", "stage": "warmup"}
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+    # SIGTERM: /health 503 at once, but a request that still arrives is served (a balancer may
+    # send it before its checks saw the 503), and responses close the connection.
     stack.service.ready, stack.service.stopping = True, True
-    assert client.get("/health").json() == {"status": "stopping"}
+    r = client.get("/health")
+    assert r.json() == {"status": "stopping"} and r.headers["connection"] == "close"
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"], r.text
+    assert r.headers["connection"] == "close"
+    stack.service.ready = False  # the serve stage closed (PipelineContext close): refused
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
