@@ -115,6 +115,15 @@ per block (no int16 pair sum saturates: 2 x 31 x 127 < 32767). Several items kee
 trick: their sums would be needed per (item, block)."""
 
 
+SCALE_CHUNK = 64
+"""AVX2 tiles of several items: blocks per chunk whose scale products d_w(b) x d_x(b) are
+computed before the chunk's dot products, eight blocks per vmulps, into a stack buffer of
+rows x items x SCALE_CHUNK floats; the (row, item, block) step then takes its product with a
+broadcast load instead of a vmulps per block (the multiplies shared the two FMA pipes with
+the fused multiply-adds). The same IEEE products, so the same results bit for bit. Even, so
+a chunk starts on an even block and the pair steps keep their parity."""
+
+
 def _scales32(builder, f, ptrs):
     """<2n x float>: [d, m] of each block (m only meaningful for Q4_1 / Q5_1), widened
     exactly from float16 (MXFP4: [2^(e-128), 0])."""
@@ -196,6 +205,8 @@ def _tile32_codegen(fmt, n_w, n_a):
             for t in range(n_a):
                 for p in acc[k][t]:
                     builder.store(ir.Constant(acc_ty, [0.0] * acc_ty.count), p)
+        hoist = not _VNNI and n_a > 1  # scale products per chunk (SCALE_CHUNK)
+        s_buf = cgutils.alloca_once(builder, _F32, size=_ci(n_w * n_a * SCALE_CHUNK)) if hoist else None
         mvec = []
         if f.has_min:
             mty = _vt(_F32, 2 * n_a)
@@ -203,8 +214,40 @@ def _tile32_codegen(fmt, n_w, n_a):
             for p in mvec:
                 builder.store(ir.Constant(mty, [0.0] * 2 * n_a), p)
 
-        def step(b, n):
-            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even)."""
+        def s_slot(k, t, rel):
+            """float* to the scale product of row k, item t, block c0 + rel in s_buf."""
+            return builder.gep(s_buf, [builder.add(_ci((k * n_a + t) * SCALE_CHUNK), rel)])
+
+        def scale_products(c0, cn):
+            """s_buf[k, t, 0..cn) = d_w(k, c0 + i) x d_x(t, c0 + i): eight blocks per vmulps,
+            then one block at a time for the last cn % 8."""
+            n8 = builder.lshr(cn, _ci(3))
+            with cgutils.for_range(builder, n8) as g:
+                rel = builder.mul(g.index, _ci(8))
+                b0 = builder.add(c0, rel)
+                for k in range(n_w):
+                    ptrs = [builder.gep(wrow[k], [builder.mul(builder.add(b0, _ci(j)), _ci(f.bb))]) for j in range(8)]
+                    dw8 = _shuf(builder, _scales32(builder, f, ptrs), list(range(0, 16, 2)))
+                    for t in range(n_a):
+                        dx8 = _ldv(builder, builder.bitcast(builder.gep(xd_t[t], [b0]), _I8.as_pointer()), 0, _VF, 4)
+                        st = builder.store(builder.fmul(dw8, dx8), builder.bitcast(s_slot(k, t, rel), _VF.as_pointer()))
+                        st.align = 4
+            done = builder.mul(n8, _ci(8))
+            with cgutils.for_range(builder, builder.sub(cn, done)) as r:
+                rel = builder.add(done, r.index)
+                b = builder.add(c0, rel)
+                for k in range(n_w):
+                    sc1 = _scales32(builder, f, [builder.gep(wrow[k], [builder.mul(b, _ci(f.bb))])])
+                    dw1 = builder.extract_element(sc1, ir.Constant(_I32, 0))
+                    for t in range(n_a):
+                        dx1 = builder.load(builder.gep(xd_t[t], [b]))
+                        dx1.align = 4
+                        st = builder.store(builder.fmul(dw1, dx1), s_slot(k, t, rel))
+                        st.align = 4
+
+        def step(b, n, c0=None):
+            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even); with ``hoist``,
+            c0 is the chunk's first block (its scale products are in s_buf)."""
             boff = builder.mul(b, _ci(f.bb))
             wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
             if n == 2:
@@ -215,8 +258,10 @@ def _tile32_codegen(fmt, n_w, n_a):
                 ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
             else:
                 ws = [[_unpack32(builder, f, [wp[k][j]], offset) for j in range(n)] for k in range(n_w)]
-            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)]  # [d0, m0, (d1, m1)]
-            if _VNNI:
+            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)] if (f.has_min or not hoist) else []
+            if hoist:
+                dw = []
+            elif _VNNI:
                 dw = [[_shuf(builder, sc[k], [0] * 8 + ([2] * 8 if n == 2 else []))] for k in range(n_w)]
             elif n_a == 1:
                 dw = [[_shuf(builder, sc[k], [2 * j] * 8) for j in range(n)] for k in range(n_w)]
@@ -240,7 +285,9 @@ def _tile32_codegen(fmt, n_w, n_a):
                 else:
                     av = [_ldv(builder, xq_t[t], builder.add(xoff, _ci(32 * j)), _vt(_I8, 32)) for j in range(n)]
                 au = [builder.xor(v, _cvec(_I8, [0x80] * v.type.count)) for v in av] if (_VNNI and f.signed) else av
-                if _VNNI or n_a == 1:
+                if hoist:
+                    dx = []
+                elif _VNNI or n_a == 1:
                     dx2 = _ldv(builder, builder.bitcast(builder.gep(xd_t[t], [b]), _I8.as_pointer()), 0,
                                _vt(_F32, n), 4)
                     dx = ([_shuf(builder, dx2, [0] * 8 + ([1] * 8 if n == 2 else []))] if _VNNI else
@@ -258,7 +305,10 @@ def _tile32_codegen(fmt, n_w, n_a):
                         else:
                             li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
                         fl = builder.sitofp(li, _vt(_F32, li.type.count))
-                        s = builder.fmul(dw[k][j], dx[j])
+                        if hoist:
+                            s = _splat_load(builder, s_slot(k, t, builder.add(builder.sub(b, c0), _ci(j))))
+                        else:
+                            s = builder.fmul(dw[k][j], dx[j])
                         if _VNNI:
                             p = acc[k][t][0]
                             old = builder.load(p)
@@ -290,12 +340,25 @@ def _tile32_codegen(fmt, n_w, n_a):
                         keep = _cvec(ir.IntType(1), [1 - (ln & 1) for ln in range(2 * n_a)])
                         builder.store(builder.select(keep, new, old), p)
 
-        npairs = builder.lshr(nb, _ci(1))
-        with cgutils.for_range(builder, npairs) as loop:
-            step(builder.mul(loop.index, _ci(2)), 2)
-        odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
-        with builder.if_then(odd, likely=False):
-            step(builder.sub(nb, _ci(1)), 1)
+        if hoist:
+            n_chunks = builder.udiv(builder.add(nb, _ci(SCALE_CHUNK - 1)), _ci(SCALE_CHUNK))
+            with cgutils.for_range(builder, n_chunks) as cl:
+                c0 = builder.mul(cl.index, _ci(SCALE_CHUNK))
+                left = builder.sub(nb, c0)
+                cn = builder.select(builder.icmp_unsigned("<", left, _ci(SCALE_CHUNK)), left, _ci(SCALE_CHUNK))
+                scale_products(c0, cn)
+                with cgutils.for_range(builder, builder.lshr(cn, _ci(1))) as loop:
+                    step(builder.add(c0, builder.mul(loop.index, _ci(2))), 2, c0)
+                odd = builder.icmp_unsigned("!=", builder.and_(cn, _ci(1)), _ci(0))
+                with builder.if_then(odd, likely=False):
+                    step(builder.sub(builder.add(c0, cn), _ci(1)), 1, c0)
+        else:
+            npairs = builder.lshr(nb, _ci(1))
+            with cgutils.for_range(builder, npairs) as loop:
+                step(builder.mul(loop.index, _ci(2)), 2)
+            odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
+            with builder.if_then(odd, likely=False):
+                step(builder.sub(nb, _ci(1)), 1)
         # result (k, t) = (tree(even) + tree(odd)) [+ (m_even + m_odd)], lanes t * n_w + k
         vecs, ids = [], []
         for t in range(n_a):

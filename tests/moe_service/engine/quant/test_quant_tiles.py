@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from moe_service.engine import quant as q
+from moe_service.engine.quant.tiles32 import SCALE_CHUNK
 
 ALL_TYPES = sorted(q.FORMATS)
 NAMES = {t: q.FORMATS[t].name for t in ALL_TYPES}
@@ -150,12 +151,15 @@ def test_avx2_code_matches_the_recorded_one_row_kernels(tmp_path):
     assert matches_recorded(got) == {}
 
 
+@pytest.mark.parametrize("n_blocks", [3, 2 * SCALE_CHUNK + 13], ids=["3-blocks", "chunks+13"])
 @pytest.mark.parametrize("tid", ALL_TYPES, ids=[NAMES[t] for t in ALL_TYPES])
-def test_row_result_does_not_depend_on_its_tile(tid):
+def test_row_result_does_not_depend_on_its_tile(tid, n_blocks):
     """T tokens at once == T single-token matmuls, over row ranges off the tile grid, with
-    indirection and a repeated item; exact float32 equality."""
+    indirection and a repeated item; exact float32 equality. 2 x SCALE_CHUNK + 13 blocks:
+    the AVX2 multi-item tiles' scale products over two whole chunks and an odd tail of
+    eight-block groups plus single blocks (tiles32.SCALE_CHUNK)."""
     f = q.FORMATS[tid]
-    n_rows, n_cols, n_tok = 14, 3 * max(f.block_elems, 32), 9
+    n_rows, n_cols, n_tok = 14, n_blocks * max(f.block_elems, 32), 9
     raw = det_blocks(tid, n_rows, n_cols, seed=tid)
     x = det_activations(n_tok, n_cols, seed=50 + tid)
     single = np.stack([q.matmul(raw, 0, tid, n_rows, n_cols, x[t:t + 1])[0] for t in range(n_tok)])
