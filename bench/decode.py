@@ -92,8 +92,8 @@ def measure_ours(path: Path, threads: int, n_prompt: int, n_decode: int, repeats
         for _ in range(repeats):
             s = model.kv.alloc()
             t0 = time.perf_counter()
-            for a in range(0, n_prompt, ubatch):
-                logits = model.step([(s, prompt[a : a + ubatch])])
+            for a in range(0, n_prompt, ubatch):  # logits for the prompt's last chunk only (as the server)
+                logits = model.step([(s, prompt[a : a + ubatch])], want_logits=[a + ubatch >= n_prompt])
             prefill.append(n_prompt / (time.perf_counter() - t0))
             tok = int(np.argmax(logits[0].numpy()))
             t0 = time.perf_counter()
@@ -228,8 +228,8 @@ def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: i
         for d in ok:
             s = model.kv.alloc()
             t0 = time.perf_counter()
-            for a in range(0, d, ubatch):
-                logits = model.step([(s, ids[a: min(d, a + ubatch)])])
+            for a in range(0, d, ubatch):  # logits for the prompt's last chunk only (as the server)
+                logits = model.step([(s, ids[a: min(d, a + ubatch)])], want_logits=[a + ubatch >= d])
             t_prefill = time.perf_counter() - t0
             tok = int(np.argmax(logits[0].numpy()))
             t0 = time.perf_counter()

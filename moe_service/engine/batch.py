@@ -338,9 +338,11 @@ class BatchLoop:
                 batch.append((seq.slot, seq.next_input()))
                 entries.append((seq, 0))
         masks = self._start_masks(entries)
+        # logits only for the sequences that sample after this step (decode, a prompt's last chunk)
+        want = [n == 0 or seq.n_prefilled + n >= len(seq.prompt_ids) for seq, n in entries]
         t0 = time.monotonic()
         try:
-            logits = self.model.step(batch)  # [S, V] float32
+            logits = self.model.step(batch, want_logits=want)  # [sum(want), V] float32
         except Exception as e:
             self._wait_masks(masks)
             self.failed_steps += 1
@@ -362,12 +364,14 @@ class BatchLoop:
         if self.metrics is not None:
             self.metrics.observe_step(len(batch), sum(len(t) for _, t in batch), now - t0)
         rows = logits.numpy() if hasattr(logits, "numpy") else logits
-        for i, (seq, n_prompt) in enumerate(entries):
+        row = 0
+        for seq, n_prompt in entries:
             if n_prompt:
                 seq.n_prefilled += n_prompt
                 if seq.prefilling:
                     continue
                 self._publish(seq, seq.prompt_ids)
+            i, row = row, row + 1  # this entry's logits row (want was true for it)
             try:
                 ev = seq.accept(rows[i])
             except Exception as e:

@@ -403,8 +403,10 @@ class Engine:
         try:
             t0 = time.monotonic()
             logits = None
-            for a in range(0, len(seq.prompt_ids), self.ubatch_tokens):
-                logits = self.model.step([(slot, seq.prompt_ids[a : a + self.ubatch_tokens])])
+            n = len(seq.prompt_ids)
+            for a in range(0, n, self.ubatch_tokens):
+                last = a + self.ubatch_tokens >= n
+                logits = self.model.step([(slot, seq.prompt_ids[a : a + self.ubatch_tokens])], want_logits=[last])
             seq.n_prefilled = len(seq.prompt_ids)
             t1 = time.monotonic()
             if logits is None:

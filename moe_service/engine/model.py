@@ -765,13 +765,21 @@ class Model:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, batch: list[tuple[int, list[int]]], *, want_logits: list[bool] | None = None) -> torch.Tensor:
         """One forward pass. ``batch``: (sequence slot, new token ids) pairs, each sequence at
         most once; its tokens are appended at its current length. Returns float32 logits
         [S, V] on the CPU, row i for the last new token of ``batch[i]``.
 
-        Raises ValueError naming the slot when a sequence would exceed the context.
+        want_logits: one flag per batch entry, or None for all. Only the flagged entries get a
+        row, in batch order ([sum(want_logits), V]; [0, V] when none is flagged, and the output
+        head does not run): a prompt chunk that is not the prompt's last needs no logits, and
+        the head (vocabulary x hidden) costs as much as a layer on small models.
+
+        Raises ValueError naming the slot when a sequence would exceed the context, or when
+        want_logits does not have one flag per batch entry.
         """
+        if want_logits is not None and len(want_logits) != len(batch):
+            raise ValueError(f"want_logits has {len(want_logits)} flags for {len(batch)} batch entries")
         with self._lock:
             spans: list[tuple[int, int, int, int]] = []
             tokens: list[int] = []
@@ -796,11 +804,15 @@ class Model:
             x = path.embed(np.asarray(tokens, dtype=np.int64))  # [T, H]
             for lw in self.layers:
                 x = arch.block(path, lw, x, st)
-            last = path.gather_rows(x, [e - 1 for _, _, e, _ in spans])
-            logits = path.head(arch.final_norm(path, last, self.output_norm))  # [S, V]
+            rows = [e - 1 for i, (_, _, e, _) in enumerate(spans) if want_logits is None or want_logits[i]]
+            if rows:
+                logits = path.logits_out(path.head(arch.final_norm(path, path.gather_rows(x, rows),
+                                                                   self.output_norm)))  # [S', V]
+            else:
+                logits = torch.empty((0, self.output.n_rows), dtype=torch.float32)
             for s, a, e, n0 in spans:
                 self.kv.length[s] = n0 + (e - a)
-            return path.logits_out(logits)
+            return logits
 
     def route(self, lw: LayerWeights, h) -> tuple[np.ndarray, np.ndarray]:
         """Router (arch.base.Routing, after llama.cpp's build_moe_ffn) by the model's Routing: ids int32 [T, K] and

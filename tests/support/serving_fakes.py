@@ -43,7 +43,8 @@ def FakeKV(n_seq: int, n_ctx: int) -> KVCache:
 
 class FakeModel:
     """Model.step's contract: batch of (slot, new token ids), each slot once, appended at its
-    length; returns float32 logits [S, V] for each entry's last token.
+    length; returns float32 logits [S, V] for each entry's last token (only the entries
+    flagged in ``want_logits`` when given, in order).
 
     ``poison``: a token id whose presence in a step makes it raise RuntimeError;
     ``step_delay_s``: sleep per step. ``steps`` records each step's [(slot, n_tokens)],
@@ -59,8 +60,10 @@ class FakeModel:
         self._last: dict[int, int] = {}
         self.threads: set[str] = set()
 
-    def step(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, batch: list[tuple[int, list[int]]], *, want_logits: list[bool] | None = None) -> torch.Tensor:
         self.threads.add(threading.current_thread().name)
+        if want_logits is not None and len(want_logits) != len(batch):
+            raise ValueError(f"want_logits has {len(want_logits)} flags for {len(batch)} batch entries")
         slots = [s for s, _ in batch]
         assert len(set(slots)) == len(slots), f"a slot appears twice in one step: {slots}"
         if self.step_delay_s:
@@ -73,11 +76,14 @@ class FakeModel:
             if self.poison is not None and self.poison in toks:
                 raise RuntimeError(f"poisoned token {self.poison} in slot {s}")
         self.steps.append([(s, len(t)) for s, t in batch])
-        logits = torch.zeros(len(batch), N_VOCAB, dtype=torch.float32)
+        want = want_logits if want_logits is not None else [True] * len(batch)
+        logits = torch.zeros(sum(want), N_VOCAB, dtype=torch.float32)
+        row = 0
         for i, (s, toks) in enumerate(batch):
             self.kv.length[s] += len(toks)
-            L = self.kv.length[s]
-            logits[i, rule(toks[-1], L)] = 10.0
+            if want[i]:
+                logits[row, rule(toks[-1], self.kv.length[s])] = 10.0
+                row += 1
         return logits
 
 

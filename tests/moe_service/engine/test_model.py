@@ -78,6 +78,30 @@ def test_a_batched_step_equals_each_sequence_alone(tiny, ops_pair):
     assert model.kv.length[sa] == 6 and model.kv.length[sb] == 9
 
 
+@pytest.mark.parametrize("dense", ["quant", "torch"])
+def test_want_logits_keeps_only_the_flagged_rows(tiny, ops_pair, dense):
+    """want_logits: a prompt chunk that is not the last gets no row (none flagged: [0, V] and
+    the cache still advances); the flagged rows are the values they get with every row."""
+    cat, ws = tiny["tiny-llama"]
+    model = Model(cat, ws, ops_pair[0], n_seq=2, n_ctx=128, dense=dense)
+    a, b = _prompt(5, cat.params.n_vocab), _prompt(9, cat.params.n_vocab)
+    sa, sb = model.kv.alloc(), model.kv.alloc()
+    none = model.step([(sa, a[:3])], want_logits=[False])
+    assert tuple(none.shape) == (0, cat.params.n_vocab) and model.kv.length[sa] == 3
+    model.step([(sa, a[3:])], want_logits=[False])
+    model.step([(sb, b[:4])])
+    every = model.step([(sa, [7]), (sb, b[4:])]).numpy()
+    model.kv.length[sa], model.kv.length[sb] = 5, 4  # the same step again, one row wanted
+    only_b = model.step([(sa, [7]), (sb, b[4:])], want_logits=[False, True]).numpy()
+    assert only_b.shape == (1, cat.params.n_vocab)
+    if dense == "quant":  # our kernels: a row's result never depends on the others
+        assert np.array_equal(only_b[0], every[1])
+    else:  # torch's matmul of 1 row and of 2 rows may round differently
+        np.testing.assert_allclose(only_b[0], every[1], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="want_logits has 1 flags for 2 batch entries"):
+        model.step([(sa, [7]), (sb, [8])], want_logits=[True])
+
+
 def test_cpu_path_and_torch_path_agree(tiny, ops_pair):
     """dense = "torch" (dequantized matrices, torch glue: the GPU path, here on the CPU device)
     agrees with the CPU path within the activation-quantization difference."""
