@@ -1562,6 +1562,64 @@ _NO_PACC = np.zeros(1, np.float32)
 _NO_META = np.zeros((1, META_W), np.int64)
 
 
+_CACHE_MAX = 64
+_OPS: dict[tuple, np.ndarray] = {}
+"""(shapes, formats, scale, window, sinks?) -> the op array's fields that depend on them alone,
+checked once: a decode step calls attend once per layer with the same shapes, and the Python
+checks and op filling cost about as much as a short decode's attention kernels. Cleared
+when it holds _CACHE_MAX entries; entries are never modified (attend copies one)."""
+_SPANS: dict[tuple, np.ndarray] = {}
+"""tuple(spans) -> the int64 [S, 4] array (the layers of one step share their spans)."""
+
+
+def _op_template(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, out: np.ndarray, scale: float, window: int,
+                 has_sinks: bool) -> np.ndarray:
+    """The op array for these shapes, formats and settings, O_NTOK and O_WIDE left to the
+    call. Raises ValueError for caches of another dtype or shapes that do not agree."""
+    key = (q.shape[1:], kc.shape, vc.shape, kc.dtype.char, vc.dtype.char, out.shape[1:], scale, window, has_sinks)
+    op = _OPS.get(key)
+    if op is not None:
+        return op
+    nh, d = q.shape[1], q.shape[2]
+    kfmt, vfmt = cache_format(kc), cache_format(vc)
+    nkv = kc.shape[2]
+    dk, dvc = cache_head_dim(kc), cache_head_dim(vc)
+    dv = out.shape[2]
+    if (nkv == 0 or nh % nkv or dk != d or vc.shape[2] != nkv or dv > dvc or out.shape[1] != nh
+            or vc.shape[:2] != kc.shape[:2]
+            or (kfmt == FMT_Q8_0 and d % Q8_0_BLOCK) or (vfmt == FMT_Q8_0 and dv % Q8_0_BLOCK)):
+        raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} do not agree")
+    group = nh // nkv
+    rmax = max(1, QUERY_ROWS // group) * group
+    op = np.zeros(OP_LEN, np.int64)
+    krow, vrow = kc.shape[3], vc.shape[3]
+    op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
+                           kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
+                           vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
+                           _f32_bits(scale), window, int(has_sinks), rmax, 0)
+    if len(_OPS) >= _CACHE_MAX:
+        _OPS.clear()
+    _OPS[key] = op
+    return op
+
+
+def _spans_array(spans) -> np.ndarray:
+    """spans as int64 [S, 4], from _SPANS when a list of tuples of ints was seen before (never
+    modified: the kernels only read it)."""
+    try:
+        key = tuple(spans) if isinstance(spans, list) else None
+        sp = _SPANS.get(key) if key is not None else None
+    except TypeError:  # unhashable rows (lists): converted every time
+        key = sp = None
+    if sp is None:
+        sp = np.asarray(spans, dtype=np.int64).reshape(-1, 4)
+        if key is not None:
+            if len(_SPANS) >= _CACHE_MAX:
+                _SPANS.clear()
+            _SPANS[key] = sp
+    return sp
+
+
 def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: float, out: np.ndarray, *,
            window: int = 0, sinks: np.ndarray | None = None, online: bool = False) -> None:
     """Causal attention of every span's new queries over its sequence's cache (already
@@ -1576,47 +1634,35 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     default two-pass contract (module docstring). Caches in either format. Raises ValueError
     for inconsistent shapes or a span outside the cache (never reads outside the caches).
     """
-    nh, d = q.shape[1], q.shape[2]
-    kfmt, vfmt = cache_format(kc), cache_format(vc)
-    nkv = kc.shape[2]
-    dk, dvc = cache_head_dim(kc), cache_head_dim(vc)
-    dv = out.shape[2]
-    if (nkv == 0 or nh % nkv or dk != d or vc.shape[2] != nkv or dv > dvc or out.shape[1] != nh
-            or out.shape[0] != q.shape[0] or vc.shape[:2] != kc.shape[:2]
-            or (kfmt == FMT_Q8_0 and d % Q8_0_BLOCK) or (vfmt == FMT_Q8_0 and dv % Q8_0_BLOCK)):
-        raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} do not agree")
-    if sinks is not None and sinks.shape[0] != nh:
-        raise ValueError(f"attention: {sinks.shape[0]} sinks for {nh} heads")
     T = q.shape[0]
-    sp = np.asarray(spans, dtype=np.int64).reshape(-1, 4)
+    op = _op_template(q, kc, vc, out, float(scale), int(window), sinks is not None).copy()
+    if out.shape[0] != T or (sinks is not None and sinks.shape[0] != op[O_NH]):
+        if out.shape[0] != T:
+            raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} "
+                             "do not agree")
+        raise ValueError(f"attention: {sinks.shape[0]} sinks for {op[O_NH]} heads")  # type: ignore[union-attr]
+    sp = _spans_array(spans)
     i = _first_bad_span(sp, T, kc.shape[0], kc.shape[1])
     if i >= 0:
         raise ValueError(f"attention: span {tuple(int(x) for x in sp[i])} is outside q ({T} rows) or the cache "
                          f"{kc.shape}")
     if not (kc.flags.c_contiguous and vc.flags.c_contiguous):
         raise ValueError("attention: the caches must be C-contiguous")
-    group = nh // nkv
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     o32 = out if (out.dtype == np.float32 and out.flags.c_contiguous) else np.empty(out.shape, np.float32)
     s = np.ascontiguousarray(sinks, dtype=np.float32) if sinks is not None else _NO_SINKS
     pool: Any = getattr(ops, "pool", None)  # a WorkerPool, or None (one thread: every plan is serial)
     n_workers = pool.n_workers if pool is not None else 1
-    rmax = max(1, QUERY_ROWS // group) * group
-    window = int(window)
-    op = np.empty(OP_LEN, np.int64)
-    krow, vrow = kc.shape[3], vc.shape[3]
-    op[O_NH:O_NTOK + 1] = (nh, d, nkv, dv, group, key_tile(d, dv),
-                           kfmt, kc.shape[1] * nkv * krow, nkv * krow, krow,
-                           vfmt, vc.shape[1] * nkv * vrow, nkv * vrow, vrow,
-                           _f32_bits(scale), window, int(sinks is not None), rmax, T)
-    op[O_WIDE] = int(T == 1 or d % 16 != 0)
+    op[O_NTOK] = T
+    op[O_WIDE] = int(T == 1 or op[O_D] % 16 != 0)
     if not online:
         keep = _exact_prepare(op, sp, q32, kc, vc, o32, s, n_workers, item_address(), QUERY_ROWS, SCORE_BUDGET,
                               MIN_SPLIT_KEYS, SERIAL_WORK)
         if keep[4].shape[0]:
             pool.run_arrays(keep[4], keep[5], op)
     else:
-        pl = _build(spans, nkv, group, dv, n_workers, window, rmax)
+        pl = _build(spans, int(op[O_NKV]), int(op[O_GROUP]), int(op[O_DV]), n_workers, int(op[O_WINDOW]),
+                    int(op[O_RMAX]))
         _fill_addresses(op, q32, kc, vc, o32, pl.tasks, pl.pml, pl.pacc, s, _NO_PACC, _NO_META)
         if pl.serial:
             _run_serial(op, pl.tasks.reshape(-1), pl.n_tasks, pl.pml, pl.pacc, False)

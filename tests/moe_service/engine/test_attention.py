@@ -322,6 +322,24 @@ def test_bad_shapes_are_refused():
                          np.zeros((1, 3, 64), np.float32))
     with pytest.raises(ValueError, match="v is None"):
         attention.store(kc, kc.copy(), np.zeros((1, 2, 64), np.float32), None, [(0, 0, 1, 0)])
+    # every check holds on the second call with the same shapes too (attend keeps a checked
+    # op template per shape: only the shapes it accepted are cached)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="do not agree"):
+            attention.attend(None, np.zeros((1, 3, 64), np.float32), kc, kc.copy(), [(0, 0, 1, 0)], 1.0,
+                             np.zeros((1, 3, 64), np.float32))
+        attention.attend(None, q, kc, kc.copy(), [(0, 0, 1, 0)], 1.0, out)  # accepted, then cached
+        with pytest.raises(ValueError, match="do not agree"):  # out rows != q rows
+            attention.attend(None, q, kc, kc.copy(), [(0, 0, 1, 0)], 1.0, np.zeros((2, 4, 64), np.float32))
+        with pytest.raises(ValueError, match="3 sinks for 4 heads"):
+            attention.attend(None, q, kc, kc.copy(), [(0, 0, 1, 0)], 1.0, out, sinks=np.zeros(3, np.float32))
+        with pytest.raises(ValueError, match="outside"):
+            attention.attend(None, q, kc, kc.copy(), [[0, 0, 1, 8]], 1.0, out)  # rows as lists: not cached
+        with pytest.raises(ValueError, match="neither float16"):
+            attention.attend(None, q, kc.astype(np.int32), kc.astype(np.int32), [(0, 0, 1, 0)], 1.0, out)
+        wide = np.zeros((1, 8, 2, 128), np.uint16)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            attention.attend(None, q, wide[:, :, :, :64], kc.copy(), [(0, 0, 1, 0)], 1.0, out)
 
 
 @pytest.mark.parametrize("online", MODES)
