@@ -116,12 +116,22 @@ trick: their sums would be needed per (item, block)."""
 
 
 SCALE_CHUNK = 64
-"""AVX2 tiles of several items: blocks per chunk whose scale products d_w(b) x d_x(b) are
-computed before the chunk's dot products, eight blocks per vmulps, into a stack buffer of
-rows x items x SCALE_CHUNK floats; the (row, item, block) step then takes its product with a
-broadcast load instead of a vmulps per block (the multiplies shared the two FMA pipes with
-the fused multiply-adds). The same IEEE products, so the same results bit for bit. Even, so
-a chunk starts on an even block and the pair steps keep their parity."""
+"""AVX2 tiles of several items, formats without a min (Q8_0, Q4_0, Q5_0, MXFP4): blocks per
+chunk whose scale products d_w(b) x d_x(b) are computed before the chunk's dot products,
+eight blocks per vmulps, into a stack buffer of rows x items x SCALE_CHUNK floats; the (row,
+item, block) step then takes its product with a broadcast load instead of a vmulps per block
+(the multiplies shared the two FMA pipes with the fused multiply-adds). The same IEEE
+products, so the same results bit for bit. Even, so a chunk starts on an even block and the
+pair steps keep their parity. Measured on AMD EPYC Zen 3, one thread, T = 8 and 128, ns per
+32 weights per token (python bench/kernels.py --formats Q4_0,MXFP4,Q5_0,Q8_0 --tokens 8,128
+--threads 1 --cols C): at 768 columns Q4_0 1.26-1.32 -> 1.07-1.12, MXFP4 1.39-1.50 ->
+1.08-1.15, Q5_0 1.50-1.61 -> 1.25-1.28, Q8_0 1.16-1.22 -> 0.96-1.02; at 2880 columns Q4_0,
+MXFP4 and Q5_0 14-22% faster. Q4_1 / Q5_1 keep a vmulps per block: they widen each block's
+scales for their min term anyway, and the table made them 2-7% slower."""
+
+SCALE_MIN_BLOCKS = 16
+"""Rows of fewer blocks keep a vmulps per (row, item, block): the table's pass costs more
+than it saves there (Q8_0 at 192 columns, 6 blocks, 18% slower with the table)."""
 
 
 def _scales32(builder, f, ptrs):
@@ -205,7 +215,7 @@ def _tile32_codegen(fmt, n_w, n_a):
             for t in range(n_a):
                 for p in acc[k][t]:
                     builder.store(ir.Constant(acc_ty, [0.0] * acc_ty.count), p)
-        hoist = not _VNNI and n_a > 1  # scale products per chunk (SCALE_CHUNK)
+        hoist = not _VNNI and n_a > 1 and not f.has_min  # scale products per chunk (SCALE_CHUNK)
         s_buf = cgutils.alloca_once(builder, _F32, size=_ci(n_w * n_a * SCALE_CHUNK)) if hoist else None
         mvec = []
         if f.has_min:
@@ -246,7 +256,7 @@ def _tile32_codegen(fmt, n_w, n_a):
                         st.align = 4
 
         def step(b, n, c0=None):
-            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even); with ``hoist``,
+            """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even); when given,
             c0 is the chunk's first block (its scale products are in s_buf)."""
             boff = builder.mul(b, _ci(f.bb))
             wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
@@ -258,8 +268,9 @@ def _tile32_codegen(fmt, n_w, n_a):
                 ws = [[_unpack32(builder, f, wp[k])] for k in range(n_w)]  # one vector of n blocks
             else:
                 ws = [[_unpack32(builder, f, [wp[k][j]], offset) for j in range(n)] for k in range(n_w)]
-            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)] if (f.has_min or not hoist) else []
-            if hoist:
+            hoisted = c0 is not None
+            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)] if (f.has_min or not hoisted) else []
+            if hoisted:
                 dw = []
             elif _VNNI:
                 dw = [[_shuf(builder, sc[k], [0] * 8 + ([2] * 8 if n == 2 else []))] for k in range(n_w)]
@@ -285,7 +296,7 @@ def _tile32_codegen(fmt, n_w, n_a):
                 else:
                     av = [_ldv(builder, xq_t[t], builder.add(xoff, _ci(32 * j)), _vt(_I8, 32)) for j in range(n)]
                 au = [builder.xor(v, _cvec(_I8, [0x80] * v.type.count)) for v in av] if (_VNNI and f.signed) else av
-                if hoist:
+                if hoisted:
                     dx = []
                 elif _VNNI or n_a == 1:
                     dx2 = _ldv(builder, builder.bitcast(builder.gep(xd_t[t], [b]), _I8.as_pointer()), 0,
@@ -305,7 +316,7 @@ def _tile32_codegen(fmt, n_w, n_a):
                         else:
                             li = _dot32(builder, f, ws[k][j], neg[k][j], av[j], au[j])
                         fl = builder.sitofp(li, _vt(_F32, li.type.count))
-                        if hoist:
+                        if hoisted:
                             s = _splat_load(builder, s_slot(k, t, builder.add(builder.sub(b, c0), _ci(j))))
                         else:
                             s = builder.fmul(dw[k][j], dx[j])
@@ -340,7 +351,7 @@ def _tile32_codegen(fmt, n_w, n_a):
                         keep = _cvec(ir.IntType(1), [1 - (ln & 1) for ln in range(2 * n_a)])
                         builder.store(builder.select(keep, new, old), p)
 
-        if hoist:
+        def chunked():
             n_chunks = builder.udiv(builder.add(nb, _ci(SCALE_CHUNK - 1)), _ci(SCALE_CHUNK))
             with cgutils.for_range(builder, n_chunks) as cl:
                 c0 = builder.mul(cl.index, _ci(SCALE_CHUNK))
@@ -352,13 +363,22 @@ def _tile32_codegen(fmt, n_w, n_a):
                 odd = builder.icmp_unsigned("!=", builder.and_(cn, _ci(1)), _ci(0))
                 with builder.if_then(odd, likely=False):
                     step(builder.sub(builder.add(c0, cn), _ci(1)), 1, c0)
-        else:
-            npairs = builder.lshr(nb, _ci(1))
-            with cgutils.for_range(builder, npairs) as loop:
+
+        def plain():
+            with cgutils.for_range(builder, builder.lshr(nb, _ci(1))) as loop:
                 step(builder.mul(loop.index, _ci(2)), 2)
             odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
             with builder.if_then(odd, likely=False):
                 step(builder.sub(nb, _ci(1)), 1)
+
+        if hoist:  # rows of fewer than SCALE_MIN_BLOCKS blocks: the table would cost more than it saves
+            with builder.if_else(builder.icmp_unsigned(">=", nb, _ci(SCALE_MIN_BLOCKS))) as (then, otherwise):
+                with then:
+                    chunked()
+                with otherwise:
+                    plain()
+        else:
+            plain()
         # result (k, t) = (tree(even) + tree(odd)) [+ (m_even + m_odd)], lanes t * n_w + k
         vecs, ids = [], []
         for t in range(n_a):
