@@ -302,7 +302,7 @@ def test_failed_steps_turn_health_503_and_stop_the_watchdog():
         with TestClient(s.app) as c:
             assert c.get("/health").status_code == 200
             real_step = s.engine.model.step
-            s.engine.model.step = lambda batch: (_ for _ in ()).throw(RuntimeError("injected step fault"))
+            s.engine.model.step = lambda batch, **kw: (_ for _ in ()).throw(RuntimeError("injected step fault"))
             for _ in range(3):
                 assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 500
             r = c.get("/health")
