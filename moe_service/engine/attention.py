@@ -1636,11 +1636,10 @@ def attend(ops, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, spans, scale: flo
     """
     T = q.shape[0]
     op = _op_template(q, kc, vc, out, float(scale), int(window), sinks is not None).copy()
-    if out.shape[0] != T or (sinks is not None and sinks.shape[0] != op[O_NH]):
-        if out.shape[0] != T:
-            raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} "
-                             "do not agree")
-        raise ValueError(f"attention: {sinks.shape[0]} sinks for {op[O_NH]} heads")  # type: ignore[union-attr]
+    if out.shape[0] != T:
+        raise ValueError(f"attention: q {q.shape}, k cache {kc.shape}, v cache {vc.shape}, out {out.shape} do not agree")
+    if sinks is not None and sinks.shape[0] != op[O_NH]:
+        raise ValueError(f"attention: {sinks.shape[0]} sinks for {op[O_NH]} heads")
     sp = _spans_array(spans)
     i = _first_bad_span(sp, T, kc.shape[0], kc.shape[1])
     if i >= 0:

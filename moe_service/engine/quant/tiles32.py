@@ -269,7 +269,7 @@ def _tile32_codegen(fmt, n_w, n_a):
             else:
                 ws = [[_unpack32(builder, f, [wp[k][j]], offset) for j in range(n)] for k in range(n_w)]
             hoisted = c0 is not None
-            sc = [_scales32(builder, f, wp[k]) for k in range(n_w)] if (f.has_min or not hoisted) else []
+            sc = [] if hoisted else [_scales32(builder, f, wp[k]) for k in range(n_w)]  # (hoist: no min term)
             if hoisted:
                 dw = []
             elif _VNNI:
