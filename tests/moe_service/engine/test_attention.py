@@ -218,23 +218,31 @@ def test_score_dot_products_sum_in_ggml_order(d):
             assert mx == want.max()
 
 
+@pytest.mark.parametrize("tile", [False, True])
 @pytest.mark.parametrize("nr", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128, 576])
-def test_multi_row_scores_equal_one_row_scores(d, nr):
-    """The prefill K pass's rows-per-key kernel (2 to 4 rows) gives the 16-lane scores bit for bit."""
+def test_multi_row_scores_equal_one_row_scores(d, nr, tile):
+    """The prefill K pass's rows-per-key kernels (2 to 4 rows; eight keys per call at D = 64 and
+    128, then key by key) give the 16-lane scores bit for bit, over the float16 cache read in
+    place (two KV heads per position: a key every 2 x D) and over a widened float32 tile."""
     rng = np.random.default_rng(d + nr)
     n, L = 19, 23
-    k16 = (rng.standard_normal((n, d)) * 3).astype(np.float16)
+    k16 = (rng.standard_normal((n, 2, d)) * 3).astype(np.float16)
     q = rng.standard_normal((nr, d)).astype(np.float16).astype(np.float32).reshape(-1)
     s = np.full(nr * L, np.nan, np.float32)
     mrow = np.full(nr, -np.inf, np.float32)
-    attention._score_keys4(q, 0, d, k16.view(np.uint16).reshape(-1), 0, d, s, 0, L, 2, n, np.float32(0.5), mrow, 0,
-                           nr)
+    if tile:
+        kb, kstride = k16[:, 1].astype(np.float32).reshape(-1), d
+    else:
+        kb, kstride = k16.view(np.uint16).reshape(-1)[d:], 2 * d
+    mrow[1] = 1e30  # a row whose maximum is already larger keeps it
+    attention._score_keys4(q, 0, d, kb, 0, kstride, s, 0, L, 2, n, np.float32(0.5), mrow, 0, nr)
+    k16 = k16[:, 1]
     for r in range(nr):
         want = np.array([_ggml_dot(q[r * d:(r + 1) * d], k16[j].astype(np.float32), 16) * np.float32(0.5)
                          for j in range(2, n)], np.float32)
         assert np.array_equal(s[r * L + 2:r * L + n], want), (d, r)
-        assert mrow[r] == want.max()
+        assert mrow[r] == (np.float32(1e30) if r == 1 else want.max())
 
 
 @pytest.mark.parametrize("gh", [2, 3, 5, 8, 9])
