@@ -847,6 +847,24 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
     :func:`_dot16_heads_keys`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
     j8 = ja
     if d == 128 or d == 64:
+        while j8 + 16 <= jb:  # (16 keys per call: 5% faster than 8 at D = 128; 32 slower)
+            ko = k0 + j8 * kstride
+            if d == 128:
+                if nr == 4:
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j8, L, 16, 2, scale, mrow, r0)
+                elif nr == 3:
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j8, L, 16, 2, scale, mrow, r0)
+                else:
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j8, L, 16, 2, scale, mrow, r0)
+            else:
+                if nr == 4:
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j8, L, 16, 2, scale, mrow, r0)
+                elif nr == 3:
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j8, L, 16, 2, scale, mrow, r0)
+                else:
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j8, L, 16, 2, scale, mrow, r0)
+            j8 += 16
+    if d == 128 or d == 64:
         while j8 + 8 <= jb:
             ko = k0 + j8 * kstride
             if d == 128:
