@@ -27,12 +27,13 @@ engine's persistent worker pool (pool.K_CALL items calling this module's compile
 function through its address, so editing this file never recompiles the pool's kernels).
 A task gathers its tile's query rows of the heads of one KV head's group (R = tokens x
 heads), rounds them to float16, and walks the cache in key tiles of ``BK`` rows (a tile
-serves all R query rows). Default mode: a float16 cache is read in place, K.Q as vector dot
-products in ggml's lane order (a prefill reads each key once for two to four heads of a token, a
-decode once for two to four heads of the group: :func:`_dot64_heads_keys8`) and P.V as fused
-multiply-adds over the float16 rows (each row widened once for up to four heads, whose
-accumulators stay in registers: :func:`_pv_heads16`); a Q8_0 cache is widened to a float32
-tile first. Online mode widens K and V tiles (float32, about one L1d) once each. Small steps run
+serves all R query rows). Default mode: K.Q as vector dot products in ggml's lane order and
+P.V as fused multiply-adds (each value row loaded once for up to four heads, whose
+accumulators stay in registers: :func:`_pv_heads16`). A decode reads a float16 cache in
+place (each key once for two to four heads of the group: :func:`_dot64_heads_keys8`). A
+prefill widens each key and value tile once into a contiguous float32 tile that all the
+task's rows read, and scores 16 or 8 keys x two to four heads of a token per call
+(:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. Online mode widens K and V tiles (float32, about one L1d) once each. Small steps run
 on the calling thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
 one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
 range. Default mode, four phases: K parts write their rows' scores into one buffer per task,
