@@ -33,8 +33,9 @@ accumulators stay in registers: :func:`_pv_heads16`). A decode reads a float16 c
 place (each key once for two to four heads of the group: :func:`_dot64_heads_keys8`). A
 prefill widens each key and value tile once into a contiguous float32 tile that all the
 task's rows read, and scores 16 or 8 keys x two to four heads of a token per call
-(:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. Online mode widens K and V tiles (float32, about one L1d) once each. Small steps run
-on the calling thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
+(:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. Online mode
+widens K and V tiles (float32, about one L1d) once each. Small steps run on the calling
+thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
 one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
 range. Default mode, four phases: K parts write their rows' scores into one buffer per task,
 one item per task normalises each row over all its keys (the contract below, unchanged),
@@ -394,15 +395,16 @@ def _dot16_rows(typingctx, qarr, qo, qstride, karr, ko, n_blocks, oarr, oo, ostr
 @intrinsic
 def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, n_blocks, oarr, oo, ostride,
                       n_keys, keys_per_pass, scale, mrow, r0):
-    """:func:`_dot16_rows` for ``n_heads`` query rows (qarr[qo + h * qstride ...], float32 holding
+    """The prefill scores of ``n_heads`` query rows (qarr[qo + h * qstride ...], float32 holding
     float16 values) with ``n_keys`` keys at karr[ko + i * kstride] (float16 bits as uint16, or
-    float32), n_blocks = D / 16: the raw dot products to oarr[oo + h * ostride + i]. n_heads,
-    n_blocks, n_keys and keys_per_pass (a divisor of n_keys) are literals. The same sums bit for
-    bit, except that a score of exactly zero may carry the other sign (the first block starts
-    from its product, not 0 + product): 16 lanes as two 8-lane halves, element i into lane
-    i % 16, block after block, fused multiply-adds (the products of float16 values are exact in
-    float32); then lane l + 8 into lane l, and the last three halvings of all the keys together
-    (quant.ir._tree8_many).
+    float32), n_blocks = D / 16: oarr[oo + h * ostride + i] = (q_h . k_i) * scale, and
+    mrow[r0 + h] raised to each row's largest (v > m, as max(m, v)). n_heads, n_blocks, n_keys
+    and keys_per_pass (a divisor of n_keys) are literals. The dot products are
+    :func:`_dot16_rows`' bit for bit, except that one of exactly zero may carry the other sign
+    (the first block starts from its product, not 0 + product): 16 lanes as two 8-lane halves,
+    element i into lane i % 16, block after block, fused multiply-adds (the products of float16
+    values are exact in float32); then lane l + 8 into lane l, and the last three halvings of
+    all the keys together (quant.ir._tree8_many).
 
     Why: :func:`_dot16_rows` loads each query part once per key and folds each key's 16 lanes
     alone. Here one pass holds keys_per_pass keys x n_heads rows of one 8-lane half in
@@ -700,8 +702,8 @@ def _score_heads_wide16(qb, qo, gh, kb, k0, kstride, s, so, L, ja, jb, d, scale,
 @njit(**_JIT_INLINE)
 def _pv_heads_f16(acc, ao, gh, p, po, L, vb, vo, vstride, ja, jb, dv):
     """:func:`_pv_exact` for the ``gh`` rows of one KV head (acc rows ao + r * dv, probabilities
-    at p[po + r * L + j]) over a float16 cache read in place, Dv a multiple of 16: the same
-    sums, each value row widened once per four rows."""
+    at p[po + r * L + j]) over a float16 cache read in place (uint16) or a widened float32
+    tile, Dv a multiple of 16: the same sums, each value row loaded once per four rows."""
     h0 = 0
     while h0 < gh:
         hn = min(4, gh - h0)
@@ -844,8 +846,8 @@ def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
 def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, nr):
     """:func:`_score_keys` (16 lanes, D a multiple of 16) for the ``nr`` (2 to 4) query rows at
     qb[qo], qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read
-    once for the rows (:func:`_dot16_rows`; D = 64 or 128: eight keys at a time,
-    :func:`_dot16_heads_keys`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
+    once for the rows (D = 64 or 128: 16 then 8 keys per :func:`_dot16_heads_keys` call, the
+    rest one by one, :func:`_dot16_rows`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
     j8 = ja
     if d == 128 or d == 64:
         while j8 + 16 <= jb:  # (16 keys per call: 5% faster than 8 at D = 128; 32 slower)
