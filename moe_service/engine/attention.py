@@ -32,7 +32,7 @@ P.V as fused multiply-adds (each value row loaded once for up to four heads, who
 accumulators stay in registers: :func:`_pv_heads16`). A decode reads a float16 cache in
 place (each key once for two to four heads of the group: :func:`_dot64_heads_keys8`). A
 prefill widens each key and value tile once into a contiguous float32 tile that all the
-task's rows read, and scores 16 or 8 keys x two to four heads of a token per call
+task's rows read, and scores 16 keys x two to four heads of a token per call
 (:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. Online mode
 widens K and V tiles (float32, about one L1d) once each. Small steps run on the calling
 thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
@@ -459,8 +459,7 @@ def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, 
             sums, lane = _qir._tree8_many(builder, xs, [(i,) for i in range(nk)])
             orow = builder.gep(op_, [builder.mul(c(h), ost)])
             vk = _ir.VectorType(_ir.FloatType(), nk)
-            splat = builder.insert_element(_ir.Constant(vk, None), sc, _ir.Constant(_ir.IntType(32), 0))
-            sv = builder.fmul(_qir._shuf(builder, sums, [lane[i] for i in range(nk)]), _qir._shuf(builder, splat, [0] * nk))
+            sv = builder.fmul(_qir._shuf(builder, sums, [lane[i] for i in range(nk)]), _qir._splat_f32(builder, sc, nk))
             st = builder.store(sv, builder.bitcast(orow, vk.as_pointer()))
             st.align = 4
             mx = sv  # the row's running maximum: v > m ? v : m, as max(m, v)
@@ -846,46 +845,28 @@ def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
 def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, nr):
     """:func:`_score_keys` (16 lanes, D a multiple of 16) for the ``nr`` (2 to 4) query rows at
     qb[qo], qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read
-    once for the rows (D = 64 or 128: 16 then 8 keys per :func:`_dot16_heads_keys` call, the
-    rest one by one, :func:`_dot16_rows`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
-    j8 = ja
+    once for the rows (D = 64 or 128: 16 keys per :func:`_dot16_heads_keys` call, the rest
+    one by one, :func:`_dot16_rows`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
+    j16 = ja
     if d == 128 or d == 64:
-        while j8 + 16 <= jb:  # (16 keys per call: 5% faster than 8 at D = 128; 32 slower)
-            ko = k0 + j8 * kstride
+        while j16 + 16 <= jb:  # (16 keys per call: 5% faster than 8 at D = 128; 32 slower)
+            ko = k0 + j16 * kstride
             if d == 128:
                 if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j8, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j16, L, 16, 2, scale, mrow, r0)
                 elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j8, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j16, L, 16, 2, scale, mrow, r0)
                 else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j8, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j16, L, 16, 2, scale, mrow, r0)
             else:
                 if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j8, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j16, L, 16, 2, scale, mrow, r0)
                 elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j8, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j16, L, 16, 2, scale, mrow, r0)
                 else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j8, L, 16, 2, scale, mrow, r0)
-            j8 += 16
-    if d == 128 or d == 64:
-        while j8 + 8 <= jb:
-            ko = k0 + j8 * kstride
-            if d == 128:
-                if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j8, L, 8, 2, scale, mrow, r0)
-                elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j8, L, 8, 2, scale, mrow, r0)
-                else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j8, L, 8, 2, scale, mrow, r0)
-            else:
-                if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j8, L, 8, 2, scale, mrow, r0)
-                elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j8, L, 8, 2, scale, mrow, r0)
-                else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j8, L, 8, 2, scale, mrow, r0)
-            j8 += 8
-    for j in range(j8, jb):
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j16, L, 16, 2, scale, mrow, r0)
+            j16 += 16
+    for j in range(j16, jb):
         if nr == 4:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 4)
         elif nr == 3:
@@ -893,7 +874,7 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
         else:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 2)
     for r in range(nr):  # (the eight-key kernel scaled its keys and raised mrow itself)
-        mrow[r0 + r] = _scale_max(s, so + r * L + j8, so + r * L + jb, scale, mrow[r0 + r])
+        mrow[r0 + r] = _scale_max(s, so + r * L + j16, so + r * L + jb, scale, mrow[r0 + r])
 
 
 @njit(**_JIT_INLINE)
