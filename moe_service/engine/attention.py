@@ -105,6 +105,12 @@ _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 # of tiny-gpt-oss-l3-pattern3-q8_0 against its llama.cpp golden.
 _JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": False}
 _JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call per key costs more than the work
+# Vector width of the prefill score and P.V kernels: 16 float32 lanes where the 512-bit kernels
+# run (AVX-512 BW + VL + VNNI, quant.ir._AVX512), else 8. The sums are the same either way
+# (each lane's order is fixed by the contract; the width only sets how many lanes one
+# instruction holds).
+_SCORE_LANES = 16 if _qir._AVX512 else 8
+_KPP = 2
 
 FMT_F16 = 0
 FMT_Q8_0 = 1
@@ -421,7 +427,9 @@ def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, 
     load_k = _load_half if karr.dtype == types.uint16 else _load_f32
 
     def codegen(context, builder, signature, args):
-        v8 = _ir.VectorType(_ir.FloatType(), 8)
+        w = _SCORE_LANES  # vector width: 16 (AVX-512, one pass per key group) or 8 (two halves)
+        n_half = 16 // w
+        vw = _ir.VectorType(_ir.FloatType(), w)
         c = _c64
         qp = _ptr_arg(context, builder, signature, args, 0, 1)
         kp = _ptr_arg(context, builder, signature, args, 4, 5)
@@ -429,33 +437,37 @@ def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, 
         qs, kst, ost, r0v = (_i64_arg(context, builder, signature, args, k) for k in (2, 6, 10, 15))
         sc = context.cast(builder, args[13], signature.args[13], types.float32)
         mrp = _qir._data(context, builder, signature.args[14], args[14])
-        xbuf = _cg.alloca_once(builder, v8, size=c(nh * nk * 2))  # [head][key][half] lane sums
+        xbuf = _cg.alloca_once(builder, vw, size=c(nh * nk * n_half))  # [head][key][half] lane sums
         # the pass count through an empty inline asm: LLVM cannot see it is a constant, so it
         # does not unroll the passes into one block (which, inlined into _tile_pass, spilled
         # most accumulators)
         n_pass = builder.asm(_ir.FunctionType(_ir.IntType(64), [_ir.IntType(64)]), "", "=r,0",
-                             [c(2 * (nk // kpp))], False)
+                             [c(n_half * (nk // kpp))], False)
         with _cg.for_range(builder, n_pass) as pl:  # pass = (key group, half)
-            i0 = builder.mul(builder.lshr(pl.index, c(1)), c(kpp))
-            half = builder.and_(pl.index, c(1))
+            i0 = builder.mul(builder.udiv(pl.index, c(n_half)), c(kpp))
+            half = builder.urem(pl.index, c(n_half))
             y8 = builder.mul(half, c(8))
             krow = [builder.gep(kp, [builder.add(builder.mul(builder.add(i0, c(i)), kst), y8)]) for i in range(kpp)]
             qrow = [builder.gep(qp, [builder.add(builder.mul(c(h), qs), y8)]) for h in range(nh)]
             acc: dict[tuple[int, int], Any] = {}
             for b in range(nb):
-                kv = [load_k(builder, krow[i], c(16 * b), 8) for i in range(kpp)]
+                kv = [load_k(builder, krow[i], c(16 * b), w) for i in range(kpp)]
                 for h in range(nh):
-                    qv = _load_f32(builder, qrow[h], c(16 * b), 8)
+                    qv = _load_f32(builder, qrow[h], c(16 * b), w)
                     for i in range(kpp):
                         acc[h, i] = builder.fmul(qv, kv[i]) if b == 0 else \
-                            _qir._call(builder, "llvm.fma.v8f32", v8, [qv, kv[i], acc[h, i]])
+                            _qir._call(builder, f"llvm.fma.v{w}f32", vw, [qv, kv[i], acc[h, i]])
             for h in range(nh):
                 for i in range(kpp):
-                    slot = builder.add(builder.mul(builder.add(c(h * nk + i), i0), c(2)), half)
+                    slot = builder.add(builder.mul(builder.add(c(h * nk + i), i0), c(n_half)), half)
                     builder.store(acc[h, i], builder.gep(xbuf, [slot]))
         for h in range(nh):
-            xs = [builder.fadd(builder.load(builder.gep(xbuf, [c((h * nk + i) * 2)])),
-                               builder.load(builder.gep(xbuf, [c((h * nk + i) * 2 + 1)]))) for i in range(nk)]
+            if n_half == 2:
+                xs = [builder.fadd(builder.load(builder.gep(xbuf, [c((h * nk + i) * 2)])),
+                                   builder.load(builder.gep(xbuf, [c((h * nk + i) * 2 + 1)]))) for i in range(nk)]
+            else:
+                xl = [builder.load(builder.gep(xbuf, [c(h * nk + i)])) for i in range(nk)]
+                xs = [builder.fadd(_qir._shuf(builder, x, range(8)), _qir._shuf(builder, x, range(8, 16))) for x in xl]
             sums, lane = _qir._tree8_many(builder, xs, [(i,) for i in range(nk)])
             orow = builder.gep(op_, [builder.mul(c(h), ost)])
             vk = _ir.VectorType(_ir.FloatType(), nk)
@@ -528,10 +540,15 @@ def _dot64_keys8(typingctx, qarr, qo, karr, ko, kstride, n_blocks, oarr, oo):
 
 
 def _fold64(builder, t):
-    """The 64-lane halving of ggml_vec_dot_f16 on eight 8-lane parts (part y = lanes 8y..8y+7):
-    lane l + 32, then l + 16, then l + 8, leaving the 8 lanes that :func:`_qir._tree8_many`
-    then halves three more times (64 -> 32: part y + part y + 4; 32 -> 16: y + y + 2;
-    16 -> 8: part 0 + part 1)."""
+    """The 64-lane halving of ggml_vec_dot_f16 on its parts (part y = lanes w*y .. w*y + w-1,
+    w = 64 / len(t), eight parts of 8 lanes or four of 16): lane l + 32, then l + 16, then
+    l + 8, leaving the 8 lanes that :func:`_qir._tree8_many` then halves three more times
+    (8-lane parts, 64 -> 32: part y + part y + 4; 32 -> 16: y + y + 2; 16 -> 8: part 0 +
+    part 1; 16-lane parts: y + y + 2, then 0 + 1, then the low eight lanes + the high eight)."""
+    if len(t) == 4:
+        u = [builder.fadd(t[y], t[y + 2]) for y in range(2)]
+        x = builder.fadd(u[0], u[1])
+        return builder.fadd(_qir._shuf(builder, x, range(8)), _qir._shuf(builder, x, range(8, 16)))
     u = [builder.fadd(t[y], t[y + 4]) for y in range(4)]
     w = [builder.fadd(u[y], u[y + 2]) for y in range(2)]
     return builder.fadd(w[0], w[1])
@@ -553,7 +570,8 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
     nb = n_blocks.literal_value
 
     def codegen(context, builder, signature, args):
-        v8 = _ir.VectorType(_ir.FloatType(), 8)
+        w = _SCORE_LANES
+        v8 = _ir.VectorType(_ir.FloatType(), w)
         c = _c64
         qp = _ptr_arg(context, builder, signature, args, 0, 1)
         kp = _ptr_arg(context, builder, signature, args, 4, 5)
@@ -561,20 +579,20 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
         qs, kst, ost = (_i64_arg(context, builder, signature, args, k) for k in (2, 6, 10))
 
         def qpart(h, b, y):
-            return _load_f32(builder, qp, builder.add(builder.mul(c(h), qs), c(64 * b + 8 * y)), 8)
+            return _load_f32(builder, qp, builder.add(builder.mul(c(h), qs), c(64 * b + w * y)), w)
 
         xs: list[list[Any]] = [[] for _ in range(nh)]
         for i in range(8):
             krow = builder.gep(kp, [builder.mul(c(i), kst)])
-            t: list[list[Any]] = [[None] * 8 for _ in range(nh)]
-            for y in (0, 4, 1, 5, 2, 6, 3, 7):
+            t: list[list[Any]] = [[None] * (64 // w) for _ in range(nh)]
+            for y in ((0, 4, 1, 5, 2, 6, 3, 7) if w == 8 else (0, 2, 1, 3)):
                 for b in range(nb):
-                    kv = _load_half(builder, krow, c(64 * b + 8 * y), 8)
+                    kv = _load_half(builder, krow, c(64 * b + w * y), w)
                     for h in range(nh):
                         if b == 0:
                             t[h][y] = builder.fmul(qpart(h, b, y), kv)
                         else:
-                            t[h][y] = _qir._call(builder, "llvm.fma.v8f32", v8, [qpart(h, b, y), kv, t[h][y]])
+                            t[h][y] = _qir._call(builder, f"llvm.fma.v{w}f32", v8, [qpart(h, b, y), kv, t[h][y]])
             for h in range(nh):
                 xs[h].append(_fold64(builder, t[h]))
         for h in range(nh):
@@ -603,8 +621,12 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
     npt = n_parts.literal_value
     load_v = _load_half if vb.dtype == types.uint16 else _load_f32
 
+    # 8 * npt dims per pass, as vectors of 16 lanes where those run (npt even), else of 8
+    w = 16 if (_SCORE_LANES == 16 and npt % 2 == 0) else 8
+    nv = 8 * npt // w
+
     def codegen(context, builder, signature, args):
-        v8 = _ir.VectorType(_ir.FloatType(), 8)
+        vw = _ir.VectorType(_ir.FloatType(), w)
         c = _c64
         ap = _ptr_arg(context, builder, signature, args, 0, 1)
         pp = _ptr_arg(context, builder, signature, args, 4, 5)
@@ -613,22 +635,22 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
 
         with _cg.for_range(builder, builder.sdiv(nd, c(8 * npt))) as dl:
             d0 = builder.mul(dl.index, c(8 * npt))
-            aptr = [[builder.bitcast(builder.gep(ap, [builder.add(builder.mul(c(h), ast), builder.add(d0, c(8 * y)))]),
-                                     v8.as_pointer()) for y in range(npt)] for h in range(nh)]
-            accs = [[_cg.alloca_once_value(builder, builder.load(aptr[h][y], align=4)) for y in range(npt)]
+            aptr = [[builder.bitcast(builder.gep(ap, [builder.add(builder.mul(c(h), ast), builder.add(d0, c(w * y)))]),
+                                     vw.as_pointer()) for y in range(nv)] for h in range(nh)]
+            accs = [[_cg.alloca_once_value(builder, builder.load(aptr[h][y], align=4)) for y in range(nv)]
                     for h in range(nh)]
             with _cg.for_range_slice(builder, ja_, jb_, c(1), inc=True) as (j, _):
                 vrow = builder.gep(vp, [builder.add(builder.mul(j, vst), d0)])
-                kv = [load_v(builder, vrow, c(8 * y), 8) for y in range(npt)]
+                kv = [load_v(builder, vrow, c(w * y), w) for y in range(nv)]
                 for h in range(nh):
                     pj = builder.load(builder.gep(pp, [builder.add(builder.mul(c(h), pst), j)]))
-                    pv = builder.shuffle_vector(builder.insert_element(_ir.Constant(v8, None), pj, _ir.Constant(_ir.IntType(32), 0)),
-                                                _ir.Constant(v8, None), _ir.Constant(_ir.VectorType(_ir.IntType(32), 8), [0] * 8))
-                    for y in range(npt):
-                        builder.store(_qir._call(builder, "llvm.fma.v8f32", v8, [pv, kv[y], builder.load(accs[h][y])]),
+                    pv = builder.shuffle_vector(builder.insert_element(_ir.Constant(vw, None), pj, _ir.Constant(_ir.IntType(32), 0)),
+                                                _ir.Constant(vw, None), _ir.Constant(_ir.VectorType(_ir.IntType(32), w), [0] * w))
+                    for y in range(nv):
+                        builder.store(_qir._call(builder, f"llvm.fma.v{w}f32", vw, [pv, kv[y], builder.load(accs[h][y])]),
                                       accs[h][y])
             for h in range(nh):
-                for y in range(npt):
+                for y in range(nv):
                     builder.store(builder.load(accs[h][y]), aptr[h][y], align=4)
         return context.get_dummy_value()
 
@@ -735,7 +757,8 @@ def _dot64_tile_keys8(typingctx, qarr, qo, tarr, to, tstride, n_blocks, oarr, oo
     nb = n_blocks.literal_value
 
     def codegen(context, builder, signature, args):
-        v8 = _ir.VectorType(_ir.FloatType(), 8)
+        w = _SCORE_LANES
+        v8 = _ir.VectorType(_ir.FloatType(), w)
         c = _c64
         qp = _ptr_arg(context, builder, signature, args, 0, 1)
         tp = _ptr_arg(context, builder, signature, args, 2, 3)
@@ -743,17 +766,17 @@ def _dot64_tile_keys8(typingctx, qarr, qo, tarr, to, tstride, n_blocks, oarr, oo
         tst = _i64_arg(context, builder, signature, args, 4)
 
         def ld8(p, off):
-            return _load_f32(builder, p, off, 8)
+            return _load_f32(builder, p, off, w)
 
-        t: list[list[Any]] = [[None] * 8 for _ in range(8)]
+        t: list[list[Any]] = [[None] * (64 // w) for _ in range(8)]
         krows = [builder.gep(tp, [builder.mul(c(i), tst)]) for i in range(8)]
-        for y in range(8):
+        for y in range(64 // w):
             for b in range(nb):  # block outer, key inner: eight independent chains in flight
-                qv = ld8(qp, c(64 * b + 8 * y))
+                qv = ld8(qp, c(64 * b + w * y))
                 for i in range(8):
-                    kv = ld8(krows[i], c(64 * b + 8 * y))
+                    kv = ld8(krows[i], c(64 * b + w * y))
                     t[i][y] = builder.fmul(qv, kv) if b == 0 else \
-                        _qir._call(builder, "llvm.fma.v8f32", v8, [qv, kv, t[i][y]])
+                        _qir._call(builder, f"llvm.fma.v{w}f32", v8, [qv, kv, t[i][y]])
         xs = [_fold64(builder, t[i]) for i in range(8)]
         sums, lane = _qir._tree8_many(builder, xs, [(i,) for i in range(8)])
         for i in range(8):
@@ -853,18 +876,18 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
             ko = k0 + j16 * kstride
             if d == 128:
                 if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j16, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j16, L, 16, _KPP, scale, mrow, r0)
                 elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j16, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j16, L, 16, _KPP, scale, mrow, r0)
                 else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j16, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j16, L, 16, _KPP, scale, mrow, r0)
             else:
                 if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j16, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j16, L, 16, _KPP, scale, mrow, r0)
                 elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j16, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j16, L, 16, _KPP, scale, mrow, r0)
                 else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j16, L, 16, 2, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j16, L, 16, _KPP, scale, mrow, r0)
             j16 += 16
     for j in range(j16, jb):
         if nr == 4:
