@@ -110,7 +110,7 @@ _JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call 
 # (each lane's order is fixed by the contract; the width only sets how many lanes one
 # instruction holds).
 _SCORE_LANES = 16 if _qir._AVX512 else 8
-_KPP = 2
+_KEYS_PER_PASS = 2  # keys per pass of _dot16_heads_keys (4 measured no faster with 16 lanes)
 
 FMT_F16 = 0
 FMT_Q8_0 = 1
@@ -407,14 +407,15 @@ def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, 
     mrow[r0 + h] raised to each row's largest (v > m, as max(m, v)). n_heads, n_blocks, n_keys
     and keys_per_pass (a divisor of n_keys) are literals. The dot products are
     :func:`_dot16_rows`' bit for bit, except that one of exactly zero may carry the other sign
-    (the first block starts from its product, not 0 + product): 16 lanes as two 8-lane halves,
-    element i into lane i % 16, block after block, fused multiply-adds (the products of float16
-    values are exact in float32); then lane l + 8 into lane l, and the last three halvings of
-    all the keys together (quant.ir._tree8_many).
+    (the first block starts from its product, not 0 + product): element i into lane i % 16,
+    block after block, fused multiply-adds (the products of float16 values are exact in
+    float32), the 16 lanes as one vector (_SCORE_LANES = 16) or two 8-lane halves; then lane
+    l + 8 into lane l, and the last three halvings of all the keys together
+    (quant.ir._tree8_many).
 
     Why: :func:`_dot16_rows` loads each query part once per key and folds each key's 16 lanes
-    alone. Here one pass holds keys_per_pass keys x n_heads rows of one 8-lane half in
-    registers (each query part loaded once for those keys, each key part once for the rows),
+    alone. Here one pass holds keys_per_pass keys x n_heads rows of 16 lanes (or of one
+    8-lane half) in registers (each query part loaded once for those keys, each key part once for the rows),
     and every pass is a basic block of its own, unrolled over the blocks (a pass loop over
     the blocks ran 25% slower at D = 128: its short trip count; one block for all the passes
     let LLVM's scheduler hoist the loads and spill)."""
@@ -612,8 +613,9 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
     (a literal, at most 4) of one KV head's group, j = ja..jb-1 in key order, i < n_dim (a
     multiple of 16), v_j the float16 row at vb[vo + j * vstride] (uint16 bits): every
     element's sum is :func:`_pv_exact`'s (fused multiply-adds in key order), but each value
-    part is loaded and widened once for all the rows, and 16 dims x n_heads rows of
-    accumulators stay in registers over the whole key range."""
+    part is loaded and widened once for all the rows, and 8 x n_parts dims x n_heads rows of
+    accumulators stay in registers over the whole key range (vectors of 16 lanes where
+    _SCORE_LANES is 16 and n_parts is even, else of 8: the same sums)."""
     if not (isinstance(n_heads, types.IntegerLiteral) and isinstance(n_parts, types.IntegerLiteral)):
         return None
     sig = types.void(acc, ao, astride, n_heads, p, po, pstride, vb, vo, vstride, ja, jb, n_dim, n_parts)
@@ -876,18 +878,18 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
             ko = k0 + j16 * kstride
             if d == 128:
                 if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j16, L, 16, _KPP, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 8, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
                 elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j16, L, 16, _KPP, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 8, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
                 else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j16, L, 16, _KPP, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 8, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
             else:
                 if nr == 4:
-                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j16, L, 16, _KPP, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 4, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
                 elif nr == 3:
-                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j16, L, 16, _KPP, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 4, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
                 else:
-                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j16, L, 16, _KPP, scale, mrow, r0)
+                    _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
             j16 += 16
     for j in range(j16, jb):
         if nr == 4:

@@ -12,10 +12,18 @@ latent ``vc is kc`` cache and the Q8_0 cache.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from moe_service.engine import attention
+from moe_service.engine.quant import ir as qir
 from moe_service.engine.pool import WorkerPool
 
 
@@ -107,7 +115,11 @@ def _run(pool, *, nh, nkv, d, dv, spans, n_ctx, fmt="f16", window=0, sinks=False
     # probability (unit roundoff 2^-11 of sum_j p_j |v_j| <= max|V|)
     bound = 2e-5 + (2e-4 if online else 2e-4 + 2.0**-11) * vmax
     assert err <= bound, f"max error {err} > {bound}"
+    _OUTPUTS.append(out[rows])
     return err
+
+
+_OUTPUTS: list[np.ndarray] = []  # every _run's output rows, for digest_outputs
 
 
 MODES = [pytest.param(False, id="exact"), pytest.param(True, id="online")]
@@ -363,3 +375,50 @@ def test_single_latent_decode_is_split_over_workers(pool, online):
                                                           attention.MIN_SPLIT_KEYS)
         assert n_direct == 0 and meta.shape[0] == 1 and tasks.shape[0] == meta[0, 6] > 1
     _run(pool, nh=16, nkv=1, d=576, dv=512, spans=[(0, 0, 1, 2999)], n_ctx=3000, latent=True, online=online)
+
+
+# Shapes whose kernels depend on the vector width (attention._SCORE_LANES): prefill scores of
+# 2-4 heads x 16 keys and P.V of up to 4 heads (D 64 and 128, GQA 3 and 8 with a partial
+# group), group decode scores (D 64 and 128), the latent cache's tile (D 576), windows,
+# sinks, a Q8_0 cache; depths off every tile grid.
+_WIDTH_CASES = [
+    dict(nh=8, nkv=1, d=128, dv=128, spans=[(0, 0, 1, 700), (1, 1, 70, 333)], n_ctx=800),
+    dict(nh=9, nkv=3, d=64, dv=64, spans=[(0, 0, 1, 301), (1, 1, 45, 77)], n_ctx=400),
+    dict(nh=10, nkv=2, d=128, dv=128, spans=[(0, 0, 37, 250)], n_ctx=300, window=100, sinks=True),
+    dict(nh=16, nkv=1, d=576, dv=512, spans=[(0, 0, 1, 500), (1, 1, 20, 10)], n_ctx=600, latent=True),
+    dict(nh=8, nkv=2, d=128, dv=128, spans=[(0, 0, 1, 400), (1, 1, 30, 20)], n_ctx=500, fmt="q8_0"),
+]
+
+
+def digest_outputs() -> str:
+    """sha256 of the attend outputs of _WIDTH_CASES (one worker: the same plan in any
+    process, whatever CPUs it may use), bit for bit."""
+    from moe_service.engine.pool import WorkerPool
+
+    p = WorkerPool(n_threads=1)
+    try:
+        _OUTPUTS.clear()
+        for i, case in enumerate(_WIDTH_CASES):
+            _run(p, seed=40 + i, **case)
+        return hashlib.sha256(b"".join(o.tobytes() for o in _OUTPUTS)).hexdigest()
+    finally:
+        p.close()
+
+
+@pytest.mark.skipif(not qir._AVX512, reason="this host runs the 8-lane code already")
+def test_8_and_16_lane_kernels_give_the_same_outputs(tmp_path):
+    """The 16-lane kernels (this AVX-512 host) and the 8-lane ones (a subprocess with
+    MOE_SERVICE_KERNEL_ISA=avx2 and its own numba cache) give the same attention outputs bit
+    for bit: the lane a product is summed into is fixed by the contract, not by the width."""
+    env = dict(os.environ, MOE_SERVICE_KERNEL_ISA="avx2", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(attention.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, __file__], env=env, timeout=600, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["lanes"] == 8
+    assert attention._SCORE_LANES == 16
+    assert got["digest"] == digest_outputs()
+
+
+if __name__ == "__main__":
+    print(json.dumps({"lanes": attention._SCORE_LANES, "digest": digest_outputs()}))
