@@ -7,7 +7,9 @@ by is float32 arithmetic (dot products in vector lanes, exp in float32, accumula
 to 5000 keys): bounded here as |out - ref| <= 2e-5 + 2e-4 * max|V| (measured: below 3e-6
 at depth 5000). Shapes cover depths 1..5000 (partial key tiles and query tiles), GQA group
 sizes 1, 4 and 8, decode (split key ranges on the pool) and prefill, windows, sinks, the
-latent ``vc is kc`` cache and the Q8_0 cache.
+latent ``vc is kc`` cache and the Q8_0 cache. On an AVX-512 host, the kernels' 16-lane form
+(attention._SCORE_LANES) and their 8-lane form (a subprocess in AVX2 mode) must give the
+same outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import numpy as np
 import pytest
 
 from moe_service.engine import attention
-from moe_service.engine.quant import ir as qir
 from moe_service.engine.pool import WorkerPool
+from moe_service.engine.quant import ir as qir
 
 
 class _Ops:
