@@ -110,6 +110,10 @@ _JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call 
 # (each lane's order is fixed by the contract; the width only sets how many lanes one
 # instruction holds).
 _SCORE_LANES = 16 if _qir._AVX512 else 8
+# A decode reads the float16 cache in place: one KV head's rows sit NKV x D x 2 bytes apart,
+# a few rows per 4 KiB page, which the hardware prefetchers do not follow across pages. The
+# score and P.V kernels prefetch the rows this many keys ahead.
+_KV_PREFETCH_KEYS = 16
 _KEYS_PER_PASS = 2  # keys per pass of _dot16_heads_keys (4 measured no faster with 16 lanes)
 
 FMT_F16 = 0
@@ -582,6 +586,12 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
         def qpart(h, b, y):
             return _load_f32(builder, qp, builder.add(builder.mul(c(h), qs), c(64 * b + w * y)), w)
 
+        if karr.dtype == types.uint16:  # read in place: the rows _KV_PREFETCH_KEYS keys on
+            for i in range(8):
+                prow = builder.bitcast(builder.gep(kp, [builder.mul(c(_KV_PREFETCH_KEYS + i), kst)]),
+                                       _ir.IntType(8).as_pointer())
+                for line in range(2 * nb):
+                    _qir._prefetch(builder, builder.gep(prow, [c(64 * line)]))
         xs: list[list[Any]] = [[] for _ in range(nh)]
         for i in range(8):
             krow = builder.gep(kp, [builder.mul(c(i), kst)])
@@ -643,6 +653,10 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
                     for h in range(nh)]
             with _cg.for_range_slice(builder, ja_, jb_, c(1), inc=True) as (j, _):
                 vrow = builder.gep(vp, [builder.add(builder.mul(j, vst), d0)])
+                if vb.dtype == types.uint16:  # read in place: this pass's part of the row _KV_PREFETCH_KEYS on
+                    for line in range(max(1, 16 * npt // 64)):
+                        _qir._prefetch(builder, builder.gep(builder.bitcast(builder.gep(vrow, [builder.mul(c(_KV_PREFETCH_KEYS), vst)]),
+                                                                            _ir.IntType(8).as_pointer()), [c(64 * line)]))
                 kv = [load_v(builder, vrow, c(w * y), w) for y in range(nv)]
                 for h in range(nh):
                     pj = builder.load(builder.gep(pp, [builder.add(builder.mul(c(h), pst), j)]))
