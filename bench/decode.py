@@ -24,8 +24,12 @@ Examples::
 Long context (``--depth D`` / ``--depths``): both engines are fed the same ids (ordinary
 text in the model's vocabulary); ours prefills D tokens from an empty slot in ``--ubatch``
 steps, llama.cpp in ``--n-batch`` batches, then each decodes ``--decode`` single tokens at
-depth D. One run per depth (a prefill at depth takes long); the ratio is against the faster
-llama.cpp configuration measured (``--flash-attn both`` measures both of its paths).
+depth D. One round per depth by default (a prefill at depth takes long); ``--depth-repeats
+R`` takes R rounds, each depth's engines back to back within a round, and reports each
+engine's median and the median of the rounds' ratios (on a shared host the memory bandwidth
+drifts between runs; a ratio taken within one round sees one load). The ratio is against
+the faster llama.cpp configuration measured (``--flash-attn both`` measures both of its
+paths).
 """
 
 from __future__ import annotations
@@ -195,12 +199,14 @@ def depth_ids(catalog, n: int) -> list[int]:
 
 
 def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatch: int,
-                        kv_type: str = "f16", after_each=None) -> dict[int, dict]:
+                        kv_type: str = "f16", after_each=None, repeats: int = 1) -> dict[int, dict]:
     """Our engine: per depth D, prefill tok/s of D tokens (ubatch-sized steps from an empty
-    slot) and decode tok/s of n_decode single-token steps at depth D. Depths beyond the
-    model's trained context are reported with a reason instead. ``after_each(D)`` runs after
-    each depth (the peer's run of the same depth: the two engines' numbers of one depth are
-    taken back to back, under the same machine load)."""
+    slot) and decode tok/s of n_decode single-token steps at depth D, in ``repeats`` rounds
+    over the depths: medians, with each round's figures in ``prefill_runs`` / ``decode_runs``.
+    Depths beyond the model's trained context are reported with a reason instead.
+    ``after_each(D)`` runs after each depth of each round (the peer's run of the same depth:
+    the two engines' numbers of one depth and round are taken back to back, under the same
+    machine load)."""
     import torch
 
     torch.set_num_threads(1)
@@ -225,7 +231,8 @@ def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: i
         model.step([(s, ids[:ubatch])])
         model.step([(s, [ids[0]])])
         model.kv.free(s)
-        for d in ok:
+        runs: dict[int, list[tuple[float, float]]] = {d: [] for d in ok}
+        for d in [d for _ in range(repeats) for d in ok]:
             s = model.kv.alloc()
             t0 = time.perf_counter()
             for a in range(0, d, ubatch):  # logits for the prompt's last chunk only (as the server)
@@ -237,8 +244,11 @@ def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: i
                 tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
             t_decode = time.perf_counter() - t0
             model.kv.free(s)
-            out[d] = {"prefill_tok_s": d / t_prefill, "decode_tok_s": n_decode / t_decode,
-                      "prefill_s": t_prefill, "decode_s": t_decode}
+            runs[d].append((t_prefill, t_decode))
+            pre, dec = [d / tp for tp, _ in runs[d]], [n_decode / td for _, td in runs[d]]
+            out[d] = {"prefill_tok_s": _median(pre), "decode_tok_s": _median(dec),
+                      "prefill_s": _median([tp for tp, _ in runs[d]]), "decode_s": _median([td for _, td in runs[d]]),
+                      "prefill_runs": pre, "decode_runs": dec}
             print(f"  ours depth {d}: prefill {d / t_prefill:.1f} tok/s, decode {n_decode / t_decode:.1f} tok/s",
                   file=sys.stderr, flush=True)
             if after_each is not None:
@@ -249,15 +259,16 @@ def measure_ours_depths(path: Path, threads: int, depths: list[int], n_decode: i
 
 
 def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatch: int, peer: bool,
-               flash_attn: str = "off", n_batch: int = 512, kv_type: str = "f16") -> dict:
+               flash_attn: str = "off", n_batch: int = 512, kv_type: str = "f16", repeats: int = 1) -> dict:
     """Both engines at every depth, back to back per depth (ours, then llama.cpp's
-    configurations), so each depth's ratio is taken under one machine load."""
+    configurations), so each depth's ratio is taken under one machine load; ``repeats``
+    rounds of that (:func:`depth_row` combines them)."""
     from bench.peer import measure_depth
     from moe_service.gguf_model import GGUFModel
 
     catalog = GGUFModel.open(path)
     fa_modes = {"off": [False], "on": [True], "both": [False, True]}[flash_attn] if peer else []
-    peer_rows: dict[int, dict] = {}
+    peer_runs: dict[int, list[dict]] = {}
 
     all_cpus = os.sched_getaffinity(0)  # before our pool pins this thread to its first CPU
 
@@ -272,7 +283,8 @@ def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatc
             os.sched_setaffinity(0, pinned)
 
     def _run_peer(d: int) -> None:
-        row = peer_rows[d] = {}
+        row: dict = {}
+        peer_runs.setdefault(d, []).append(row)
         for fa in fa_modes:
             r = measure_depth(path, depth_ids(catalog, d + n_decode)[:d], threads=threads, n_decode=n_decode,
                               n_batch=n_batch, flash_attn=fa)
@@ -285,27 +297,49 @@ def run_depths(path: Path, threads: int, depths: list[int], n_decode: int, ubatc
             print(f"  llama.cpp{' (flash attn)' if fa else ''} depth {d}: prefill {r['prefill'].value:.1f} tok/s, "
                   f"decode {r['decode'].value:.1f} tok/s", file=sys.stderr, flush=True)
 
-    ours = measure_ours_depths(path, threads, depths, n_decode, ubatch, kv_type, after_each=run_peer)
-    rows = []
-    for d in depths:
-        row = {"depth": d, **ours[d], **peer_rows.get(d, {})}
-        ps = [row.get(f"{t}_prefill_tok_s") for t in ("llamacpp", "llamacpp_fa")]
-        ds = [row.get(f"{t}_decode_tok_s") for t in ("llamacpp", "llamacpp_fa")]
-        best_p = max((x for x in ps if x), default=None)
-        best_d = max((x for x in ds if x), default=None)
-        if best_d and "decode_tok_s" in row:
-            row["decode_ratio"] = row["decode_tok_s"] / best_d
-            row["prefill_ratio"] = row["prefill_tok_s"] / best_p
-        rows.append(row)
+    ours = measure_ours_depths(path, threads, depths, n_decode, ubatch, kv_type, after_each=run_peer,
+                               repeats=repeats)
+    rows = [depth_row(d, ours[d], peer_runs.get(d, [])) for d in depths]
     return {"model": str(path), "threads": threads, "n_decode": n_decode, "ubatch": ubatch, "n_batch": n_batch,
-            "kv_type": kv_type, "flash_attn": flash_attn, "rows": rows, "load_average": list(os.getloadavg())}
+            "kv_type": kv_type, "flash_attn": flash_attn, "repeats": repeats, "rows": rows,
+            "load_average": list(os.getloadavg())}
+
+
+def depth_row(d: int, ours: dict, peer_runs: list[dict]) -> dict:
+    """One depth's row from our figures (:func:`measure_ours_depths`: medians and per-round
+    ``prefill_runs`` / ``decode_runs``) and the peer's rounds (per round, tok/s under
+    ``llamacpp_*`` and ``llamacpp_fa_*``, None where a configuration did not run): each
+    llama.cpp figure is the median of its rounds; ``decode_ratio`` / ``prefill_ratio`` are
+    the medians of the rounds' ratios, each ours over the faster llama.cpp configuration of
+    the same round (``*_ratio_runs``)."""
+    row = {"depth": d, **ours}
+    keys = [f"{t}_{w}_tok_s" for t in ("llamacpp", "llamacpp_fa") for w in ("prefill", "decode")]
+    for k in keys:
+        vals = [r[k] for r in peer_runs if r.get(k)]
+        if vals:
+            row[k] = _median(vals)
+    for r in peer_runs:
+        if "llamacpp" in r:  # why llama.cpp did not run
+            row["llamacpp"] = r["llamacpp"]
+    if "decode_tok_s" not in ours:
+        return row
+    for w in ("prefill", "decode"):
+        ratios = []
+        for ours_v, r in zip(ours[f"{w}_runs"], peer_runs, strict=False):
+            best = max((x for x in (r.get(f"llamacpp_{w}_tok_s"), r.get(f"llamacpp_fa_{w}_tok_s")) if x), default=None)
+            if best:
+                ratios.append(ours_v / best)
+        if ratios:
+            row[f"{w}_ratio"] = _median(ratios)
+            row[f"{w}_ratio_runs"] = ratios
+    return row
 
 
 def format_depths(r: dict) -> str:
     fa = r["flash_attn"] in ("on", "both")
     lines = [f"bench decode --depths: {r['model']}, {r['threads']} thread(s), decode {r['n_decode']} tokens, "
              f"our ubatch {r['ubatch']}, llama.cpp n_batch {r['n_batch']}, KV {r['kv_type']}, "
-             f"load average {r['load_average'][0]:.2f}", "",
+             f"{r.get('repeats', 1)} round(s), load average {r['load_average'][0]:.2f}", "",
              f"{'depth':>6}  {'decode ours':>11}  {'llama.cpp':>9}" + (f"  {'llama FA':>8}" if fa else "")
              + f"  {'ratio':>5}  {'prefill ours':>12}  {'llama.cpp':>9}" + (f"  {'llama FA':>8}" if fa else "")
              + f"  {'ratio':>5}"]
@@ -321,7 +355,9 @@ def format_depths(r: dict) -> str:
             + (f"  {_fmt(row.get('llamacpp_fa_prefill_tok_s')):>8}" if fa else "")
             + f"  {_fmt(row.get('prefill_ratio'), '.2f'):>5}")
     lines.append("")
-    lines.append("ratio: ours / the faster llama.cpp configuration measured")
+    lines.append("ratio: ours / the faster llama.cpp configuration measured"
+                 + (" (tok/s: medians of the rounds; ratio: the median of the rounds' ratios)"
+                    if r.get("repeats", 1) > 1 else ""))
     return "\n".join(lines)
 
 
@@ -397,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp's flash-attention path for the depth runs (llama-cpp-python default: off)")
     ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp's n_batch for the depth runs (default 512)")
     ap.add_argument("--kv-type", choices=["f16", "q8_0"], default="f16", help="our KV cache format (depth runs)")
+    ap.add_argument("--depth-repeats", type=int, default=1,
+                    help="rounds over the depths, both engines back to back per depth (medians; default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     a = ap.parse_args(argv)
     if a.model is None:
@@ -409,8 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     threads = a.threads or len(os.sched_getaffinity(0))
     depths = [int(x) for x in a.depths.split(",") if x.strip()] if a.depths else ([a.depth] if a.depth else [])
     if depths:
+        if a.depth_repeats < 1:
+            print(f"moe-service bench decode: --depth-repeats {a.depth_repeats}: at least 1", file=sys.stderr)
+            return 2
         r = run_depths(a.model, threads, depths, a.decode, a.ubatch, not a.no_peer, a.flash_attn, a.n_batch,
-                       a.kv_type)
+                       a.kv_type, a.depth_repeats)
         print(json.dumps(r, indent=1) if a.json else format_depths(r))
         if a.plot:
             plot_depths(r, a.plot)

@@ -30,10 +30,13 @@ heads), rounds them to float16, and walks the cache in key tiles of ``BK`` rows 
 serves all R query rows). Default mode: K.Q as vector dot products in ggml's lane order and
 P.V as fused multiply-adds (each value row loaded once for up to four heads, whose
 accumulators stay in registers: :func:`_pv_heads16`). A decode reads a float16 cache in
-place (each key once for two to four heads of the group: :func:`_dot64_heads_keys8`). A
+place (each key once for two to four heads of the group: :func:`_dot64_heads_keys8`),
+prefetching the rows ``_KV_PREFETCH_KEYS`` keys ahead. A
 prefill widens each key and value tile once into a contiguous float32 tile that all the
 task's rows read, and scores 16 keys x two to four heads of a token per call
-(:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. Online mode
+(:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. These
+kernels hold 16 float32 lanes per vector where the 512-bit kernels run (``_SCORE_LANES``),
+else 8; each lane's sum is the same either way. Online mode
 widens K and V tiles (float32, about one L1d) once each. Small steps run on the calling
 thread (no dispatch). When a step has fewer than 2 x workers tasks (decode:
 one query row per sequence), a task with at least 2 x MIN_SPLIT_KEYS keys is split by key
@@ -567,7 +570,8 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
     oarr[oo + h * ostride + i]. Each key part is loaded and widened once for all the rows (a
     GQA group's heads share their KV head's keys); every score is summed exactly as
     :func:`_dot64_keys8` sums it (64 lanes over the blocks, the first block's product, fused
-    multiply-adds after it; then the halving tree)."""
+    multiply-adds after it; then the halving tree). Prefetches the eight rows
+    ``_KV_PREFETCH_KEYS`` keys on (a hint: never faults past the cache)."""
     if not (isinstance(n_heads, types.IntegerLiteral) and isinstance(n_blocks, types.IntegerLiteral)):
         return None
     sig = types.void(qarr, qo, qstride, n_heads, karr, ko, kstride, n_blocks, oarr, oo, ostride)
@@ -625,7 +629,8 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
     element's sum is :func:`_pv_exact`'s (fused multiply-adds in key order), but each value
     part is loaded and widened once for all the rows, and 8 x n_parts dims x n_heads rows of
     accumulators stay in registers over the whole key range (vectors of 16 lanes where
-    _SCORE_LANES is 16 and n_parts is even, else of 8: the same sums)."""
+    _SCORE_LANES is 16 and n_parts is even, else of 8: the same sums). Read in place (uint16),
+    each key's pass prefetches its part of the row ``_KV_PREFETCH_KEYS`` keys on."""
     if not (isinstance(n_heads, types.IntegerLiteral) and isinstance(n_parts, types.IntegerLiteral)):
         return None
     sig = types.void(acc, ao, astride, n_heads, p, po, pstride, vb, vo, vstride, ja, jb, n_dim, n_parts)
