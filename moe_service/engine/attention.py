@@ -108,8 +108,8 @@ _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 # of tiny-gpt-oss-l3-pattern3-q8_0 against its llama.cpp golden.
 _JIT_VEC = {"nogil": True, "cache": True, "error_model": "numpy", "fastmath": False}
 _JIT_INLINE = {**_JIT_VEC, "inline": "always"}  # small per-key helpers: a call per key costs more than the work
-# Vector width of the prefill score and P.V kernels: 16 float32 lanes where the 512-bit kernels
-# run (AVX-512 BW + VL + VNNI, quant.ir._AVX512), else 8. The sums are the same either way
+# Vector width of the score kernels (prefill, decode, latent) and the P.V kernel: 16 float32
+# lanes where the 512-bit kernels run (AVX-512 BW + VL + VNNI, quant.ir._AVX512), else 8. The sums are the same either way
 # (each lane's order is fixed by the contract; the width only sets how many lanes one
 # instruction holds).
 _SCORE_LANES = 16 if _qir._AVX512 else 8
@@ -422,7 +422,8 @@ def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, 
 
     Why: :func:`_dot16_rows` loads each query part once per key and folds each key's 16 lanes
     alone. Here one pass holds keys_per_pass keys x n_heads rows of 16 lanes (or of one
-    8-lane half) in registers (each query part loaded once for those keys, each key part once for the rows),
+    8-lane half) in registers (each query part loaded once for those keys, each key part once
+    for the rows),
     and every pass is a basic block of its own, unrolled over the blocks (a pass loop over
     the blocks ran 25% slower at D = 128: its short trip count; one block for all the passes
     let LLVM's scheduler hoist the loads and spill)."""
