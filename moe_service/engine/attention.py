@@ -296,6 +296,18 @@ def _load_half(builder, ptr, off, n: int):
     return builder.fpext(builder.bitcast(hv, _ir.VectorType(_ir.HalfType(), n)), _ir.VectorType(_ir.FloatType(), n))
 
 
+def _fold16(builder, x):
+    """<8 x float>: lane l + lane l + 8 of the 16-lane vector ``x`` (ggml's 16 -> 8 halving)."""
+    return builder.fadd(_qir._shuf(builder, x, range(8)), _qir._shuf(builder, x, range(8, 16)))
+
+
+def _prefetch_lines(builder, ptr, n_lines: int):
+    """Prefetch the ``n_lines`` 64-byte lines from ``ptr`` (any element pointer) on."""
+    p8 = builder.bitcast(ptr, _ir.IntType(8).as_pointer())
+    for line in range(n_lines):
+        _qir._prefetch(builder, builder.gep(p8, [_c64(64 * line)]))
+
+
 def _lane_dot(lanes: int):
     """An intrinsic ``f(qb, qo, kb, ko, n_blocks) -> float32``: the dot product of
     qb[qo : qo + n_blocks * lanes] (float32) with kb[ko : ...] (float32, or float16 bits as
@@ -476,7 +488,7 @@ def _dot16_heads_keys(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride, 
                                    builder.load(builder.gep(xbuf, [c((h * nk + i) * 2 + 1)]))) for i in range(nk)]
             else:
                 xl = [builder.load(builder.gep(xbuf, [c(h * nk + i)])) for i in range(nk)]
-                xs = [builder.fadd(_qir._shuf(builder, x, range(8)), _qir._shuf(builder, x, range(8, 16))) for x in xl]
+                xs = [_fold16(builder, x) for x in xl]
             sums, lane = _qir._tree8_many(builder, xs, [(i,) for i in range(nk)])
             orow = builder.gep(op_, [builder.mul(c(h), ost)])
             vk = _ir.VectorType(_ir.FloatType(), nk)
@@ -557,7 +569,7 @@ def _fold64(builder, t):
     if len(t) == 4:
         u = [builder.fadd(t[y], t[y + 2]) for y in range(2)]
         x = builder.fadd(u[0], u[1])
-        return builder.fadd(_qir._shuf(builder, x, range(8)), _qir._shuf(builder, x, range(8, 16)))
+        return _fold16(builder, x)
     u = [builder.fadd(t[y], t[y + 4]) for y in range(4)]
     w = [builder.fadd(u[y], u[y + 2]) for y in range(2)]
     return builder.fadd(w[0], w[1])
@@ -581,7 +593,7 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
 
     def codegen(context, builder, signature, args):
         w = _SCORE_LANES
-        v8 = _ir.VectorType(_ir.FloatType(), w)
+        vw = _ir.VectorType(_ir.FloatType(), w)
         c = _c64
         qp = _ptr_arg(context, builder, signature, args, 0, 1)
         kp = _ptr_arg(context, builder, signature, args, 4, 5)
@@ -593,10 +605,7 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
 
         if karr.dtype == types.uint16:  # read in place: the rows _KV_PREFETCH_KEYS keys on
             for i in range(8):
-                prow = builder.bitcast(builder.gep(kp, [builder.mul(c(_KV_PREFETCH_KEYS + i), kst)]),
-                                       _ir.IntType(8).as_pointer())
-                for line in range(2 * nb):
-                    _qir._prefetch(builder, builder.gep(prow, [c(64 * line)]))
+                _prefetch_lines(builder, builder.gep(kp, [builder.mul(c(_KV_PREFETCH_KEYS + i), kst)]), 2 * nb)
         xs: list[list[Any]] = [[] for _ in range(nh)]
         for i in range(8):
             krow = builder.gep(kp, [builder.mul(c(i), kst)])
@@ -608,7 +617,7 @@ def _dot64_heads_keys8(typingctx, qarr, qo, qstride, n_heads, karr, ko, kstride,
                         if b == 0:
                             t[h][y] = builder.fmul(qpart(h, b, y), kv)
                         else:
-                            t[h][y] = _qir._call(builder, f"llvm.fma.v{w}f32", v8, [qpart(h, b, y), kv, t[h][y]])
+                            t[h][y] = _qir._call(builder, f"llvm.fma.v{w}f32", vw, [qpart(h, b, y), kv, t[h][y]])
             for h in range(nh):
                 xs[h].append(_fold64(builder, t[h]))
         for h in range(nh):
@@ -660,9 +669,7 @@ def _pv_heads16(typingctx, acc, ao, astride, n_heads, p, po, pstride, vb, vo, vs
             with _cg.for_range_slice(builder, ja_, jb_, c(1), inc=True) as (j, _):
                 vrow = builder.gep(vp, [builder.add(builder.mul(j, vst), d0)])
                 if vb.dtype == types.uint16:  # read in place: this pass's part of the row _KV_PREFETCH_KEYS on
-                    for line in range(max(1, 16 * npt // 64)):
-                        _qir._prefetch(builder, builder.gep(builder.bitcast(builder.gep(vrow, [builder.mul(c(_KV_PREFETCH_KEYS), vst)]),
-                                                                            _ir.IntType(8).as_pointer()), [c(64 * line)]))
+                    _prefetch_lines(builder, builder.gep(vrow, [builder.mul(c(_KV_PREFETCH_KEYS), vst)]), max(1, 16 * npt // 64))
                 kv = [load_v(builder, vrow, c(w * y), w) for y in range(nv)]
                 for h in range(nh):
                     pj = builder.load(builder.gep(pp, [builder.add(builder.mul(c(h), pst), j)]))
@@ -780,7 +787,7 @@ def _dot64_tile_keys8(typingctx, qarr, qo, tarr, to, tstride, n_blocks, oarr, oo
 
     def codegen(context, builder, signature, args):
         w = _SCORE_LANES
-        v8 = _ir.VectorType(_ir.FloatType(), w)
+        vw = _ir.VectorType(_ir.FloatType(), w)
         c = _c64
         qp = _ptr_arg(context, builder, signature, args, 0, 1)
         tp = _ptr_arg(context, builder, signature, args, 2, 3)
@@ -798,7 +805,7 @@ def _dot64_tile_keys8(typingctx, qarr, qo, tarr, to, tstride, n_blocks, oarr, oo
                 for i in range(8):
                     kv = ld8(krows[i], c(64 * b + w * y))
                     t[i][y] = builder.fmul(qv, kv) if b == 0 else \
-                        _qir._call(builder, f"llvm.fma.v{w}f32", v8, [qv, kv, t[i][y]])
+                        _qir._call(builder, f"llvm.fma.v{w}f32", vw, [qv, kv, t[i][y]])
         xs = [_fold64(builder, t[i]) for i in range(8)]
         sums, lane = _qir._tree8_many(builder, xs, [(i,) for i in range(8)])
         for i in range(8):
