@@ -49,6 +49,7 @@ def build_engine(ctx: PipelineContext, ops: CpuOps | None = None) -> Engine:
     does not fit its budget), ModelFileError (unsupported architecture, missing tensor or
     tokenizer key).
     """
+    from moe_service.engine import arch
     from moe_service.engine.engine import Engine, served_model_name
     from moe_service.engine.kv import plan_for_config
     from moe_service.engine.model import Model
@@ -68,7 +69,7 @@ def build_engine(ctx: PipelineContext, ops: CpuOps | None = None) -> Engine:
         import torch
 
         torch.set_num_threads(1)
-    kvp = plan_for_config(catalog, cfg)  # the context: model.context_tokens or the budget's (engine/kv.py)
+    kvp = plan_for_config(catalog, cfg, *arch.kv_needs(catalog))  # the context: model.context_tokens or the budget's (engine/kv.py)
     if not kvp.ok:
         raise CapacityError(kvp.sentence())
     ops = ops if ops is not None else make_ops(ctx)

@@ -243,43 +243,17 @@ def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 
     return plan
 
 
-def plan_for_config(catalog, config, layers=None, state: StateFn | None = None) -> KVPlan:
-    """:func:`plan_context` for ``catalog`` (the architecture's declarations, or ``layers`` and
-    ``state``) under ``config`` (model.context_tokens, serve.parallel, engine.kv_cache_gib,
-    engine.kv_type, engine.kv_node)."""
+def plan_for_config(catalog, config, layers: Sequence[LayerKV], state: StateFn | None = None) -> KVPlan:
+    """:func:`plan_context` for ``catalog`` (its trained context) under ``config``
+    (model.context_tokens, serve.parallel, engine.kv_cache_gib, engine.kv_type, engine.kv_node),
+    with the per-layer needs ``layers`` and per-sequence ``state`` that the architecture
+    declares (``moe_service.engine.arch.kv_needs(catalog)`` hands both over: this module
+    consumes declarations and knows no architecture)."""
     p = catalog.params
-    if layers is None:
-        layers, state = kv_needs_of(catalog)
     e = config.engine
     return plan_context(layers, p.n_ctx_train, config.serve.parallel, context_tokens=config.model.context_tokens,
                         budget_bytes=int(e.kv_cache_gib * GIB), kv_type=e.kv_type,
                         node=e.kv_node if e.kv_node >= 0 else None, state=state)
-
-
-def kv_layers_of(catalog) -> list:
-    """The per-layer KV needs of ``catalog`` (:func:`kv_needs_of`'s layers)."""
-    return kv_needs_of(catalog)[0]
-
-
-def kv_needs_of(catalog) -> tuple[list, StateFn | None]:
-    """(per-layer KV needs, per-sequence state or None) of ``catalog``: the architecture's
-    declarations (``kv_layers()``, ``seq_state``) when the architecture package
-    (moe_service.engine.arch) knows the file, else the classic layout from the GGUF params
-    and no state."""
-    try:  # the per-architecture seam (issue 11), when present
-        from moe_service.engine import arch as _arch  # type: ignore[attr-defined]
-
-        a = _arch.for_model(catalog)  # type: ignore[attr-defined]
-        layers = list(a.kv_layers())
-    except Exception:  # noqa: BLE001 - no seam, or it cannot describe the file: the classic layout
-        return layers_from_params(catalog.params), None
-    return layers, state_of(a)
-
-
-def state_of(arch) -> StateFn | None:
-    """The architecture's ``seq_state`` when it declares any per-sequence state, else None."""
-    fn = getattr(arch, "seq_state", None)
-    return fn if fn is not None and list(fn(MIN_CONTEXT)) else None
 
 
 # ---------------------------------------------------------------------------------------

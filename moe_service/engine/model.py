@@ -54,7 +54,9 @@ from moe_service.engine.arch.base import (
     Routing,
 )
 from moe_service.engine.arch.rope import rope_tables
+from moe_service.engine.mats import HeadMat, QMat  # noqa: F401  (importable from here too)
 from moe_service.engine.quant.formats import GGML_F32
+from moe_service.engine.quant.tensors import dequantize_tensor as _dequantize
 from moe_service.errors import ConfigError, ModelFileError
 from moe_service.log import get_logger
 
@@ -66,33 +68,6 @@ _ROUTER_POOL_MACS = 1 << 20  # an F32 router step below this runs on the calling
 
 # ---------------------------------------------------------------------------------------------
 # Weights as the engine sees them
-
-
-@dataclass(frozen=True)
-class QMat:
-    """A 2-D weight read in place from the arena: ``n_rows`` output rows of ``n_cols`` inputs,
-    GGML block type ``ggml_type``, starting at byte ``offset`` of the arena."""
-
-    name: str
-    offset: int
-    ggml_type: int
-    n_rows: int
-    n_cols: int
-
-
-@dataclass(frozen=True)
-class HeadMat:
-    """Per-head 2-D weights read in place: head h is ``n_rows`` rows of ``n_cols`` inputs at
-    byte ``offset + h * head_stride`` of the arena (a 3-D tensor {n_cols, n_rows, NH}, or
-    head-strided row groups of a 2-D one)."""
-
-    name: str
-    offset: int
-    ggml_type: int
-    n_head: int
-    n_rows: int
-    n_cols: int
-    head_stride: int
 
 
 @dataclass(frozen=True)
@@ -144,15 +119,6 @@ def _value_dim(v) -> int:
     if v is None:
         raise ValueError("attention: a latent cache (v None) needs value_dim")
     return v.shape[2]
-
-
-def _dequantize(weights, name: str) -> np.ndarray:
-    """Float32 array in numpy shape (ne reversed) of a whole tensor (small tensors, GPU upload)."""
-    from gguf.quants import dequantize
-
-    t = weights.catalog.tensors[name]
-    raw = weights.tensor(name)
-    return np.ascontiguousarray(dequantize(raw, t.ggml_type).reshape(t.shape).astype(np.float32, copy=False))
 
 
 @dataclass

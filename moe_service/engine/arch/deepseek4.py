@@ -100,6 +100,8 @@ from moe_service.engine.arch.base import (
     TensorSpec,
 )
 from moe_service.engine.arch.deepseek2 import Yarn, yarn_from_metadata
+from moe_service.engine.kv import SeqState
+from moe_service.engine.mats import QMat
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -417,8 +419,6 @@ class Deepseek4(Architecture):
         [2 ratio, c D] float32 (the last 2 ratio tokens' compressor kv and score inputs, c = 2 on
         ratio-4 layers); ratio-4 layers add the indexer's ``icomp`` [n_ctx // 4, Di] float16
         and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32."""
-        from moe_service.engine.kv import SeqState
-
         hp = self.hp
         out = [SeqState(il, "raw", (hp.window, hp.head_dim), "float16") for il in range(hp.n_layer)]
         for il, r in enumerate(hp.compress_ratios[:hp.n_layer]):
@@ -493,8 +493,6 @@ class Deepseek4(Architecture):
             d[k] = _np(v)
         lw.ds4 = d
         # attn_output_a {NH*D/G, Ro*G}: group g is rows g*Ro .. (g+1)*Ro, read in place
-        from moe_service.engine.model import QMat
-
         name = pre + "attn_output_a.weight"
         t = m.catalog.tensors[name]
         row_bytes = m.catalog.tensors[name].nbytes // t.shape[0]
