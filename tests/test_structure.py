@@ -151,3 +151,18 @@ def test_no_import_cycles() -> None:
     graph = import_graph()
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(_path_in(c, graph) for c in found)
+
+
+ENGINE_MODULE_MAX_LINES = 1000
+
+
+def test_no_engine_module_over_1000_lines() -> None:
+    """No module under moe_service/engine/ is longer than ENGINE_MODULE_MAX_LINES lines: a
+    module that grows past it becomes a package with one module per concern (as quant/ and
+    attention/)."""
+    over = []
+    for path in sorted((REPO / "moe_service" / "engine").rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > ENGINE_MODULE_MAX_LINES:
+            over.append(f"{path.relative_to(REPO)}: {n} lines")
+    assert not over, f"modules over {ENGINE_MODULE_MAX_LINES} lines:\n" + "\n".join(over)

@@ -15,7 +15,7 @@
 start whose KV cache does not fit its budget or the chosen node's free memory beside the
 weights, naming the numbers, before anything is loaded.
 
-Element formats (engine/attention.py reads both): f16 caches are uint16 arrays [S, C, NKV, D]
+Element formats (engine/attention/ reads both): f16 caches are uint16 arrays [S, C, NKV, D]
 of float16 bits; q8_0 caches are uint8 arrays [S, C, NKV, D/32*34] of ggml Q8_0 blocks. A
 latent layer (MLA) keeps one row per token and passes ``v is k``.
 
@@ -58,7 +58,7 @@ class LayerKV:
     """What one layer keeps per token (an architecture's ``kv_layers()`` declares it; also
     exported by moe_service.engine.arch): ``n_head_kv`` heads of ``key_dim`` key values and
     ``value_dim`` value values; ``latent``: one shared row per token (MLA), V = its first
-    value_dim dims, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1;
+    value_dim dims, the cache passes ``vc is kc`` to engine/attention/ (``n_head_kv`` is 1;
     0: the layer keeps no rows here, its architecture's ``seq_state`` holds them, deepseek4);
     ``window``: sliding window in tokens (0: full attention; the cache keeps every row)."""
 

@@ -124,7 +124,7 @@ def _value_dim(v) -> int:
 @dataclass
 class Step:
     """What a block needs about the step besides its layer: ``positions`` [T] (backend
-    array), ``spans`` (seq, a, e, n0) as engine/attention.py, ``rope`` the backend's
+    array), ``spans`` (seq, a, e, n0) as engine/attention/, ``rope`` the backend's
     :class:`RopeTable`, ``route(lw, h) -> (ids, w)`` the model's router."""
 
     positions: Any
@@ -249,7 +249,7 @@ class CpuPath:
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, spans, scale: float, *,
                   window: int = 0, sinks: np.ndarray | None = None, value_dim: int = 0) -> np.ndarray:
-        """Store k, v in layer ``layer``'s cache, attend (engine/attention.py): [T, NH, Dv]."""
+        """Store k, v in layer ``layer``'s cache, attend (engine/attention/): [T, NH, Dv]."""
         kc, vc = self.m.kv.k[layer], self.m.kv.v[layer]
         dv = value_dim or _value_dim(v)
         out = np.empty((q.shape[0], q.shape[1], dv), np.float32)
@@ -442,7 +442,7 @@ class TorchPath:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, spans, scale: float, *,
                   window: int = 0, sinks: torch.Tensor | None = None, value_dim: int = 0) -> torch.Tensor:
-        """engine/attention.py's contract with torch ops: causal (+ sliding window), GQA,
+        """engine/attention's contract with torch ops: causal (+ sliding window), GQA,
         sinks, latent cache (``v`` None, V = the key's first ``value_dim`` dims)."""
         m = self.m
         kc, vc = m.kv.k[layer], m.kv.v[layer]

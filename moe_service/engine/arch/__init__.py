@@ -21,7 +21,7 @@ arrays are numpy float32 on the CPU path, torch float32 on the device path; T to
     be.concat([a, b, ...], axis) -> the arrays joined along axis
     be.attention(layer, q [T, NH, D], k [T, NKV, D], v [T, NKV, Dv] | None, spans, scale,
                  *, window=0, sinks=None, value_dim=0) -> [T, NH, Dv]
-                 (stores k, v in the layer's cache then attends: engine/attention.py; a latent
+                 (stores k, v in the layer's cache then attends: engine/attention/; a latent
                   layer passes v=None and value_dim: the cache row is the key, V its first Dv dims)
     be.glu_ffn(lw, h [T, H], (gate, up, down), act=MoEAct()) -> [T, H]   dense or shared experts
     st.route(lw, h [T, H]) -> ids int32 [T, K], w float32 [T, K]          the model's Routing
