@@ -100,7 +100,9 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def error_response(err: RequestError, request_id: str | None = None):
-    """A JSONResponse with the envelope (and Retry-After for a 429, request-id when known)."""
+    """A JSONResponse with the envelope (and Retry-After for a 429, request-id when known).
+    The envelope has no ``param``: a message that does not name the field at fault is
+    prefixed with it (``max_tokens: ...``)."""
     from fastapi.responses import JSONResponse
 
     headers = {}
@@ -108,7 +110,8 @@ def error_response(err: RequestError, request_id: str | None = None):
         headers["Retry-After"] = str(err.retry_after_s)
     if request_id:
         headers["request-id"] = request_id
-    return JSONResponse(error_body(err.status, err.message), status_code=err.status, headers=headers or None)
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    return JSONResponse(error_body(err.status, message), status_code=err.status, headers=headers or None)
 
 
 # ---------------------------------------------------------------------------------------------
