@@ -5,7 +5,8 @@ converted into the chat request the engine already serves; no second inference p
 
     body --MessagesBody (pydantic; unknown fields accepted and ignored: context_management,
       output_config, metadata, container, ...)--> to_chat():
-        system (string | text blocks)            -> a system message
+        system (string | text blocks)            -> a system message (without Claude Code's
+                                                    per-request billing-header block)
         user text blocks                         -> user messages
         user tool_result blocks (string | text)  -> tool messages (tool_call_id = tool_use_id;
                                                     is_error: the text gets an "Error: " prefix)
@@ -268,12 +269,40 @@ def _user(content: Any, where: str, open_calls: Sequence[str]) -> list[dict[str,
     return out
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+"""Claude Code (2.1.29+) puts ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;
+cch=<hash>;`` as the first system block: telemetry for Anthropic's billing, no meaning to a
+model, and its ``cch`` hash changes with every request. At the very start of the prompt it
+would make every turn miss the prefix cache, so it is dropped (as sglang #21064 and
+vllm-mlx #277 do; claude-code #68900)."""
+
+
+def _without_billing_header(system: Any) -> Any:
+    """``system`` without Claude Code's billing-header block (or line, in a string)."""
+    if isinstance(system, str):
+        if system.startswith(BILLING_HEADER):
+            return system.split("\n", 1)[1] if "\n" in system else ""
+        return system
+    if isinstance(system, list):
+        return [
+            b
+            for b in system
+            if not (
+                isinstance(b, dict)
+                and b.get("type") == "text"
+                and isinstance(b.get("text"), str)
+                and b["text"].startswith(BILLING_HEADER)
+            )
+        ]
+    return system
+
+
 def to_chat_messages(body: CountTokensBody) -> list[dict[str, Any]]:
     """The request's system and messages as the chat messages moe_service.api.chat.plan_chat
     takes. Raises RequestError naming the field at fault."""
     out: list[dict[str, Any]] = []
     if body.system is not None:
-        system = _text_of(body.system, "system", what="system")
+        system = _text_of(_without_billing_header(body.system), "system", what="system")
         if system:
             out.append({"role": "system", "content": system})
     if not body.messages:

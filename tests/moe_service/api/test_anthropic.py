@@ -127,6 +127,22 @@ def test_system_blocks_tool_results_and_history_become_chat_messages():
     ]
 
 
+def test_claude_codes_billing_header_is_dropped_so_turns_share_their_prefix():
+    """Its cch hash changes with every request: kept first in the prompt, no turn would hit the
+    prefix cache."""
+    for cch in ("3f2a1", "9b0c4"):
+        header = f"x-anthropic-billing-header: cc_version=2.1.197.fa0; cc_entrypoint=cli; cch={cch};"
+        msgs = _chat(
+            system=[
+                {"type": "text", "text": header},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            ]
+        )
+        assert msgs[0] == {"role": "system", "content": "You are Claude Code."}
+        assert _chat(system=header + "\nYou are terse.")[0] == {"role": "system", "content": "You are terse."}
+    assert _chat(system="Mention x-anthropic-billing-header: here")[0]["content"].startswith("Mention")
+
+
 BAD = [
     # (messages / fields, param named, words)
     (
