@@ -138,12 +138,12 @@ class CountTokensBody(_Body):
 
 
 class MessagesBody(CountTokensBody):
-    """POST /v1/messages. ``temperature`` 0..1 and ``top_p`` as Anthropic's API takes them."""
+    """POST /v1/messages. ``temperature`` 0..1 as Anthropic's API takes it; ``top_p`` in (0, 1]."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
     stream: bool | None = False
@@ -553,9 +553,7 @@ async def messages(service, request) -> Any:
                     param=f"stop_sequences.{i}",
                 )
         messages_ = to_chat_messages(body)  # checked before the queue place and the template
-        admission_precheck(
-            service, chat_chars(messages_) + len(json.dumps(body.system or "")), param="messages"
-        )
+        admission_precheck(service, chat_chars(messages_), param="messages")  # the system message included
         plan, _ = await _plan(service, body)
         max_tokens = service.plan_output(
             len(plan.prompt_ids),
@@ -567,7 +565,7 @@ async def messages(service, request) -> Any:
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=body.top_k or 0,
-            top_p=1.0 if not body.top_p else body.top_p,
+            top_p=1.0 if body.top_p is None else body.top_p,
             seed=None,
         )
         events = _Events()
