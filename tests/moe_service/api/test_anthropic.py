@@ -470,3 +470,59 @@ def test_model_aliases_answer_with_the_name_sent(stack):
         for name in ("claude-sonnet-4-5-20250929", "claude-haiku-4-5"):
             r = c.post("/v1/messages", json=body(model=name))
             assert r.status_code == 200 and r.json()["model"] == name
+
+
+def test_blocks_from_reasoning_text_and_calls_streamed_and_whole():
+    """A reasoning model's output as the parser splits it: thinking, then text, then a call
+    (whitespace before the call dropped), as blocks and as events that rebuild them."""
+    from moe_service.api import tools as tl
+
+    call = tl.ToolCall("get_time", '{"zone": "UTC"}', id="call_abc")
+    deltas = [
+        tl.Delta("reasoning", "Need the "),
+        tl.Delta("reasoning", "time."),
+        tl.Delta("content", "Checking"),
+        tl.Delta("content", ".\n"),
+        tl.Delta("content", "\n"),
+        tl.Delta("tool_call", call=call),
+    ]
+    for pieces in ([deltas], [[d] for d in deltas]):
+        blocks = an._Blocks()
+        events = []
+        for i, part in enumerate(pieces):
+            events += blocks.add(part, final=i == len(pieces) - 1)
+        assert blocks.blocks == [
+            {"type": "thinking", "thinking": "Need the time.", "signature": ""},
+            {"type": "text", "text": "Checking.\n"},
+            {"type": "tool_use", "id": "toolu_abc", "name": "get_time", "input": {"zone": "UTC"}},
+        ]
+        assert blocks.n_calls == 1
+        # the events rebuild the same blocks, each opened, filled and closed in order
+        rebuilt: dict[int, dict] = {}
+        open_ = set()
+        for name, data in events:
+            i = data["index"]
+            if name == "content_block_start":
+                assert i not in rebuilt and not open_
+                rebuilt[i] = dict(data["content_block"])
+                open_.add(i)
+            elif name == "content_block_delta":
+                assert i in open_
+                d = data["delta"]
+                if d["type"] == "text_delta":
+                    rebuilt[i]["text"] += d["text"]
+                elif d["type"] == "thinking_delta":
+                    rebuilt[i]["thinking"] += d["thinking"]
+                elif d["type"] == "signature_delta":
+                    rebuilt[i]["signature"] += d["signature"]
+                else:
+                    assert d["type"] == "input_json_delta"
+                    rebuilt[i]["input"] = json.loads(d["partial_json"])
+            else:
+                assert name == "content_block_stop" and i in open_
+                open_.remove(i)
+        assert not open_ and [rebuilt[i] for i in sorted(rebuilt)] == blocks.blocks
+    ev = type("Ev", (), {"finish_reason": "stop", "stop_sequence": None})
+    assert an.stop_reason(ev, True) == "tool_use" and an.stop_reason(ev, False) == "end_turn"
+    ev.finish_reason = "length"
+    assert an.stop_reason(ev, True) == "max_tokens"
