@@ -537,8 +537,8 @@ def create_app(service: Service) -> FastAPI:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type", "x-api-key",
-                                                                    "anthropic-version", "anthropic-beta"], max_age=600)
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
     app.add_middleware(_CloseWhenStopping, service=service)
 
