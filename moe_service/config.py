@@ -100,7 +100,8 @@ class NumaConfig(_Table):
         ge=0,
         description="GiB of each node's free memory the plan leaves for everything else (KV cache, "
         "buffers, the OS) when it checks that the node can hold its share. Not applied to "
-        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else.",
+        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else. engine.kv_cache_gib = "
+        "auto leaves it free on the KV cache's node too: raise it to leave more to other processes.",
     )
     sysfs_root: str = Field(
         "/",
