@@ -526,3 +526,20 @@ def test_blocks_from_reasoning_text_and_calls_streamed_and_whole():
     assert an.stop_reason(ev, True) == "tool_use" and an.stop_reason(ev, False) == "end_turn"
     ev.finish_reason = "length"
     assert an.stop_reason(ev, True) == "max_tokens"
+
+
+def test_engine_failure_is_an_api_error_and_a_streamed_error_event():
+    poison = TOK.encode("z")[-1]
+    s = Stack(poison=poison)
+    try:
+        with TestClient(s.app) as c:
+            bad = body(messages=[{"role": "user", "content": "zzz"}])
+            r = c.post("/v1/messages", json=bad)
+            assert_envelope(r, 500, "api_error", "poisoned")
+            with c.stream("POST", "/v1/messages", json={**bad, "stream": True}) as st:
+                events = named_events(st.iter_lines())
+            assert events[0][0] == "message_start" and events[-1][0] == "error"
+            assert events[-1][1]["type"] == "error" and events[-1][1]["error"]["type"] == "api_error"
+            assert c.post("/v1/messages", json=body()).status_code == 200
+    finally:
+        s.close()
