@@ -24,7 +24,15 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from moe_service.errors import ConfigError
@@ -92,7 +100,8 @@ class NumaConfig(_Table):
         ge=0,
         description="GiB of each node's free memory the plan leaves for everything else (KV cache, "
         "buffers, the OS) when it checks that the node can hold its share. Not applied to "
-        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else.",
+        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else. engine.kv_cache_gib = "
+        "auto leaves it free on the KV cache's node too: raise it to leave more to other processes.",
     )
     sysfs_root: str = Field(
         "/",
@@ -333,12 +342,14 @@ class EngineConfig(_Table):
         "model's experts per layer is refused at check/preflight. Logged (model_routing) and "
         "exported as moe_service_experts_per_token.",
     )
-    kv_cache_gib: float = Field(
-        4.0,
-        gt=0,
-        description="Memory budget of the KV cache of all serve.parallel sequences, in GiB. It caps "
-        "the context when model.context_tokens = 0; an explicit context that needs more is refused "
-        "at preflight.",
+    kv_cache_gib: float | Literal["auto"] = Field(
+        "auto",
+        description="Memory budget of the KV cache of all serve.parallel sequences, in GiB, or auto: "
+        "what the plan leaves free on the KV cache's node (engine.kv_node) after the weights' share, "
+        "numa.node_reserve_gib and serve.prefix_cache_gib (as llama.cpp's --fit). It caps the context "
+        "when model.context_tokens = 0 (auto: the trained context wherever memory allows); an explicit "
+        "context that needs more is refused at preflight. `moe-service plan` shows the budget and the "
+        "context it gives.",
     )
     kv_type: Literal["f16", "q8_0"] = Field(
         "f16",
@@ -351,6 +362,14 @@ class EngineConfig(_Table):
         description="NUMA node the KV cache is bound to and populated on; -1: the node of the first "
         "engine worker's CPU (the first node of the plan).",
     )
+
+
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _kv_budget_positive(cls, v: float | str) -> float | str:
+        if v != "auto" and not v > 0:
+            raise ValueError(f"must be a number of GiB greater than 0, or \"auto\" (got {v})")
+        return v
 
 
 class ServeConfig(_Table):
@@ -368,7 +387,27 @@ class ServeConfig(_Table):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 429 answers.")
     max_tokens_default: int = Field(
-        256, ge=1, description="max_tokens when a request gives none."
+        256,
+        ge=1,
+        description="max_tokens when a /v1/chat/completions or /v1/completions request gives none "
+        "(/v1/messages requires max_tokens; a /v1/responses request without max_output_tokens may use "
+        "the rest of the context).",
+    )
+    max_tokens_policy: Literal["auto", "refuse", "clamp"] = Field(
+        "auto",
+        description="A request whose prompt plus its output limit (max_tokens, max_output_tokens) exceeds "
+        "the context: refuse: 400 context_length_exceeded, as the OpenAI API does; clamp: serve what "
+        "fits, the answer ends with the protocol's length reason (llama.cpp's behaviour). auto: per "
+        "endpoint, refuse on /v1/chat/completions and /v1/completions (OpenAI clients expect it), clamp "
+        "on /v1/messages and /v1/responses (agents ask for a fixed large output, Claude Code 32000 tokens, "
+        "whatever the model's context). See docs/api.md.",
+    )
+    model_aliases: list[str] = Field(
+        default_factory=list,
+        description="Other model names that mean the served model, as exact names or glob patterns "
+        "(`claude-*`, `gpt-5*`; fnmatch, case-sensitive): coding agents send their own model names. "
+        "Honoured by /v1/chat/completions, /v1/completions, /v1/messages and /v1/responses; the "
+        "answer names the served model. Empty: any other name is a 400 naming the served one.",
     )
     prefix_cache_gib: float = Field(
         2.0,
@@ -385,7 +424,8 @@ class ServeConfig(_Table):
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,
-        description="API keys accepted as `Authorization: Bearer <key>` (compared in constant time). "
+        description="API keys accepted as `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's "
+        "clients; either admits), compared in constant time. "
         "Empty together with api_key_file: no key needed (a warning is logged when host is not loopback).",
     )
     api_key_file: str = Field(

@@ -3,6 +3,8 @@
 ==========================  ======================================================================
 POST /v1/completions        prompt (text or token ids) -> text; ``stream`` as server-sent events
 POST /v1/chat/completions   messages -> chat template -> assistant message; ``stream`` likewise
+POST /v1/messages           Anthropic's Messages API over the same chat path (moe_service.api.anthropic);
+POST /v1/messages/count_tokens  its errors in Anthropic's envelope, its own SSE events
 GET  /v1/models             the one served model (config ``model.name``, else the file name)
 GET  /health                200 ``{"status": "ok"}`` while serving; 503 ``{"status": "loading",
                             "stage": ...}`` before, 503 ``{"status": "stopping"}`` after SIGTERM,
@@ -36,6 +38,7 @@ tools.py, grammar.py, logprobs.py).
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import threading
 import time
@@ -65,7 +68,8 @@ from moe_service.request_limits import (
 log = get_logger(__name__)
 
 MAX_STOP_STRINGS = 4
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
+          "/v1/messages/count_tokens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +303,7 @@ class Service:
     def __init__(self, *, engine=None, batch=None, metrics=None, model_name: str,
                  stage: Callable[[], str] = lambda: "starting", status_poll_s: float = 0.25,
                  keys=None, metrics_auth: bool = False, allowed_hosts: tuple[str, ...] = (),
-                 cors_origins: tuple[str, ...] = ()):
+                 cors_origins: tuple[str, ...] = (), model_aliases: tuple[str, ...] = ()):
         self.engine = engine
         self.batch = batch
         self.metrics = metrics
@@ -312,6 +316,8 @@ class Service:
         self.metrics_auth = metrics_auth
         self.allowed_hosts = tuple(allowed_hosts)
         self.cors_origins = tuple(cors_origins)
+        self.model_aliases = tuple(a for a in model_aliases if a)
+        self.max_tokens_policy = "auto"  # serve.max_tokens_policy (plan_output)
         self.max_body_bytes: int | None = None  # serve.max_body_bytes (request_limits.BodyLimit)
         self.body_timeout_s: float | None = None  # serve.body_timeout_s (request_limits.BodyLimit)
 
@@ -340,9 +346,31 @@ class Service:
             raise RequestError(f"the model is loading (stage: {self.stage()})", status=503, type="server_error",
                                code="loading")
 
+    def plan_output(self, prompt_tokens: int, requested: int | None, *, endpoint_policy: str,
+                    absent: str = "default", param: str = "max_tokens", prompt_param: str = "messages") -> int:
+        """The output budget of a request of ``prompt_tokens`` that asked for ``requested``
+        tokens (None: gave no limit), for every endpoint: serve.max_tokens_policy, where
+        ``auto`` means the endpoint's own ``endpoint_policy`` (``refuse`` | ``clamp``), then
+        moe_service.engine.engine.Engine.plan_max_tokens (``absent``: ``default`` =
+        serve.max_tokens_default, ``context`` = the rest of the context). Raises RequestError
+        400 ``context_length_exceeded`` naming ``param`` or ``prompt_param``."""
+        policy = endpoint_policy if self.max_tokens_policy == "auto" else self.max_tokens_policy
+        return self.engine.plan_max_tokens(prompt_tokens, requested, prompt_param=prompt_param, param=param,
+                                           policy=policy, absent=absent)
+
+    def serves_model(self, model: str) -> bool:
+        """True when ``model`` names the served model: its id, or one of serve.model_aliases
+        (exact names or fnmatch glob patterns, case-sensitive)."""
+        return model == self.model_name or any(model == a or fnmatch.fnmatchcase(model, a)
+                                               for a in self.model_aliases)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+        """Refuse (400 ``model_not_found``, naming the served model) a model name that is
+        neither the served model nor one of serve.model_aliases; None is accepted."""
+        if model is not None and not self.serves_model(model):
+            aliases = f" (or a name matching serve.model_aliases: {', '.join(self.model_aliases)})" \
+                if self.model_aliases else ""
+            raise RequestError(f"The model {model!r} does not exist; this server serves {self.model_name!r}{aliases}",
                                param="model", code="model_not_found")
 
 
@@ -435,7 +463,8 @@ def _merge(events: list[Event]) -> Event:
     return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
                  finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
                  completion_tokens=last.completion_tokens, error=last.error,
-                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps, cached_tokens=last.cached_tokens)
+                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps, cached_tokens=last.cached_tokens,
+                 stop_sequence=last.stop_sequence)
 
 
 def _sse(obj: Any) -> str:
@@ -508,20 +537,27 @@ def create_app(service: Service) -> FastAPI:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"], max_age=600)
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
     app.add_middleware(_CloseWhenStopping, service=service)
 
+    from moe_service.api import anthropic
+    from moe_service.api.auth import is_anthropic_path
+
+    def _answer(request: Request, err: RequestError):  # each protocol's own error envelope
+        return anthropic.error_response(err) if is_anthropic_path(request.url.path) else error_response(err)
+
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc))
+        return _answer(request, _validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(RequestError(msg, status=exc.status_code, type=kind, code=code))
+        return _answer(request, RequestError(msg, status=exc.status_code, type=kind, code=code))
 
     @app.get("/health")
     async def health():
@@ -554,7 +590,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != service.model_name:
+        if not service.serves_model(model_id):
             return error_response(RequestError(f"The model {model_id!r} does not exist", status=404,
                                                param="model", code="model_not_found"))
         return _model_card()
@@ -566,6 +602,14 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(service, request, chat=True)
+
+    @app.post("/v1/messages")  # Anthropic's Messages API (moe_service.api.anthropic); ?beta=true too
+    async def messages(request: Request):
+        return await anthropic.messages(service, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(service, request)
 
     return app
 
@@ -616,7 +660,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
             prompt_ids = plan.prompt_ids
             requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                                 if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
-            max_tokens = engine.plan_max_tokens(len(prompt_ids), requested, prompt_param="messages", param=param)
+            max_tokens = service.plan_output(len(prompt_ids), requested, endpoint_policy="refuse", param=param)
         else:
             n_logprobs = body.logprobs
             prompt = body.prompt
@@ -626,7 +670,8 @@ async def _generate(service: Service, request: Request, *, chat: bool):
                                        param="prompt", code="unsupported_parameter")
                 prompt = prompt[0]
             prompt_ids = await asyncio.to_thread(engine.encode_prompt, prompt)
-            max_tokens = engine.plan_max_tokens(len(prompt_ids), body.max_tokens)
+            max_tokens = service.plan_output(len(prompt_ids), body.max_tokens, endpoint_policy="refuse",
+                                             prompt_param="prompt")
         from moe_service.engine.sampler import SamplingParams
 
         sampling = SamplingParams(
@@ -725,7 +770,7 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
         mb = MessageBuilder()
         parser = plan.parser()
         mb.add(parser.feed(text, tokens))
-        mb.add(parser.finish())
+        mb.add(parser.finish(ev.finish_reason))
         choice = {"index": 0, "message": mb.message(),
                   "logprobs": lp_fmt.chat_logprobs(tokenizer, logprobs) if greq.logprobs is not None else None,
                   "finish_reason": mb.finish_reason(ev.finish_reason)}
@@ -771,7 +816,7 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
     def chat_chunks(ev: Event) -> list[str]:
         parsed = parser.feed(ev.text, ev.token_ids)
         if ev.final:
-            parsed += parser.finish()
+            parsed += parser.finish(ev.finish_reason)
         deltas = builder.deltas(parsed, final=ev.final)
         lps = lp_fmt.chat_logprobs(tokenizer, ev.logprobs or []) if want_lp and ev.logprobs else None
         if lps is not None and not deltas:
