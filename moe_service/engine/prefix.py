@@ -153,8 +153,11 @@ class PrefixCache:
         self.block_tokens = int(block_tokens or state_block_tokens(decls, BLOCK_TOKENS))
         B = self.block_tokens
         self.row_bytes = kv.token_bytes() * B
-        # a block past the first (ring snapshots are shorter at the start; all alike after it)
-        self.block_bytes = self.row_bytes + (kv.state_block_bytes(B, 2 * B) if self.stateful else 0)
+        # the largest block (ring snapshots differ with the block's place in a ring's groups;
+        # the pattern repeats after the longest group)
+        period = max([d.group * d.groups for d in self.rings] + [1]) // B + 2
+        self.block_bytes = self.row_bytes + max(
+            [kv.state_block_bytes(i * B, (i + 1) * B) for i in range(period)] if self.stateful else [0])
         self.metrics = metrics
         self.held: list[list[int]] = [[] for _ in range(kv.n_seq)]
         # stateful: the slot's state is that of exactly held[slot] (its rings were not advanced past it)
