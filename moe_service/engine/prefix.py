@@ -216,11 +216,16 @@ class PrefixCache:
         if n_host > n_slot:
             # rows (and append-only state rows) of the common prefix are in the slot already
             first = min(_common_prefix(self.held[slot], prompt), limit) // B
-            if self.row_bytes:
-                for i in range(first, len(chain)):
-                    self.kv.import_rows(slot, i * B, (i + 1) * B, chain[i].data)
-            if self.stateful:
-                self.kv.import_state(slot, [(i * B, (i + 1) * B, b.state) for i, b in enumerate(chain)], first)
+            try:
+                if self.row_bytes:
+                    for i in range(first, len(chain)):
+                        self.kv.import_rows(slot, i * B, (i + 1) * B, chain[i].data)
+                if self.stateful:
+                    self.kv.import_state(slot, [(i * B, (i + 1) * B, b.state) for i, b in enumerate(chain)], first)
+            except (ValueError, KeyError) as e:  # a block that does not fit this cache: compute it all
+                log.warning("prefix_cache_restore_failed", slot=slot, blocks=len(chain), error=str(e))
+                chain, n_slot, n = [], 0, 0
+                self.held[slot] = []
         if chain:
             self._touch(chain)
         if self.stateful:
