@@ -17,13 +17,35 @@
     so a chain's parents are always more recent than its children and eviction takes leaves.
 
 Correctness rules: a block enters the store only whole, copied from rows that a completed
-step wrote (a cancelled or failed request publishes nothing, so no half-written entry can
-exist); a slot's resident prefix (``held``) only ever names rows that were written and not
+step wrote, with state only when every ring row of it was captured (a cancelled or failed
+request publishes nothing, so no half-written entry can exist); a slot's resident prefix (``held``) only ever names rows that were written and not
 overwritten since (set at acquire to the reused prefix, at publish to the computed tokens).
 Only the engine thread calls these methods.
 
+Per-sequence state beside the rows (kv.SeqState, deepseek4's window ring, compressed rows,
+indexer keys and compressor rings): each state declares a snapshot kind, and a block carries
+what that state needs (KVCache.export_state): the append-only rows completed inside it, and the
+ring rows of its own positions that are still live at its end. Ring rows are overwritten within
+a step, so they are captured as they are computed: acquire registers a :class:`_Capture` for
+the slot (KVCache.capture), the architecture hands it every position's ring row
+(KVCache.note_ring), and publish moves the captured rows into the block. Restoring a chain of
+blocks (KVCache.import_state) rebuilds the state at its end exactly as recomputation leaves it
+(the rows later steps read), so the logits are the same bit for bit. A slot's own state is
+reused only when it is exactly that of held[slot] (``exact``: the request that left it
+published everything it computed; rings cannot be rewound to a shorter prefix), otherwise the
+chain of blocks is. The blocks are 64 tokens rounded up to the state's groups
+(kv.state_block_tokens: 128 on deepseek4 with ratio-128 layers).
+
+A block (:class:`_Block`) is plain data for whoever stores it elsewhere (a spill to disk):
+``tokens``, ``parent``, ``data`` (uint8 rows) and ``state`` (None or {"blk.<layer>.<name>":
+numpy array}, shapes and dtypes from the declarations and the block's span,
+kv.SeqState.block_part), ``nbytes``.
+
+Memory: blocks and in-flight captures count against ``budget_bytes`` together (a capture that
+does not fit stops capturing that slot's later blocks; eviction makes room first).
+
 Counted in /metrics (moe_service.metrics.Metrics.observe_prefix_cache): hits (requests that
-reused > 0 tokens), reused tokens, evictions, bytes held.
+reused > 0 tokens), reused tokens, evictions, bytes held (blocks and captures).
 """
 
 from __future__ import annotations
@@ -237,7 +259,8 @@ class PrefixCache:
             self.hits += 1
             self.reused_tokens += n
         if self.metrics is not None:
-            self.metrics.observe_prefix_cache(hit=n > 0, reused_tokens=n, evictions=0, bytes_held=self.bytes_held)
+            self.metrics.observe_prefix_cache(hit=n > 0, reused_tokens=n, evictions=0,
+                                              bytes_held=self.bytes_held + self.capture_bytes)
         log.debug("prefix_cache_acquire", slot=slot, prompt_tokens=len(prompt), reused=n, from_slot=n_slot,
                   from_host=n_host)
         return slot, n
@@ -326,7 +349,7 @@ class PrefixCache:
         evicted = self._evict()
         if self.metrics is not None and (added or evicted):
             self.metrics.observe_prefix_cache(hit=False, reused_tokens=0, evictions=evicted,
-                                              bytes_held=self.bytes_held)
+                                              bytes_held=self.bytes_held + self.capture_bytes)
         return len(added)
 
     def _evict(self, extra: int = 0) -> int:
@@ -347,7 +370,7 @@ class PrefixCache:
         evicted = self._evict(nbytes)
         if evicted and self.metrics is not None:
             self.metrics.observe_prefix_cache(hit=False, reused_tokens=0, evictions=evicted,
-                                              bytes_held=self.bytes_held)
+                                              bytes_held=self.bytes_held + self.capture_bytes)
         if self.bytes_held + self.capture_bytes + nbytes > self.budget_bytes:
             return False
         self.capture_bytes += nbytes

@@ -199,6 +199,27 @@ def test_ds4_slot_continues_its_own_state(ds4):
     assert np.array_equal(got3, ds4.fresh(t3, decode=0)[0])
 
 
+def test_ds4_serve_turns_the_cache_on_and_a_bad_block_is_not_restored(ds4):
+    """make_prefix_cache (the serve stage) gives deepseek4 a prefix cache of 128-token blocks;
+    a stored block that does not fit the cache (a spill store's mistake) is not restored: the
+    request computes its whole prompt."""
+    from types import SimpleNamespace
+
+    from pipeline.serve import make_prefix_cache
+
+    pc = make_prefix_cache(SimpleNamespace(model=ds4.m), SimpleNamespace(prefix_cache_gib=0.01), None)
+    assert isinstance(pc, PrefixCache) and pc.stateful and pc.block_tokens == 128
+    p = _prompt(35, 300)
+    ds4.cached(pc, p, decode=0)
+    blk = pc._chain(p, 256)[1]
+    key = next(k for k in blk.state if k.endswith(".raw"))
+    blk.state[key] = blk.state[key][:3]
+    slot, n = pc.acquire(p[:290])
+    assert n == 0 and pc.kv.length[slot] == 0
+    pc.release(slot)
+    pc.kv.free(slot)
+
+
 def test_ds4_a_slot_advanced_past_its_prefix_is_not_reused(ds4):
     """A request that stopped before its publish (cancelled) leaves its slot's rings past the
     reused prefix: the next request does not continue that slot's state."""
