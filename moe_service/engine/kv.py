@@ -45,6 +45,10 @@ Snapshot and restore at a block boundary (the prefix cache, engine/prefix.py): e
   A step overwrites ring rows of its own positions, so the architecture reports every
   position's row as it computes it (:meth:`KVCache.note_ring`) and the prefix cache captures
   the ones its blocks need.
+- ``"carry"``: a state every token rewrites as a whole (a state-space layer's recurrent
+  state, shape [*shape] per sequence). Block [a, b) carries a copy of it after token b - 1.
+  The architecture asks :meth:`KVCache.capture_points` which lengths inside its step are
+  wanted and reports the state at each (:meth:`KVCache.note_carry`).
 - ``""`` (undeclared): the prefix cache cannot restore it and stays off for the model.
 
 A block's state snapshot is a plain dict ``{"blk.<layer>.<name>": numpy array}`` (
@@ -58,6 +62,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +96,7 @@ class LayerKV:
     window: int = 0
 
 
-STATE_KINDS = ("", "rows", "ring")
+STATE_KINDS = ("", "rows", "ring", "carry")
 """SeqState kinds (module docstring)."""
 
 
@@ -109,7 +114,8 @@ class SeqState:
     kind: str = ""
     """How the array evolves (module docstring): "rows" (append-only rows, one per ``group``
     tokens), "ring" (position p at row p % shape[0], live positions per ``group``/``groups``),
-    "" (undeclared: no snapshot, the prefix cache stays off)."""
+    "carry" (rewritten whole by every token), "" (undeclared: no snapshot, the prefix cache
+    stays off)."""
     group: int = 1
     groups: int = 1
 
@@ -144,7 +150,9 @@ class SeqState:
 
     def block_part(self, a: int, b: int) -> tuple[int, int]:
         """What block [a, b) carries: "rows": row indices [a // group, b // group); "ring":
-        positions [max(a, live_start(b)), b)."""
+        positions [max(a, live_start(b)), b); "carry": (0, 1), one copy of the whole state."""
+        if self.kind == "carry":
+            return 0, 1
         if self.kind == "rows":
             return a // self.group, b // self.group
         if self.kind == "ring":
@@ -381,7 +389,8 @@ class KVCache:
         self.k, self.v = k, v
         self.state: dict[tuple[int, str], np.ndarray] = dict(state or {})
         self.state_decl: dict[tuple[int, str], SeqState] = {(a.layer, a.name): a for a in state_decl}
-        self.capture: dict[int, Callable] = {}  # slot -> sink(decl, p0, rows): the prefix cache's ring capture
+        # slot -> the prefix cache's capture: sink(decl, p0, rows), .points(n0, n1), .carry(decl, n, value)
+        self.capture: dict[int, Any] = {}
         self.layers = list(layers) if layers is not None else None
         self.kv_type = kv_type
         self.length = [0] * n_seq
@@ -558,38 +567,53 @@ class KVCache:
         if sink is not None:
             sink(self.state_decl[(layer, name)], int(p0), rows)
 
+    def capture_points(self, slot: int, n0: int, n1: int) -> list[int]:
+        """The lengths n0 < n <= n1 at which the prefix cache wants ``slot``'s "carry" states
+        (:meth:`note_carry`): block ends it captures; [] when nothing is captured."""
+        sink = self.capture.get(slot)
+        return sink.points(n0, n1) if sink is not None else []
+
+    def note_carry(self, slot: int, layer: int, name: str, n: int, value: np.ndarray) -> None:
+        """An architecture's "carry" state ``(layer, name)`` of ``slot`` after its first ``n``
+        tokens (n from :meth:`capture_points`), handed to the slot's capture."""
+        sink = self.capture.get(slot)
+        if sink is not None:
+            sink.carry(self.state_decl[(layer, name)], int(n), value)
+
     def state_block_bytes(self, a: int, b: int) -> int:
         """Bytes of the state snapshot of block [a, b) (:meth:`export_state`)."""
         total = 0
         for decl in self.state_decl.values():
             lo, hi = decl.block_part(a, b)
-            total += (hi - lo) * decl.row_nbytes
+            total += decl.nbytes if decl.kind == "carry" else (hi - lo) * decl.row_nbytes
         return total
 
     def export_state(self, slot: int, a: int, b: int, rings: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The state snapshot of block [a, b) of ``slot``: {"blk.<layer>.<name>": array}, for
         "rows" states a copy of rows block_part(a, b) of the slot's array, for "ring" states
-        ``rings[key]`` (the captured rows of positions block_part(a, b), in position order).
-        Raises KeyError when a ring's rows are missing, ValueError when their shape is wrong."""
+        ``rings[key]`` (the captured rows of positions block_part(a, b), in position order), for
+        "carry" states ``rings[key]`` (the captured state after token b - 1, [*shape]).
+        Raises KeyError when a captured array is missing, ValueError when its shape is wrong."""
         out: dict[str, np.ndarray] = {}
         for (layer, name), decl in self.state_decl.items():
             lo, hi = decl.block_part(a, b)
             if decl.kind == "rows":
                 out[decl.key] = self.state[(layer, name)][slot, lo:hi].copy()
-            else:
-                r = rings[decl.key]
-                if r.shape != (hi - lo,) + tuple(decl.shape[1:]) or r.dtype != np.dtype(decl.dtype):
-                    raise ValueError(f"ring rows of {decl.key} for block {a}..{b}: {r.shape} {r.dtype}, expected "
-                                     f"{(hi - lo,) + tuple(decl.shape[1:])} {decl.dtype}")
-                out[decl.key] = r
+                continue
+            r = rings[decl.key]
+            want = tuple(decl.shape) if decl.kind == "carry" else (hi - lo,) + tuple(decl.shape[1:])
+            if r.shape != want or r.dtype != np.dtype(decl.dtype):
+                raise ValueError(f"captured {decl.key} for block {a}..{b}: {r.shape} {r.dtype}, expected "
+                                 f"{want} {decl.dtype}")
+            out[decl.key] = r
         return out
 
     def import_state(self, slot: int, blocks: Sequence[tuple[int, int, dict]], first: int = 0) -> None:
         """Restore ``slot``'s state at the end n of ``blocks`` ((a, b, snapshot) in order, from
         token 0, contiguous): "rows" states get the rows of blocks[first:] (the slot already
         holds those of the earlier ones), "ring" states the rows of positions
-        [live_start(n), n), each at row p % ring rows. Raises ValueError for a gap or a
-        snapshot that does not cover the live positions."""
+        [live_start(n), n), each at row p % ring rows, "carry" states the last block's copy.
+        Raises ValueError for a gap or a snapshot that does not cover the live positions."""
         if not blocks:
             return
         n = blocks[-1][1]
@@ -602,6 +626,9 @@ class KVCache:
                 for a, b, snap in blocks[first:]:
                     lo, hi = decl.block_part(a, b)
                     arr[slot, lo:hi] = snap[decl.key]
+                continue
+            if decl.kind == "carry":
+                arr[slot] = blocks[-1][2][decl.key]
                 continue
             need = decl.live_start(n)
             p = n

@@ -109,6 +109,24 @@ class _Capture:
             ent[0][x - lo:y - lo] = rows[x - p0:y - p0]
             ent[1][x - lo:y - lo] = True
 
+    def points(self, n0: int, n1: int) -> list[int]:
+        """Block ends n0 < b <= n1 of the blocks this capture takes ("carry" states)."""
+        B = self.pc.block_tokens
+        return [b for b in range((n0 // B + 1) * B, n1 + 1, B) if self.first <= b // B - 1 < self.stop]
+
+    def carry(self, decl, n: int, value: np.ndarray) -> None:
+        """A "carry" state after ``n`` tokens: the snapshot of the block that ends at n."""
+        B = self.pc.block_tokens
+        i = n // B - 1
+        if n % B or not self.first <= i < self.stop:
+            return
+        if (i, decl.key) not in self.bufs:
+            if not self.pc._reserve(decl.nbytes):
+                self.drop(lambda j: j >= i)
+                self.stop = i
+                return
+        self.bufs[(i, decl.key)] = (np.array(value, dtype=decl.dtype).reshape(decl.shape), np.ones(1, bool))
+
     def rings(self, i: int) -> dict | None:
         """Block i's ring rows {key: array}, taken out of the capture (their bytes leave the
         capture's count), or None when a ring's positions did not all arrive."""
@@ -118,7 +136,7 @@ class _Capture:
             ent = self.bufs.get((i, decl.key))
             if ent is None:
                 lo, hi = decl.block_part(i * B, (i + 1) * B)
-                if hi > lo:
+                if hi > lo or decl.kind == "carry":
                     return None
                 ent = (np.empty((0,) + tuple(decl.shape[1:]), decl.dtype), np.ones(0, bool))
             if not ent[1].all():
@@ -169,7 +187,7 @@ class PrefixCache:
             if why:
                 raise ValueError(f"the prefix cache cannot restore this model's per-sequence state: {why}")
         decls = list(getattr(kv, "state_decl", {}).values()) if self.stateful else []
-        self.rings = [d for d in decls if d.kind == "ring"]
+        self.rings = [d for d in decls if d.kind in ("ring", "carry")]  # captured during steps
         self.kv = kv
         self.budget_bytes = int(budget_bytes)
         self.block_tokens = int(block_tokens or state_block_tokens(decls, BLOCK_TOKENS))
@@ -177,7 +195,7 @@ class PrefixCache:
         self.row_bytes = kv.token_bytes() * B
         # the largest block (ring snapshots differ with the block's place in a ring's groups;
         # the pattern repeats after the longest group)
-        period = max([d.group * d.groups for d in self.rings] + [1]) // B + 2
+        period = max([d.group * d.groups for d in self.rings if d.kind == "ring"] + [1]) // B + 2
         self.block_bytes = self.row_bytes + max(
             [kv.state_block_bytes(i * B, (i + 1) * B) for i in range(period)] if self.stateful else [0])
         self.metrics = metrics

@@ -112,7 +112,7 @@ def test_state_kinds_say_what_a_block_carries():
     assert kvm.state_block_tokens([raw, ring4, ring128, comp], 64) == 128
     assert kvm.state_block_tokens([raw, ring4, comp], 64) == 64
     with pytest.raises(ValueError, match="kind"):
-        kvm.SeqState(0, "x", (4,), "float32", "carry")
+        kvm.SeqState(0, "x", (4,), "float32", "whole")
     with pytest.raises(ValueError, match="cannot hold"):
         kvm.SeqState(0, "x", (2, 4), "float32", "ring", 4, 1)  # up to 3 live positions
 
@@ -152,6 +152,67 @@ def test_export_import_restores_the_live_state():
         assert np.array_equal(rows[1, :n // 3], rows[0, :n // 3])
     with pytest.raises(ValueError, match="contiguous"):
         c.import_state(1, blocks[1:])
+
+
+class _ToySsm:
+    """A state-space-like layer on a real KVCache: ``h`` (carry, [4] float32) rewritten by every
+    token, h = 0.9 h + conv, where conv sums the last 3 inputs (``conv``: a ring of 3 rows, the
+    architecture reads positions p - 2 .. p - 1 and the token itself). Steps report the ring
+    rows and the carry at the points the capture asks for, as an architecture does."""
+
+    decl = [kvm.SeqState(0, "h", (4,), "float32", "carry"),
+            kvm.SeqState(0, "conv", (3, 4), "float32", "ring", 1, 3)]
+
+    def __init__(self):
+        self.kv = kvm.KVCache.allocate([kvm.LayerKV(1, 32, 32, latent=True)], 2, 96, state=self.decl)
+
+    def step(self, slot: int, tokens: list[int]) -> np.ndarray:
+        kv = self.kv
+        h, conv = kv.state[(0, "h")], kv.state[(0, "conv")]
+        n0 = kv.length[slot]
+        if n0 == 0:
+            h[slot] = 0  # a new sequence starts from a zero state
+        want = set(kv.capture_points(slot, n0, n0 + len(tokens)))
+        x = np.stack([np.sin(np.arange(4, dtype=np.float32) * t + 0.1) for t in tokens]).astype(np.float32)
+        for j, p in enumerate(range(n0, n0 + len(tokens))):
+            c = x[j] + sum(conv[slot, q % 3] for q in range(max(0, p - 2), p))
+            conv[slot, p % 3] = x[j]
+            h[slot] = np.float32(0.9) * h[slot] + c
+            if p + 1 in want:
+                kv.note_carry(slot, 0, "h", p + 1, h[slot])
+        kv.note_ring(slot, 0, "conv", n0, x)
+        kv.length[slot] = n0 + len(tokens)
+        return h[slot].copy()
+
+
+def test_carry_state_restores_exactly():
+    """The "carry" kind (a recurrent state) with a ring beside it: a prompt computed after a
+    prefix restored from blocks of 8 gives the recomputed state bit for bit, at every cut."""
+    toy = _ToySsm()
+    pc = PrefixCache(toy.kv, 1 << 20, block_tokens=8)
+    base = _prompt(90, 60)
+
+    def run(prompt, cached=True):
+        if cached:
+            slot, n = pc.acquire(prompt)
+        else:
+            slot, n = toy.kv.alloc(), 0
+        for a in range(n, len(prompt), 7):
+            out = toy.step(slot, prompt[a:a + 7])
+        if cached:
+            pc.publish(slot, prompt)
+            pc.release(slot)
+        toy.kv.free(slot)
+        return n, out
+
+    run(base)
+    assert pc.n_blocks == 7 and all(b.state["blk.0.h"].shape == (4,) for b in pc._blocks.values())
+    for cut in (8, 21, 59):
+        p = base[:cut] + _prompt(cut, 5)
+        n, got = run(p)
+        _, want = run(p, cached=False)
+        pc.held = [[] for _ in pc.held]  # the uncached run overwrote a slot
+        assert n == cut // 8 * 8 and np.array_equal(got, want), cut
 
 
 # -- deepseek4 --------------------------------------------------------------------------------
