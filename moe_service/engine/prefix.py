@@ -18,8 +18,9 @@
 
 Correctness rules: a block enters the store only whole, copied from rows that a completed
 step wrote, with state only when every ring row of it was captured (a cancelled or failed
-request publishes nothing, so no half-written entry can exist); a slot's resident prefix (``held``) only ever names rows that were written and not
-overwritten since (set at acquire to the reused prefix, at publish to the computed tokens).
+request publishes nothing, so no half-written entry can exist); a slot's resident prefix
+(``held``) only ever names rows that were written and not overwritten since (set at acquire
+to the reused prefix, at publish to the computed tokens).
 Only the engine thread calls these methods.
 
 Per-sequence state beside the rows (kv.SeqState, deepseek4's window ring, compressed rows,

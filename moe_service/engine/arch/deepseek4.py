@@ -416,7 +416,12 @@ class Deepseek4(Architecture):
         at row p % window); per compressed layer ``comp`` [n_ctx // ratio, D] float16 compressed rows, ``ring_kv`` / ``ring_sc``
         [2 ratio, c D] float32 (the last 2 ratio tokens' compressor kv and score inputs, c = 2 on
         ratio-4 layers); ratio-4 layers add the indexer's ``icomp`` [n_ctx // 4, Di] float16
-        and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32."""
+        and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32.
+
+        Each declares its snapshot kind for the prefix cache (kv.SeqState, engine/prefix.py):
+        the rings by the positions later steps read, the compressed rows as append-only; a
+        change to what :meth:`_attention` / :meth:`_compress` read must change these too.
+        :meth:`_attention` reports every position's ring rows (KVCache.note_ring)."""
         from moe_service.engine.kv import SeqState
 
         hp = self.hp
