@@ -65,7 +65,7 @@ class _Pair:
         m = self.m
         slot, n = pc.acquire(prompt)
         for a in range(n, len(prompt), ubatch):
-            last = m.step([(slot, prompt[a:a + ubatch])])
+            last = m.step([(slot, prompt[a : a + ubatch])])
         pc.publish(slot, prompt)
         out = [last[0].numpy()]
         gen = [int(np.argmax(out[-1]))]
@@ -82,8 +82,16 @@ class _Pair:
 def ds4(tmp_path_factory, ops):
     from moe_service.synth_deepseek4 import write_deepseek4
 
-    path = write_deepseek4(tmp_path_factory.mktemp("pfx-ds4") / "ds4.gguf", "tiny-deepseek4", seed=3, window=8,
-                           indexer_top_k=4, compress_ratios=(4, 128, 0), hash_layers=1, n_mtp=0)
+    path = write_deepseek4(
+        tmp_path_factory.mktemp("pfx-ds4") / "ds4.gguf",
+        "tiny-deepseek4",
+        seed=3,
+        window=8,
+        indexer_top_k=4,
+        compress_ratios=(4, 128, 0),
+        hash_layers=1,
+        n_mtp=0,
+    )
     return _Pair(path, ops)
 
 
@@ -121,8 +129,10 @@ def test_export_import_restores_the_live_state():
     """A synthetic ring (window 5) and append-only rows (one per 3 tokens), written by position:
     blocks of 4 tokens carry what is needed, and restoring at any block boundary gives the
     live rows and the rows of the state that recomputation holds."""
-    decl = [kvm.SeqState(0, "ring", (5, 2), "float32", "ring", 1, 5),
-            kvm.SeqState(0, "rows", (10, 2), "float32", "rows", 3)]
+    decl = [
+        kvm.SeqState(0, "ring", (5, 2), "float32", "ring", 1, 5),
+        kvm.SeqState(0, "rows", (10, 2), "float32", "rows", 3),
+    ]
     c = kvm.KVCache(2, 30, [], [], state=kvm.KVCache.state_arrays(decl, 2), state_decl=decl)
     ring, rows = c.state[(0, "ring")], c.state[(0, "rows")]
     vals = np.arange(30 * 2, dtype=np.float32).reshape(30, 2)
@@ -135,7 +145,7 @@ def test_export_import_restores_the_live_state():
     c.capture[0] = sink
     for p in range(24):  # slot 0 computes 24 tokens
         ring[0, p % 5] = vals[p]
-        c.note_ring(0, 0, "ring", p, vals[p:p + 1])
+        c.note_ring(0, 0, "ring", p, vals[p : p + 1])
         if (p + 1) % 3 == 0:
             rows[0, (p + 1) // 3 - 1] = vals[p] * 10
     for i in range(24 // B):
@@ -149,7 +159,7 @@ def test_export_import_restores_the_live_state():
         n = k * B
         for p in range(max(0, n - 4), n):
             assert np.array_equal(ring[1, p % 5], vals[p])
-        assert np.array_equal(rows[1, :n // 3], rows[0, :n // 3])
+        assert np.array_equal(rows[1, : n // 3], rows[0, : n // 3])
     with pytest.raises(ValueError, match="contiguous"):
         c.import_state(1, blocks[1:])
 
@@ -160,8 +170,10 @@ class _ToySsm:
     architecture reads positions p - 2 .. p - 1 and the token itself). Steps report the ring
     rows and the carry at the points the capture asks for, as an architecture does."""
 
-    decl = [kvm.SeqState(0, "h", (4,), "float32", "carry"),
-            kvm.SeqState(0, "conv", (3, 4), "float32", "ring", 1, 3)]
+    decl = [
+        kvm.SeqState(0, "h", (4,), "float32", "carry"),
+        kvm.SeqState(0, "conv", (3, 4), "float32", "ring", 1, 3),
+    ]
 
     def __init__(self):
         self.kv = kvm.KVCache.allocate([kvm.LayerKV(1, 32, 32, latent=True)], 2, 96, state=self.decl)
@@ -198,7 +210,7 @@ def test_carry_state_restores_exactly():
         else:
             slot, n = toy.kv.alloc(), 0
         for a in range(n, len(prompt), 7):
-            out = toy.step(slot, prompt[a:a + 7])
+            out = toy.step(slot, prompt[a : a + 7])
         if cached:
             pc.publish(slot, prompt)
             pc.release(slot)
@@ -352,8 +364,9 @@ def test_ds4_through_the_batch_loop_reports_cached_tokens(ds4):
     reused tokens (usage.prompt_tokens_details.cached_tokens) and generates what a fresh
     model generates; a cancelled request publishes nothing."""
     pc = PrefixCache(ds4.m.kv, 64 << 20)
-    loop = BatchLoop(Engine(ds4.m, _Tok(), model_name="t", ubatch_tokens=100), parallel=2, queue_size=4,
-                     prefix_cache=pc).start()
+    loop = BatchLoop(
+        Engine(ds4.m, _Tok(), model_name="t", ubatch_tokens=100), parallel=2, queue_size=4, prefix_cache=pc
+    ).start()
     try:
         shared = _prompt(50, 300)
         ev1, _ = _serve(loop, shared + _prompt(51, 10))
@@ -365,7 +378,9 @@ def test_ds4_through_the_batch_loop_reports_cached_tokens(ds4):
         assert toks == [int(np.argmax(r)) for r in want]
         blocks = pc.n_blocks
         q: queue.Queue = queue.Queue()
-        req = GenerationRequest(_prompt(53, 450), 4, SamplingParams(temperature=0.0), emit=q.put, ignore_eos=True)
+        req = GenerationRequest(
+            _prompt(53, 450), 4, SamplingParams(temperature=0.0), emit=q.put, ignore_eos=True
+        )
         steps = loop.steps
         loop.submit(req)
         end = time.monotonic() + 120
