@@ -412,9 +412,10 @@ class ServeConfig(_Table):
     prefix_cache_gib: float = Field(
         2.0,
         ge=0,
-        description="Host memory for the prefix cache, in GiB: the KV rows of earlier requests' "
-        "prompts, kept in blocks of 64 tokens and reused by a request that starts with the same "
-        "tokens (least recently used blocks evicted). 0: off.",
+        description="Host memory for the prefix cache, in GiB: the KV rows (and per-sequence state, "
+        "deepseek4) of earlier requests' prompts, kept in blocks of 64 tokens (128 for deepseek4 "
+        "with ratio-128 layers) and reused by a request that starts with the same tokens (least "
+        "recently used blocks evicted; ring rows captured for prompts in flight count too). 0: off.",
     )
     shutdown_grace_s: float = Field(
         30.0,

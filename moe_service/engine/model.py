@@ -386,7 +386,8 @@ class TorchPath:
             kc = torch.zeros(ks, dtype=torch.float16, device=dev)
             k.append(kc)
             v.append(kc if vs is None else torch.zeros(vs, dtype=torch.float16, device=dev))
-        return KVCache(n_seq, n_ctx, k, v, layers, state=KVCache.state_arrays(_seq_state(self.m, n_ctx), n_seq))
+        decl = _seq_state(self.m, n_ctx)
+        return KVCache(n_seq, n_ctx, k, v, layers, state=KVCache.state_arrays(decl, n_seq), state_decl=decl)
 
     # -- primitives --------------------------------------------------------------------------
 

@@ -132,8 +132,9 @@ def test_v4_context_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
 
 
 def test_prefix_cache_refuses_a_cache_with_state():
-    """Reused rows alone cannot restore deepseek4's compressed state: the prefix cache says so
-    (make_prefix_cache then serves without it)."""
+    """Per-sequence state that declares no snapshot kind (kv.SeqState.kind) cannot be restored
+    from reused rows: the prefix cache says so (make_prefix_cache then serves without it).
+    deepseek4 declares its kinds (tests/moe_service/engine/test_prefix_state.py)."""
     from moe_service.engine.prefix import PrefixCache
 
     c = kv.KVCache.allocate([kv.LayerKV(1, 64, 64, latent=True)], 2, 64,
