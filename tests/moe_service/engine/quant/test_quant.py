@@ -49,8 +49,8 @@ def test_format_table_matches_gguf():
 
 
 def test_unknown_type_is_a_model_file_error():
-    with pytest.raises(ModelFileError, match="type 16 is not supported"):
-        q.block_format(16)  # IQ2_XXS
+    with pytest.raises(ModelFileError, match="type 34 is not supported"):
+        q.block_format(34)  # TQ1_0
     with pytest.raises(ValueError, match="not a whole number of Q4_K blocks"):
         q.row_bytes(q.GGML_Q4_K, 100)
 
