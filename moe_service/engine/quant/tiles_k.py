@@ -10,6 +10,7 @@ from typing import NamedTuple
 from llvmlite import ir
 from numba.core import cgutils
 
+from moe_service.engine.quant import codebooks
 from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, QK_K
 from moe_service.engine.quant.ir import (
     _F32,
@@ -39,7 +40,7 @@ from moe_service.engine.quant.ir import (
 )
 
 # ---------------------------------------------------------------------------------------
-# Tile kernels of the K-quants (Q2_K .. Q6_K, IQ4_XS x Q8_K): R weight rows x A items per pass
+# Tile kernels of the K-quants (Q2_K .. Q6_K, IQ4_XS, the i-quants x Q8_K): R weight rows x A items per pass
 # ---------------------------------------------------------------------------------------
 # Per super-block (256 elements) and (row, item): an int32 accumulator of 16 lanes takes
 # four 64-element pieces, each vpmaddubsw (unsigned weights x activation -> int16 pairs)
@@ -239,6 +240,233 @@ def _iq4_xs_pieces(builder, f, o):
         scl.append(_shuf(builder, sc16, [2 * g + m // 16 for m in range(32)]))
     d2 = _f16_pair(builder, o, f.off("d"))
     return KPieces(pieces, scl, None, None, _shuf(builder, d2, [0, 0]))
+
+
+
+# ---------------------------------------------------------------------------------------
+# The i-quants' weight sides (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
+# ---------------------------------------------------------------------------------------
+# Each group of 8 (IQ3: 4) elements is one grid word, loaded from a constant table built
+# from codebooks.py (gguf-py's grids), and 8 sign bits; the signed values go through the
+# tile's sign trick as IQ4_XS's do. Scales are ggml's odd sub-block scales 2 s + 1 (per 32 or
+# per 16 elements); the constant factor ggml applies at the end (IQ2: 1/8, IQ3_XXS: 1/4) is
+# folded into d: a power of two, so every float step is the same scaled exactly (ggml:
+# 0.125f * hsum(acc), here hsum(acc') with acc' = acc / 8 exactly). The integer lanes are
+# those of ggml's AVX2 kernels (quants.c ggml_vec_dot_iq*_q8_K, arch/x86): one 32-element
+# sub-block per ymm, lane k = the scaled products of elements 4k..4k+3, summed over the
+# sub-blocks. IQ1_S's delta (+-1/8 per 32 elements) enters as ggml's sumi1 through the mins
+# path: lanes +-(2 s + 1) dotted with the Q8_K 16-sums, times -d/8 (result = acc - mins, so
+# + d/8 * sumi1 as ggml's hsum(acc) + IQ1S_DELTA * accum1). IQ1_M's delta is per 8
+# elements: its values are taken as 8 g +- 1 (an exact integer identity) with d/8; ggml
+# keeps the delta in a second float accumulator, so IQ1_M's sums differ from ggml's by
+# float32 rounding only.
+
+
+def _ksign_bytes(builder, idx7):
+    """ksigns_iq2xs[idx7] for a <n x i8> of 7-bit indices: the index with bit 7 set when it
+    has an odd number of set bits (even parity; checked against gguf-py's table at import)."""
+    n = idx7.type.count
+    pop = _call(builder, f"llvm.ctpop.v{n}i8", _vt(_I8, n), [idx7])
+    return builder.or_(idx7, builder.shl(builder.and_(pop, _cvec(_I8, [1] * n)), _cvec(_I8, [7] * n)))
+
+
+if [i | ((bin(i).count("1") & 1) << 7) for i in range(128)] != [int(v) for v in codebooks.ksigns()]:
+    raise AssertionError("ksigns_iq2xs is not the even-parity completion of its index (see _ksign_bytes)")
+
+
+def _grid_global(builder, name):
+    """The grid of i-quant ``name`` as a module constant [entries x i64] (8 values per entry)
+    or [entries x i32] (4 values), value j in byte j (codebooks.grid_words)."""
+    words = codebooks.grid_words(name)
+    ty = _I64 if codebooks.grid(name).shape[1] == 8 else _I32
+    gname = f"_moe_grid_{name.lower()}"
+    g = builder.module.globals.get(gname)
+    if g is None:
+        g = cgutils.global_constant(builder, gname, ir.Constant(ir.ArrayType(ty, len(words)), words))
+    return g
+
+
+def _u8(builder, o, off):
+    """The byte at ``o + off`` as i64."""
+    return builder.zext(_ldv(builder, o, off, _I8), _I64)
+
+
+def _u16(builder, o, off):
+    """The u16 at ``o + off`` as i64."""
+    return builder.zext(_ldv(builder, o, off, _I16), _I64)
+
+
+def _u32(builder, o, off):
+    """The u32 at ``o + off`` as i64."""
+    return builder.zext(_ldv(builder, o, off, _I32), _I64)
+
+
+def _bits(builder, v, shift, mask):
+    """(v >> shift) & mask for an i64 v."""
+    return builder.and_(builder.lshr(v, ir.Constant(_I64, shift)), ir.Constant(_I64, mask))
+
+
+def _vec(builder, ty, vals):
+    """<len(vals) x ty> of the scalar IR values ``vals`` (truncated to ty)."""
+    v = ir.Constant(_vt(ty, len(vals)), None)
+    for i, x in enumerate(vals):
+        v = builder.insert_element(v, builder.trunc(x, ty) if x.type != ty else x, ir.Constant(_I32, i))
+    return v
+
+
+def _grid_values(builder, name, idx):
+    """4 x <64 x i8>: the grid values of the 32 (8-wide grids) or 64 (4-wide) indices ``idx``
+    (i64 values, in element order)."""
+    table = _grid_global(builder, name)
+    ty = table.type.pointee.element
+    words = [builder.load(builder.gep(table, [_ci(0), i])) for i in idx]
+    per = len(words) // 4
+    return [builder.bitcast(_vec(builder, ty, words[per * g:per * g + per]), _vt(_I8, 64)) for g in range(4)]
+
+
+def _apply_signs(builder, pieces, signs32):
+    """pieces with element 8 i + j negated where bit j of byte i of <32 x i8> ``signs32`` is set."""
+    out = []
+    bit = _cvec(_I8, [1 << (j % 8) for j in range(64)])
+    zero = _cvec(_I8, [0] * 64)
+    for g, v in enumerate(pieces):
+        s = builder.and_(_shuf(builder, signs32, [8 * g + j // 8 for j in range(64)]), bit)
+        out.append(builder.select(builder.icmp_unsigned("!=", s, zero), builder.sub(zero, v), v))
+    return out
+
+
+def _odd16(builder, s16):
+    """2 s + 1 for a <16 x i16>."""
+    return builder.add(builder.shl(s16, _cvec(_I16, [1] * 16)), _cvec(_I16, [1] * 16))
+
+
+def _scales16(builder, sc16):
+    """The 4 x <32 x i16> pair-lane scales of the 16 per-16-element scales ``sc16``."""
+    return [_shuf(builder, sc16, [4 * g + m // 8 for m in range(32)]) for g in range(4)]
+
+
+def _nibble_scales16(builder, o, off):
+    """<16 x i16> 2 s + 1 of 8 bytes of 4-bit scales at ``off``: 16 elements j have nibble
+    j % 2 of byte j // 2 (IQ2_XS, IQ2_S)."""
+    sb = _shuf(builder, _ldv(builder, o, off, _vt(_I8, 8)), [j // 2 for j in range(16)])
+    s = builder.and_(builder.lshr(sb, _cvec(_I8, [0, 4] * 8)), _cvec(_I8, [15] * 16))
+    return _odd16(builder, builder.zext(s, _vt(_I16, 16)))
+
+
+def _d_times(builder, o, off, factors):
+    """<2 x float> [d * factors[0], d * factors[1]] for the f16 d at byte ``off`` (exact: powers of 2)."""
+    d2 = _f16_pair(builder, o, off)
+    return builder.fmul(_shuf(builder, d2, [0, 0]), ir.Constant(_vt(_F32, 2), list(factors)))
+
+
+@_weight_side("IQ2_XXS", "IQ3_XXS")
+def _iq_xxs_pieces(builder, f, o):
+    """IQ2_XXS: sub-block ib (32 elements) is 4 grid-index bytes then a u32 aux (four 7-bit
+    ksigns indices, bits 7k, and the scale s, bits 28..31); IQ3_XXS: 64 grid-index bytes
+    (4 values each) then the 8 aux words. Scale 2 s + 1; d / 8 (IQ2) or d / 4 (IQ3)."""
+    iq3 = f.name == "IQ3_XXS"
+    qs = f.qs
+    aux = [_u32(builder, o, (f.off("scales_signs") + 4 * ib) if iq3 else (qs + 8 * ib + 4)) for ib in range(8)]
+    if iq3:
+        idx = [_u8(builder, o, qs + k) for k in range(64)]
+    else:
+        idx = [_u8(builder, o, qs + 8 * ib + k) for ib in range(8) for k in range(4)]
+    pieces = _grid_values(builder, f.name, idx)
+    sidx = _vec(builder, _I8, [_bits(builder, aux[ib], 7 * k, 127) for ib in range(8) for k in range(4)])
+    pieces = _apply_signs(builder, pieces, _ksign_bytes(builder, sidx))
+    s8 = _vec(builder, _I16, [builder.lshr(aux[ib], ir.Constant(_I64, 28)) for ib in range(8)])
+    sc16 = _odd16(builder, _shuf(builder, s8, [j // 2 for j in range(16)]))
+    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (0.25 if iq3 else 0.125, 0.0)))
+
+
+@_weight_side("IQ2_XS")
+def _iq2_xs_pieces(builder, f, o):
+    """32 u16 (one per 8 elements): low 9 bits the grid index, high 7 bits the ksigns index;
+    4-bit scales per 16 elements (_nibble_scales16); d / 8."""
+    q = [_u16(builder, o, f.qs + 2 * k) for k in range(32)]
+    pieces = _grid_values(builder, f.name, [builder.and_(v, ir.Constant(_I64, 511)) for v in q])
+    sidx = _vec(builder, _I8, [builder.lshr(v, ir.Constant(_I64, 9)) for v in q])
+    pieces = _apply_signs(builder, pieces, _ksign_bytes(builder, sidx))
+    sc16 = _nibble_scales16(builder, o, f.off("scales"))
+    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (0.125, 0.0)))
+
+
+@_weight_side("IQ2_S")
+def _iq2_s_pieces(builder, f, o):
+    """Group k of 8 elements: grid index qs[k] | 2 bits 2 (k % 4) of qh[k // 4] << 8, sign byte
+    signs[k]; 4-bit scales per 16 elements; d / 8."""
+    qh = [_u8(builder, o, f.qh + j) for j in range(8)]
+    idx = [builder.or_(_u8(builder, o, f.qs + k), builder.shl(_bits(builder, qh[k // 4], 2 * (k % 4), 3),
+                                                               ir.Constant(_I64, 8))) for k in range(32)]
+    pieces = _apply_signs(builder, _grid_values(builder, f.name, idx), _ldv(builder, o, f.off("signs"), _vt(_I8, 32)))
+    sc16 = _nibble_scales16(builder, o, f.off("scales"))
+    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (0.125, 0.0)))
+
+
+@_weight_side("IQ3_S")
+def _iq3_s_pieces(builder, f, o):
+    """Grid index k (4 values) = qs[k] | bit k % 8 of qh[k // 8] << 8; element e's sign is bit
+    e % 8 of signs[e // 8]; sub-block ib (32 elements) scale 2 s + 1, s nibble ib % 2 of
+    scales[ib // 2]; d."""
+    qh = [_u8(builder, o, f.qh + j) for j in range(8)]
+    idx = [builder.or_(_u8(builder, o, f.qs + k), builder.shl(_bits(builder, qh[k // 8], k % 8, 1),
+                                                               ir.Constant(_I64, 8))) for k in range(64)]
+    pieces = _apply_signs(builder, _grid_values(builder, f.name, idx), _ldv(builder, o, f.off("signs"), _vt(_I8, 32)))
+    sb = _shuf(builder, _ldv(builder, o, f.off("scales"), _vt(_I8, 4)), [j // 4 for j in range(16)])
+    s = builder.and_(builder.lshr(sb, _cvec(_I8, [0, 0, 4, 4] * 4)), _cvec(_I8, [15] * 16))
+    sc16 = _odd16(builder, builder.zext(s, _vt(_I16, 16)))
+    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (1.0, 0.0)))
+
+
+@_weight_side("IQ1_S")
+def _iq1_s_pieces(builder, f, o):
+    """Sub-block ib: u16 qh (3 high index bits per 8 elements at bits 3k, s at 12..14, the
+    delta's sign at 15) and 4 low index bytes; values the grid's -1 / 0 / 1, scale 2 s + 1;
+    the delta as mins lanes +-(2 s + 1) with [d, -d / 8] (see the section comment)."""
+    qh = [_u16(builder, o, f.qh + 2 * ib) for ib in range(8)]
+    idx = [builder.or_(_u8(builder, o, f.qs + 4 * ib + k), builder.shl(_bits(builder, qh[ib], 3 * k, 7),
+                                                                        ir.Constant(_I64, 8)))
+           for ib in range(8) for k in range(4)]
+    pieces = _grid_values(builder, f.name, idx)
+    q8 = _vec(builder, _I16, qh)
+    sc8 = builder.and_(builder.lshr(q8, _cvec(_I16, [12] * 8)), _cvec(_I16, [7] * 8))
+    sc16 = _odd16(builder, _shuf(builder, sc8, [j // 2 for j in range(16)]))
+    neg = builder.icmp_signed("<", _shuf(builder, q8, [j // 2 for j in range(16)]), _cvec(_I16, [0] * 16))
+    mins = builder.select(neg, builder.sub(_cvec(_I16, [0] * 16), sc16), sc16)
+    return KPieces(pieces, _scales16(builder, sc16), mins, None, _d_times(builder, o, 0, (1.0, -0.125)))
+
+
+@_weight_side("IQ1_M")
+def _iq1_m_pieces(builder, f, o):
+    """Group k of 8 elements: nibble k % 2 of qh[k // 2] holds 3 high index bits and the
+    delta's sign (bit 3); values 8 g +- 1 (g the grid's -1 / 0 / 1, + 1 when the sign bit is
+    clear), d / 8; 16 elements m have scale 2 s + 1, s bits 3 (m % 4) of u16 scale word
+    m // 4, whose top nibbles are the f16 d."""
+    so = f.off("scales")
+    qh = [_u8(builder, o, f.qh + j) for j in range(16)]
+    nib = [_bits(builder, qh[k // 2], 4 * (k % 2), 15) for k in range(32)]
+    idx = [builder.or_(_u8(builder, o, f.qs + k), builder.shl(builder.and_(nib[k], ir.Constant(_I64, 7)),
+                                                               ir.Constant(_I64, 8))) for k in range(32)]
+    g8 = [builder.shl(v, _cvec(_I8, [3] * 64)) for v in _grid_values(builder, f.name, idx)]
+    dsign = _vec(builder, _I8, [builder.lshr(v, ir.Constant(_I64, 3)) for v in nib])  # 1: delta -1/8
+    pieces = []
+    for g in range(4):
+        neg = builder.icmp_unsigned("!=", _shuf(builder, dsign, [8 * g + j // 8 for j in range(64)]), _cvec(_I8, [0] * 64))
+        pieces.append(builder.add(g8[g], builder.select(neg, _cvec(_I8, [-1 & 0xFF] * 64), _cvec(_I8, [1] * 64))))
+    w = _ldv(builder, o, so, _vt(_I16, 4))
+    s = builder.and_(builder.lshr(_shuf(builder, w, [m // 4 for m in range(16)]), _cvec(_I16, [0, 3, 6, 9] * 4)),
+                     _cvec(_I16, [7] * 16))
+    sc16 = _odd16(builder, s)
+    top = builder.lshr(w, _cvec(_I16, [12] * 4))
+    top = builder.shl(top, _cvec(_I16, [0, 4, 8, 12]))
+    dbits = builder.or_(builder.or_(builder.extract_element(top, ir.Constant(_I32, 0)),
+                                    builder.extract_element(top, ir.Constant(_I32, 1))),
+                        builder.or_(builder.extract_element(top, ir.Constant(_I32, 2)),
+                                    builder.extract_element(top, ir.Constant(_I32, 3))))
+    d = builder.fpext(builder.bitcast(dbits, ir.HalfType()), _F32)
+    d2 = builder.insert_element(ir.Constant(_vt(_F32, 2), [0.0, 0.0]), builder.fmul(d, ir.Constant(_F32, 0.125)),
+                                ir.Constant(_I32, 0))
+    return KPieces(pieces, _scales16(builder, sc16), None, None, d2)
 
 
 def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):

@@ -260,7 +260,7 @@ def test_matmul_validates(rng):
     with pytest.raises(ValueError, match="activations have 32 columns"):
         q.matmul(raw, 0, q.GGML_Q8_0, 4, 64, np.zeros((1, 32), np.float32))
     with pytest.raises(ModelFileError):
-        q.matmul(raw, 0, 16, 1, 256, np.zeros((1, 256), np.float32))  # IQ2_XXS
+        q.matmul(raw, 0, 34, 1, 256, np.zeros((1, 256), np.float32))  # TQ1_0
     with pytest.raises(ValueError, match="1-D C-contiguous uint8"):
         q.matmul(raw.view(np.int8), 0, q.GGML_Q8_0, 4, 64, x)
 
