@@ -195,6 +195,11 @@ PRESETS: dict[str, SynthPreset] = {
         SynthPreset("tiny-qwen3", "qwen3", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128,
                     n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff=768, n_vocab=8192, vocab="qwen2",
                     tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6, **_DECISIVE),
+        # tiny-qwen3moe with the dense presets' decisive scales (_DECISIVE): greedy chains whose
+        # every step has a clear winner, for the mixed i-quant goldens (tools/make_golden.py --only iquants)
+        SynthPreset("tiny-qwen3moe-decisive", "qwen3moe", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=128,
+                    n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=8192, vocab="qwen2",
+                    tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6, **_DECISIVE),
         SynthPreset("qwen3-30b-a3b", "qwen3moe", n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                     n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, vocab="qwen2",
                     tie_output=False, n_ctx_train=40960, rope_freq_base=1000000.0, rms_eps=1e-6),

@@ -65,13 +65,16 @@ class KPieces(NamedTuple):
     i16> (the sub-block scale of each int16 pair lane), ``mins`` <16 x i16> (the min of each
     16 elements, formats with ``has_min``) or None, ``offset`` <16 x i16> (a constant offset
     of the values times the scale of each 16 elements, dotted with the Q8_K sums) or None,
-    ``d2`` <2 x float> [d, dmin]."""
+    ``d2`` <2 x float> [d, dmin]; ``neg`` None, or 4 x <64 x i1>: the elements whose
+    (unsigned) value is negated, applied to the activation instead (ggml's sign of q8, the
+    IQ2 / IQ3 grids)."""
 
     pieces: list
     scales: list
     mins: object
     offset: object
     d2: object
+    neg: list | None = None
 
 
 def _weight_side(*names: str):
@@ -286,53 +289,49 @@ def _grid_global(builder, name):
     return g
 
 
-def _u8(builder, o, off):
-    """The byte at ``o + off`` as i64."""
-    return builder.zext(_ldv(builder, o, off, _I8), _I64)
+def _zext32(builder, v):
+    """<n x i8 / i16> zero-extended to <n x i32>."""
+    return builder.zext(v, _vt(_I32, v.type.count))
 
 
-def _u16(builder, o, off):
-    """The u16 at ``o + off`` as i64."""
-    return builder.zext(_ldv(builder, o, off, _I16), _I64)
+def _spread(builder, v, n, per):
+    """<n x ...>: lane k = lane k // per of v."""
+    return _shuf(builder, v, [k // per for k in range(n)])
 
 
-def _u32(builder, o, off):
-    """The u32 at ``o + off`` as i64."""
-    return builder.zext(_ldv(builder, o, off, _I32), _I64)
-
-
-def _bits(builder, v, shift, mask):
-    """(v >> shift) & mask for an i64 v."""
-    return builder.and_(builder.lshr(v, ir.Constant(_I64, shift)), ir.Constant(_I64, mask))
-
-
-def _vec(builder, ty, vals):
-    """<len(vals) x ty> of the scalar IR values ``vals`` (truncated to ty)."""
-    v = ir.Constant(_vt(ty, len(vals)), None)
-    for i, x in enumerate(vals):
-        v = builder.insert_element(v, builder.trunc(x, ty) if x.type != ty else x, ir.Constant(_I32, i))
-    return v
+def _lshr_and(builder, v, shifts, mask):
+    """(v >> shifts[k]) & mask per lane k of a <n x iN> v."""
+    ty = v.type.element
+    n = v.type.count
+    return builder.and_(builder.lshr(v, _cvec(ty, shifts)), _cvec(ty, [mask] * n))
 
 
 def _grid_values(builder, name, idx):
-    """4 x <64 x i8>: the grid values of the 32 (8-wide grids) or 64 (4-wide) indices ``idx``
-    (i64 values, in element order)."""
+    """4 x <64 x i8>: the grid values of the <32 x i32> (8-wide grids) or <64 x i32> (4-wide)
+    indices ``idx`` (element order), by AVX2 gathers from the grid's constant table
+    (vpgatherdq, 4 entries of 8 bytes; vpgatherdd, 8 entries of 4 bytes)."""
     table = _grid_global(builder, name)
-    ty = table.type.pointee.element
-    words = [builder.load(builder.gep(table, [_ci(0), i])) for i in idx]
-    per = len(words) // 4
-    return [builder.bitcast(_vec(builder, ty, words[per * g:per * g + per]), _vt(_I8, 64)) for g in range(4)]
+    base = builder.bitcast(table, _I8.as_pointer())
+    wide = table.type.pointee.element == _I64
+    step = 4 if wide else 8
+    ety = _I64 if wide else _I32
+    vty = _vt(ety, step)
+    name_ = "llvm.x86.avx2.gather.d.q.256" if wide else "llvm.x86.avx2.gather.d.d.256"
+    zero, ones = ir.Constant(vty, [0] * step), ir.Constant(vty, [-1] * step)
+    parts = [_call(builder, name_, vty, [zero, base, _shuf(builder, idx, range(j, j + step)), ones,
+                                         ir.Constant(_I8, 8 if wide else 4)])
+             for j in range(0, idx.type.count, step)]
+    per = len(parts) // 4
+    return [builder.bitcast(_cat(builder, parts[per * g:per * g + per]), _vt(_I8, 64)) for g in range(4)]
 
 
-def _apply_signs(builder, pieces, signs32):
-    """pieces with element 8 i + j negated where bit j of byte i of <32 x i8> ``signs32`` is set."""
-    out = []
+def _sign_masks(builder, signs32):
+    """4 x <64 x i1>: element 8 i + j of piece g negative where bit j of byte i of <32 x i8>
+    ``signs32`` is set (KPieces.neg)."""
     bit = _cvec(_I8, [1 << (j % 8) for j in range(64)])
     zero = _cvec(_I8, [0] * 64)
-    for g, v in enumerate(pieces):
-        s = builder.and_(_shuf(builder, signs32, [8 * g + j // 8 for j in range(64)]), bit)
-        out.append(builder.select(builder.icmp_unsigned("!=", s, zero), builder.sub(zero, v), v))
-    return out
+    return [builder.icmp_unsigned("!=", builder.and_(_shuf(builder, signs32, [8 * g + j // 8 for j in range(64)]), bit),
+                                  zero) for g in range(4)]
 
 
 def _odd16(builder, s16):
@@ -348,9 +347,8 @@ def _scales16(builder, sc16):
 def _nibble_scales16(builder, o, off):
     """<16 x i16> 2 s + 1 of 8 bytes of 4-bit scales at ``off``: 16 elements j have nibble
     j % 2 of byte j // 2 (IQ2_XS, IQ2_S)."""
-    sb = _shuf(builder, _ldv(builder, o, off, _vt(_I8, 8)), [j // 2 for j in range(16)])
-    s = builder.and_(builder.lshr(sb, _cvec(_I8, [0, 4] * 8)), _cvec(_I8, [15] * 16))
-    return _odd16(builder, builder.zext(s, _vt(_I16, 16)))
+    sb = _spread(builder, _ldv(builder, o, off, _vt(_I8, 8)), 16, 2)
+    return _odd16(builder, builder.zext(_lshr_and(builder, sb, [0, 4] * 8, 15), _vt(_I16, 16)))
 
 
 def _d_times(builder, o, off, factors):
@@ -359,48 +357,59 @@ def _d_times(builder, o, off, factors):
     return builder.fmul(_shuf(builder, d2, [0, 0]), ir.Constant(_vt(_F32, 2), list(factors)))
 
 
-@_weight_side("IQ2_XXS", "IQ3_XXS")
-def _iq_xxs_pieces(builder, f, o):
-    """IQ2_XXS: sub-block ib (32 elements) is 4 grid-index bytes then a u32 aux (four 7-bit
-    ksigns indices, bits 7k, and the scale s, bits 28..31); IQ3_XXS: 64 grid-index bytes
-    (4 values each) then the 8 aux words. Scale 2 s + 1; d / 8 (IQ2) or d / 4 (IQ3)."""
-    iq3 = f.name == "IQ3_XXS"
-    qs = f.qs
-    aux = [_u32(builder, o, (f.off("scales_signs") + 4 * ib) if iq3 else (qs + 8 * ib + 4)) for ib in range(8)]
-    if iq3:
-        idx = [_u8(builder, o, qs + k) for k in range(64)]
-    else:
-        idx = [_u8(builder, o, qs + 8 * ib + k) for ib in range(8) for k in range(4)]
-    pieces = _grid_values(builder, f.name, idx)
-    sidx = _vec(builder, _I8, [_bits(builder, aux[ib], 7 * k, 127) for ib in range(8) for k in range(4)])
-    pieces = _apply_signs(builder, pieces, _ksign_bytes(builder, sidx))
-    s8 = _vec(builder, _I16, [builder.lshr(aux[ib], ir.Constant(_I64, 28)) for ib in range(8)])
-    sc16 = _odd16(builder, _shuf(builder, s8, [j // 2 for j in range(16)]))
-    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (0.25 if iq3 else 0.125, 0.0)))
+def _aux_fields(builder, aux8):
+    """From the 8 sub-block words <8 x i32> of IQ2_XXS / IQ3_XXS: the <32 x i8> ksigns bytes
+    (group 4 ib + k: bits 7k of word ib) and the <16 x i16> odd scales 2 (w >> 28) + 1 per 16."""
+    a32 = _spread(builder, aux8, 32, 4)
+    sidx = builder.trunc(_lshr_and(builder, a32, [7 * (k % 4) for k in range(32)], 127), _vt(_I8, 32))
+    s8 = builder.trunc(builder.lshr(aux8, _cvec(_I32, [28] * 8)), _vt(_I16, 8))
+    return _ksign_bytes(builder, sidx), _odd16(builder, _spread(builder, s8, 16, 2))
+
+
+@_weight_side("IQ2_XXS")
+def _iq2_xxs_pieces(builder, f, o):
+    """Sub-block ib (32 elements) is 4 grid-index bytes then a u32 aux (four 7-bit ksigns
+    indices, bits 7k, and the scale s, bits 28..31); scale 2 s + 1; d / 8."""
+    q = _ldv(builder, o, f.qs, _vt(_I32, 16))  # words: index bytes, aux, index bytes, aux, ...
+    idx = _zext32(builder, _shuf(builder, builder.bitcast(q, _vt(_I8, 64)),
+                                 [8 * (k // 4) + k % 4 for k in range(32)]))
+    signs, sc16 = _aux_fields(builder, _shuf(builder, q, range(1, 16, 2)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+
+
+@_weight_side("IQ3_XXS")
+def _iq3_xxs_pieces(builder, f, o):
+    """64 grid-index bytes (4 values each) then 8 u32 aux words as IQ2_XXS's; d / 4."""
+    idx = _zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 64)))
+    signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks(builder, signs))
 
 
 @_weight_side("IQ2_XS")
 def _iq2_xs_pieces(builder, f, o):
     """32 u16 (one per 8 elements): low 9 bits the grid index, high 7 bits the ksigns index;
     4-bit scales per 16 elements (_nibble_scales16); d / 8."""
-    q = [_u16(builder, o, f.qs + 2 * k) for k in range(32)]
-    pieces = _grid_values(builder, f.name, [builder.and_(v, ir.Constant(_I64, 511)) for v in q])
-    sidx = _vec(builder, _I8, [builder.lshr(v, ir.Constant(_I64, 9)) for v in q])
-    pieces = _apply_signs(builder, pieces, _ksign_bytes(builder, sidx))
+    q = _ldv(builder, o, f.qs, _vt(_I16, 32))
+    idx = _zext32(builder, builder.and_(q, _cvec(_I16, [511] * 32)))
+    signs = _ksign_bytes(builder, builder.trunc(builder.lshr(q, _cvec(_I16, [9] * 32)), _vt(_I8, 32)))
     sc16 = _nibble_scales16(builder, o, f.off("scales"))
-    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (0.125, 0.0)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
 
 
 @_weight_side("IQ2_S")
 def _iq2_s_pieces(builder, f, o):
     """Group k of 8 elements: grid index qs[k] | 2 bits 2 (k % 4) of qh[k // 4] << 8, sign byte
     signs[k]; 4-bit scales per 16 elements; d / 8."""
-    qh = [_u8(builder, o, f.qh + j) for j in range(8)]
-    idx = [builder.or_(_u8(builder, o, f.qs + k), builder.shl(_bits(builder, qh[k // 4], 2 * (k % 4), 3),
-                                                               ir.Constant(_I64, 8))) for k in range(32)]
-    pieces = _apply_signs(builder, _grid_values(builder, f.name, idx), _ldv(builder, o, f.off("signs"), _vt(_I8, 32)))
+    qh = _zext32(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 32, 4))
+    hi = builder.shl(_lshr_and(builder, qh, [2 * (k % 4) for k in range(32)], 3), _cvec(_I32, [8] * 32))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi)
     sc16 = _nibble_scales16(builder, o, f.off("scales"))
-    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (0.125, 0.0)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.125, 0.0)),
+                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
 
 
 @_weight_side("IQ3_S")
@@ -408,14 +417,14 @@ def _iq3_s_pieces(builder, f, o):
     """Grid index k (4 values) = qs[k] | bit k % 8 of qh[k // 8] << 8; element e's sign is bit
     e % 8 of signs[e // 8]; sub-block ib (32 elements) scale 2 s + 1, s nibble ib % 2 of
     scales[ib // 2]; d."""
-    qh = [_u8(builder, o, f.qh + j) for j in range(8)]
-    idx = [builder.or_(_u8(builder, o, f.qs + k), builder.shl(_bits(builder, qh[k // 8], k % 8, 1),
-                                                               ir.Constant(_I64, 8))) for k in range(64)]
-    pieces = _apply_signs(builder, _grid_values(builder, f.name, idx), _ldv(builder, o, f.off("signs"), _vt(_I8, 32)))
-    sb = _shuf(builder, _ldv(builder, o, f.off("scales"), _vt(_I8, 4)), [j // 4 for j in range(16)])
-    s = builder.and_(builder.lshr(sb, _cvec(_I8, [0, 0, 4, 4] * 4)), _cvec(_I8, [15] * 16))
-    sc16 = _odd16(builder, builder.zext(s, _vt(_I16, 16)))
-    return KPieces(pieces, _scales16(builder, sc16), None, None, _d_times(builder, o, 0, (1.0, 0.0)))
+    qh = _zext32(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 64, 8))
+    hi = builder.shl(_lshr_and(builder, qh, [k % 8 for k in range(64)], 1), _cvec(_I32, [8] * 64))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 64))), hi)
+    sb = _spread(builder, _ldv(builder, o, f.off("scales"), _vt(_I8, 4)), 16, 4)
+    sc16 = _odd16(builder, builder.zext(_lshr_and(builder, sb, [0, 0, 4, 4] * 4, 15), _vt(_I16, 16)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (1.0, 0.0)),
+                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
 
 
 @_weight_side("IQ1_S")
@@ -423,15 +432,13 @@ def _iq1_s_pieces(builder, f, o):
     """Sub-block ib: u16 qh (3 high index bits per 8 elements at bits 3k, s at 12..14, the
     delta's sign at 15) and 4 low index bytes; values the grid's -1 / 0 / 1, scale 2 s + 1;
     the delta as mins lanes +-(2 s + 1) with [d, -d / 8] (see the section comment)."""
-    qh = [_u16(builder, o, f.qh + 2 * ib) for ib in range(8)]
-    idx = [builder.or_(_u8(builder, o, f.qs + 4 * ib + k), builder.shl(_bits(builder, qh[ib], 3 * k, 7),
-                                                                        ir.Constant(_I64, 8)))
-           for ib in range(8) for k in range(4)]
+    q8 = _ldv(builder, o, f.qh, _vt(_I16, 8))
+    hi = _zext32(builder, _lshr_and(builder, _spread(builder, q8, 32, 4), [3 * (k % 4) for k in range(32)], 7))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), builder.shl(hi, _cvec(_I32, [8] * 32)))
     pieces = _grid_values(builder, f.name, idx)
-    q8 = _vec(builder, _I16, qh)
-    sc8 = builder.and_(builder.lshr(q8, _cvec(_I16, [12] * 8)), _cvec(_I16, [7] * 8))
-    sc16 = _odd16(builder, _shuf(builder, sc8, [j // 2 for j in range(16)]))
-    neg = builder.icmp_signed("<", _shuf(builder, q8, [j // 2 for j in range(16)]), _cvec(_I16, [0] * 16))
+    q16 = _spread(builder, q8, 16, 2)
+    sc16 = _odd16(builder, _lshr_and(builder, q16, [12] * 16, 7))
+    neg = builder.icmp_signed("<", q16, _cvec(_I16, [0] * 16))
     mins = builder.select(neg, builder.sub(_cvec(_I16, [0] * 16), sc16), sc16)
     return KPieces(pieces, _scales16(builder, sc16), mins, None, _d_times(builder, o, 0, (1.0, -0.125)))
 
@@ -443,22 +450,18 @@ def _iq1_m_pieces(builder, f, o):
     clear), d / 8; 16 elements m have scale 2 s + 1, s bits 3 (m % 4) of u16 scale word
     m // 4, whose top nibbles are the f16 d."""
     so = f.off("scales")
-    qh = [_u8(builder, o, f.qh + j) for j in range(16)]
-    nib = [_bits(builder, qh[k // 2], 4 * (k % 2), 15) for k in range(32)]
-    idx = [builder.or_(_u8(builder, o, f.qs + k), builder.shl(builder.and_(nib[k], ir.Constant(_I64, 7)),
-                                                               ir.Constant(_I64, 8))) for k in range(32)]
-    g8 = [builder.shl(v, _cvec(_I8, [3] * 64)) for v in _grid_values(builder, f.name, idx)]
-    dsign = _vec(builder, _I8, [builder.lshr(v, ir.Constant(_I64, 3)) for v in nib])  # 1: delta -1/8
+    nib = _lshr_and(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 16)), 32, 2), [0, 4] * 16, 15)
+    hi = builder.shl(_zext32(builder, builder.and_(nib, _cvec(_I8, [7] * 32))), _cvec(_I32, [8] * 32))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi)
+    dsign = builder.and_(nib, _cvec(_I8, [8] * 32))  # set: delta -1/8
     pieces = []
-    for g in range(4):
+    for g, v in enumerate(_grid_values(builder, f.name, idx)):
         neg = builder.icmp_unsigned("!=", _shuf(builder, dsign, [8 * g + j // 8 for j in range(64)]), _cvec(_I8, [0] * 64))
-        pieces.append(builder.add(g8[g], builder.select(neg, _cvec(_I8, [-1 & 0xFF] * 64), _cvec(_I8, [1] * 64))))
+        delta = builder.select(neg, _cvec(_I8, [0xFF] * 64), _cvec(_I8, [1] * 64))
+        pieces.append(builder.add(builder.shl(v, _cvec(_I8, [3] * 64)), delta))
     w = _ldv(builder, o, so, _vt(_I16, 4))
-    s = builder.and_(builder.lshr(_shuf(builder, w, [m // 4 for m in range(16)]), _cvec(_I16, [0, 3, 6, 9] * 4)),
-                     _cvec(_I16, [7] * 16))
-    sc16 = _odd16(builder, s)
-    top = builder.lshr(w, _cvec(_I16, [12] * 4))
-    top = builder.shl(top, _cvec(_I16, [0, 4, 8, 12]))
+    sc16 = _odd16(builder, _lshr_and(builder, _spread(builder, w, 16, 4), [0, 3, 6, 9] * 4, 7))
+    top = builder.shl(builder.lshr(w, _cvec(_I16, [12] * 4)), _cvec(_I16, [0, 4, 8, 12]))
     dbits = builder.or_(builder.or_(builder.extract_element(top, ir.Constant(_I32, 0)),
                                     builder.extract_element(top, ir.Constant(_I32, 1))),
                         builder.or_(builder.extract_element(top, ir.Constant(_I32, 2)),
@@ -467,7 +470,6 @@ def _iq1_m_pieces(builder, f, o):
     d2 = builder.insert_element(ir.Constant(_vt(_F32, 2), [0.0, 0.0]), builder.fmul(d, ir.Constant(_F32, 0.125)),
                                 ir.Constant(_I32, 0))
     return KPieces(pieces, _scales16(builder, sc16), None, None, d2)
-
 
 def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
@@ -553,9 +555,13 @@ def _tilek_codegen(fmt, n_w, n_a):
                 for t in range(n_a):
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
                     for k in range(n_w):
-                        iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a64, wk[k].scales[g], iacc[k][t], f.signed)
+                        a = a64
+                        if wk[k].neg is not None:  # unsigned values, their signs on the activation
+                            a = builder.select(wk[k].neg[g], builder.sub(_cvec(_I8, [0] * 64), a64), a64)
+                        iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a, wk[k].scales[g], iacc[k][t],
+                                             f.signed and wk[k].neg is None)
             for k in range(n_w):
-                _, _, mins, _, d2 = wk[k]
+                mins, d2 = wk[k].mins, wk[k].d2
                 lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) if _VNNI else v
                          for v in iacc[k]]
                 dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item
