@@ -65,3 +65,69 @@ def test_iq1m_scale_round_trip():
     assert np.array_equal(bits, EDGE_D[:4].view(np.uint16))
     assert np.array_equal(raw[:, 48:56].view(np.uint16) & 0x0FFF, before[:, 48:56].view(np.uint16) & 0x0FFF)
     assert np.array_equal(raw[:, :48], before[:, :48])
+
+
+def _f32_fma(a: float, b: float, c: float) -> np.float32:
+    """float32 fma(a, b, c) of float32 inputs: the exact a * b + c, rounded once to float32
+    (nearest even), as vfmadd231ps."""
+    from fractions import Fraction
+
+    x = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    if x == 0:
+        return np.float32(0.0)
+    sign, x = (-1, -x) if x < 0 else (1, x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1
+    e = max(e, -126)  # subnormals share the smallest exponent
+    q = x / Fraction(2) ** (e - 23)  # 24 significant bits before the point
+    n = q.numerator // q.denominator
+    rem = q - n
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2):
+        n += 1
+    return np.float32(sign * float(Fraction(n) * Fraction(2) ** (e - 23)))
+
+
+def _hsum_float_8(v: np.ndarray) -> np.float32:
+    """ggml's hsum_float_8 (x86 quants.c): (v0+v4, v1+v5, v2+v6, v3+v7), then (+ v2', v3'), then 0 + 1."""
+    a = [np.float32(v[i]) + np.float32(v[i + 4]) for i in range(4)]
+    b = [a[0] + a[2], a[1] + a[3]]
+    return np.float32(b[0] + b[1])
+
+
+# format: (the factor ggml applies after the sum, the exact float32 unit of the integer values)
+GGML_ORDER = {"IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25, "IQ3_S": 1.0}
+
+
+@pytest.mark.parametrize("name", list(GGML_ORDER))
+def test_one_token_sum_is_ggml_avx2_order_bit_for_bit(name):
+    """The one-token kernel's float32 result equals ggml's AVX2 ggml_vec_dot_iq*_q8_K order
+    emulated exactly: per super-block eight int32 lanes (lane k: the scaled products of
+    elements 4k..4k+3 of every 32-element sub-block), acc = fma(float(lane), d_w * d_x, acc),
+    then factor * hsum_float_8(acc). The integer values (2s + 1) * grid * sign are read back
+    from gguf-py's dequantization, which is exact for these formats (d * scale * grid fits a
+    float32 mantissa)."""
+    tid = q.BY_NAME[name].type_id
+    f = q.FORMATS[tid]
+    rng = np.random.default_rng(7)
+    n_rows, n_cols = 3, 4 * 256
+    raw = q.random_blocks(rng, tid, n_rows, n_cols).reshape(n_rows, -1, f.block_bytes)
+    x = rng.standard_normal((1, n_cols)).astype(np.float32)
+    y = q.matmul(raw.reshape(-1), 0, tid, n_rows, n_cols, x)[0]
+    pa = q.quantize_activations(x, q.Partner.Q8_K)
+    xq = pa.xq.reshape(-1, 256).astype(np.int64)
+    xd = pa.xd.reshape(-1)
+    factor = GGML_ORDER[name]
+    w = np.asarray(gq.dequantize(raw.reshape(n_rows, -1), G(tid)), dtype=np.float64).reshape(n_rows, -1, 256)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+    for r in range(n_rows):
+        acc = [np.float32(0.0)] * 8
+        for b in range(n_cols // 256):
+            unit = float(d[r, b]) * factor
+            wi = np.rint(w[r, b] / unit).astype(np.int64)
+            assert np.array_equal(wi * unit, w[r, b])  # exact integers
+            lanes = (wi * xq[b]).reshape(8, 8, 4).sum(axis=(0, 2))  # [sub-block, lane, 4] -> lane
+            dd = np.float32(np.float32(d[r, b]) * np.float32(xd[b]))
+            acc = [_f32_fma(np.float32(lanes[k]), dd, acc[k]) for k in range(8)]
+        want = np.float32(np.float32(factor) * _hsum_float_8(np.array(acc, np.float32)))
+        assert y[r].view(np.uint32) == want.view(np.uint32), (r, y[r], want)
