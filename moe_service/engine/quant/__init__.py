@@ -44,7 +44,7 @@ NUMBA_CACHE_DIR, which the service sets before numba is imported. Requires an x8
 with AVX2 (and SSSE3 pshufb for MXFP4).
 
 Modules (one concern each): ``formats`` (the declarations: one per GGUF type, the only
-place with byte layouts), ``ir`` (numba intrinsics and LLVM vector building blocks),
+place with byte layouts), ``codebooks`` (the i-quant grids, derived from gguf-py), ``ir`` (numba intrinsics and LLVM vector building blocks),
 ``activations`` (the partner quantizers), ``dequant``, ``tiles32`` and ``tiles_k`` (the
 two tile-kernel families), ``table`` (the per-format kernels generated from the
 declarations, their address table and ``matmul``). Adding a format is its declaration in
@@ -63,6 +63,8 @@ _EXPORTS = {
     "formats": (
         "GGML_F32", "GGML_F16", "GGML_BF16", "GGML_Q4_0", "GGML_Q4_1", "GGML_Q5_0", "GGML_Q5_1", "GGML_Q8_0",
         "GGML_Q2_K", "GGML_Q3_K", "GGML_Q4_K", "GGML_Q5_K", "GGML_Q6_K", "GGML_MXFP4", "GGML_IQ4_XS",
+        "GGML_IQ4_NL", "GGML_IQ2_XXS", "GGML_IQ2_XS", "GGML_IQ2_S", "GGML_IQ3_XXS", "GGML_IQ3_S", "GGML_IQ1_S",
+        "GGML_IQ1_M", "set_iq1m_d",
         "QK", "QK_K", "Partner", "PARTNER_BLOCK", "BlockFormat", "FORMATS", "BY_NAME", "block_format",
         "row_bytes", "random_blocks",
     ),

@@ -16,9 +16,11 @@ starts at byte ``w_off``.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
+from moe_service.engine.quant import codebooks
 from moe_service.engine.quant.formats import (
     BY_NAME,
     FORMATS,
@@ -268,6 +270,198 @@ def _iq4_xs(arena, o, out, oo, p):
             v = ld_u8(arena, o + IQ4_XS_QS + 16 * s + j)
             st(out, oo + 32 * s + j, dl * np.float32(_IQ4NL[v & 15]))
             st(out, oo + 32 * s + 16 + j, dl * np.float32(_IQ4NL[v >> 4]))
+
+
+# ---------------------------------------------------------------------------------------
+# The i-quants: grid values (codebooks.py, from gguf-py) times signs times odd sub-block
+# scales, in gguf-py's float32 operation order (gguf/quants.py IQ*.dequantize_blocks; the
+# semantics are ggml-quants.c's dequantize_row_iq*)
+# ---------------------------------------------------------------------------------------
+
+(IQ4_NL_QS,) = _offsets("IQ4_NL", "qs")
+
+
+@_dequantizes("IQ4_NL")
+def _iq4_nl(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq4_nl: element j < 16 is kvalues_iq4nl[low nibble of qs[j]],
+    16 + j the high one, times d."""
+    d = ld_f16(arena, o)
+    for j in range(16):
+        v = ld_u8(arena, o + IQ4_NL_QS + j)
+        st(out, oo + j, d * np.float32(_IQ4NL[v & 15]))
+        st(out, oo + 16 + j, d * np.float32(_IQ4NL[v >> 4]))
+
+
+_GRID_IQ2XXS = codebooks.grid("IQ2_XXS")
+_GRID_IQ2XS = codebooks.grid("IQ2_XS")
+_GRID_IQ2S = codebooks.grid("IQ2_S")
+_GRID_IQ3XXS = codebooks.grid("IQ3_XXS")
+_GRID_IQ3S = codebooks.grid("IQ3_S")
+_GRID_IQ1S = codebooks.grid("IQ1_S")
+_KSIGNS = codebooks.ksigns()
+_IQ1_DELTA = np.float32(codebooks.IQ1_DELTA)
+
+
+@njit(**_JIT_INLINE)
+def _put8(out, oo, db, grid, idx, sgn):
+    """out[oo + j] = (db * grid[idx, j]) * (-1 if bit j of sgn else 1), j < 8 (gguf-py's
+    ``db * grid * signs``)."""
+    for j in range(8):
+        v = db * np.float32(grid[idx, j])
+        st(out, oo + j, -v if (sgn >> j) & 1 else v)
+
+
+@njit(**_JIT_INLINE)
+def _quarter_scale(d, s, f):
+    """gguf-py's d * (0.5 + s) * f (IQ2: f = 0.25, IQ3_XXS: 0.5), float32 throughout."""
+    return d * (np.float32(0.5) + np.float32(s)) * np.float32(f)
+
+
+IQ2_XXS_QS = BY_NAME["IQ2_XXS"].qs
+
+
+@_dequantizes("IQ2_XXS")
+def _iq2_xxs(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq2_xxs: sub-block ib (32 elements) is 4 grid indices (bytes) and
+    a u32 of four 7-bit ksigns indices (one per 8 elements) and the 4-bit scale s (top bits);
+    x = d * (0.5 + s) * 0.25 * grid * sign."""
+    d = ld_f16(arena, o)
+    for ib in range(8):
+        b = o + IQ2_XXS_QS + 8 * ib
+        aux = ld_u32(arena, b + 4)
+        db = _quarter_scale(d, aux >> 28, 0.25)
+        for k in range(4):
+            _put8(out, oo + 32 * ib + 8 * k, db, _GRID_IQ2XXS, ld_u8(arena, b + k), _KSIGNS[(aux >> (7 * k)) & 127])
+
+
+IQ2_XS_QS, IQ2_XS_SC = _offsets("IQ2_XS", "qs", "scales")
+
+
+@_dequantizes("IQ2_XS")
+def _iq2_xs(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq2_xs: 32 u16 (one per 8 elements: 9-bit grid index, 7-bit ksigns
+    index); the 4-bit scale of 16 elements k is nibble k % 2 of scales[k // 2]."""
+    d = ld_f16(arena, o)
+    for k in range(32):
+        q = ld_u8(arena, o + IQ2_XS_QS + 2 * k) | (ld_u8(arena, o + IQ2_XS_QS + 2 * k + 1) << 8)
+        s = (ld_u8(arena, o + IQ2_XS_SC + k // 4) >> (4 * ((k // 2) % 2))) & 15
+        _put8(out, oo + 8 * k, _quarter_scale(d, s, 0.25), _GRID_IQ2XS, q & 511, _KSIGNS[q >> 9])
+
+
+IQ2_S_QS, IQ2_S_SG, IQ2_S_QH, IQ2_S_SC = _offsets("IQ2_S", "qs", "signs", "qh", "scales")
+
+
+@_dequantizes("IQ2_S")
+def _iq2_s(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq2_s: group k of 8 elements has grid index qs[k] | 2 bits
+    (2 (k % 4)) of qh[k // 4] << 8 and sign byte signs[k]; scales as IQ2_XS."""
+    d = ld_f16(arena, o)
+    for k in range(32):
+        idx = ld_u8(arena, o + IQ2_S_QS + k) | (((ld_u8(arena, o + IQ2_S_QH + k // 4) >> (2 * (k % 4))) & 3) << 8)
+        s = (ld_u8(arena, o + IQ2_S_SC + k // 4) >> (4 * ((k // 2) % 2))) & 15
+        _put8(out, oo + 8 * k, _quarter_scale(d, s, 0.25), _GRID_IQ2S, idx, ld_u8(arena, o + IQ2_S_SG + k))
+
+
+IQ3_XXS_QS, IQ3_XXS_SS = _offsets("IQ3_XXS", "qs", "scales_signs")
+
+
+@_dequantizes("IQ3_XXS")
+def _iq3_xxs(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq3_xxs: grid index k (a byte) gives elements 4k..4k+3; sub-block
+    ib's u32 holds four 7-bit ksigns indices (per 8 elements) and the scale s in its top 4
+    bits; x = d * (0.5 + s) * 0.5 * grid * sign."""
+    d = ld_f16(arena, o)
+    for ib in range(8):
+        aux = ld_u32(arena, o + IQ3_XXS_SS + 4 * ib)
+        db = _quarter_scale(d, aux >> 28, 0.5)
+        for k in range(4):
+            sgn = _KSIGNS[(aux >> (7 * k)) & 127]
+            for h in range(2):
+                idx = ld_u8(arena, o + IQ3_XXS_QS + 8 * ib + 2 * k + h)
+                for j in range(4):
+                    v = db * np.float32(_GRID_IQ3XXS[idx, j])
+                    st(out, oo + 32 * ib + 8 * k + 4 * h + j, -v if (sgn >> (4 * h + j)) & 1 else v)
+
+
+IQ3_S_QS, IQ3_S_QH, IQ3_S_SG, IQ3_S_SC = _offsets("IQ3_S", "qs", "qh", "signs", "scales")
+
+
+@_dequantizes("IQ3_S")
+def _iq3_s(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq3_s: grid index k = qs[k] | bit k % 8 of qh[k // 8] << 8 gives
+    elements 4k..4k+3; element e's sign is bit e % 8 of signs[e // 8]; sub-block e // 32 has
+    scale d * (1 + 2 s), s nibble (e // 32) % 2 of scales[e // 64]."""
+    d = ld_f16(arena, o)
+    for ib in range(8):
+        db = d * np.float32(1 + 2 * ((ld_u8(arena, o + IQ3_S_SC + ib // 2) >> (4 * (ib % 2))) & 15))
+        for k in range(8 * ib, 8 * ib + 8):
+            idx = ld_u8(arena, o + IQ3_S_QS + k) | (((ld_u8(arena, o + IQ3_S_QH + k // 8) >> (k % 8)) & 1) << 8)
+            sgn = ld_u8(arena, o + IQ3_S_SG + k // 2)
+            for j in range(4):
+                v = db * np.float32(_GRID_IQ3S[idx, j])
+                st(out, oo + 4 * k + j, -v if (sgn >> (4 * (k % 2) + j)) & 1 else v)
+
+
+IQ1_S_QS, IQ1_S_QH = _offsets("IQ1_S", "qs", "qh")
+
+
+@_dequantizes("IQ1_S")
+def _iq1_s(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq1_s: sub-block ib's u16 qh holds 3 high index bits per 8
+    elements (bits 3k), the scale s (bits 12..14) and the delta's sign (bit 15); x = d * (2 s
+    + 1) * (grid + delta), delta = -1/8 when bit 15 is set, else +1/8."""
+    d = ld_f16(arena, o)
+    for ib in range(8):
+        qh = ld_u8(arena, o + IQ1_S_QH + 2 * ib) | (ld_u8(arena, o + IQ1_S_QH + 2 * ib + 1) << 8)
+        dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
+        delta = -_IQ1_DELTA if qh & 0x8000 else _IQ1_DELTA
+        for k in range(4):
+            idx = ld_u8(arena, o + IQ1_S_QS + 4 * ib + k) | (((qh >> (3 * k)) & 7) << 8)
+            for j in range(8):
+                st(out, oo + 32 * ib + 8 * k + j, dl * (np.float32(_GRID_IQ1S[idx, j]) + delta))
+
+
+IQ1_M_QH, IQ1_M_SC = _offsets("IQ1_M", "qh", "scales")
+
+
+@intrinsic
+def _f16_from_bits(typingctx, x):
+    """The float16 whose bits are the low 16 bits of the integer ``x``, widened to float32."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.uint16)
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(**_JIT_INLINE)
+def _iq1m_d(arena, so):
+    """The f16 d of an IQ1_M super-block: the top nibbles of its four u16 scale words at ``so``
+    (word k's nibble is bits 4k..4k+3 of d), as ggml's iq1m_scale_t."""
+    bits = 0
+    for k in range(4):
+        bits |= (ld_u8(arena, so + 2 * k + 1) >> 4) << (4 * k)
+    return _f16_from_bits(bits)
+
+
+@_dequantizes("IQ1_M")
+def _iq1_m(arena, o, out, oo, p):
+    """ggml's dequantize_row_iq1_m: group k of 8 elements has index qs[k] | (nibble k % 2 of
+    qh[k // 2]) & 7 << 8 and delta -1/8 when that nibble's bit 3 is set, else +1/8; 16
+    elements m have scale d * (2 s + 1), s bits 3 (m % 4) of u16 scale word m // 4."""
+    d = _iq1m_d(arena, o + IQ1_M_SC)
+    for m in range(16):
+        w = ld_u8(arena, o + IQ1_M_SC + 2 * (m // 4)) | (ld_u8(arena, o + IQ1_M_SC + 2 * (m // 4) + 1) << 8)
+        dl = d * np.float32(2 * ((w >> (3 * (m % 4))) & 7) + 1)
+        for h in range(2):
+            k = 2 * m + h
+            nib = (ld_u8(arena, o + IQ1_M_QH + k // 2) >> (4 * (k % 2))) & 15
+            idx = ld_u8(arena, o + k) | ((nib & 7) << 8)
+            delta = -_IQ1_DELTA if nib & 8 else _IQ1_DELTA
+            for j in range(8):
+                st(out, oo + 8 * k + j, dl * (np.float32(_GRID_IQ1S[idx, j]) + delta))
 
 
 def _make_rows(f):

@@ -174,6 +174,35 @@ _DECLARED = (
     BlockFormat("IQ4_XS", QK_K, (_h("d"), _f("scales_h", 2), _f("scales_l", QK_K // 64), _f("qs", QK_K // 2)),
                 Partner.Q8_K, "k", "f16 d | u16 high scale bits | 4 B low scale nibbles | 128 B codes; "
                 "x = d*(sc-32)*kvalue_iq4nl[code] per 32", signed=True),
+    BlockFormat("IQ4_NL", QK, (_h("d"), _f("qs", QK // 2)), Partner.Q8_0, "32",
+                "f16 d | 16 B codes; x = d*kvalue_iq4nl[code]", kind="iq4nl", signed=True),
+    # The i-quants (ggml-common.h block_iq*): values from a grid (codebooks.py) of 4 or 8
+    # values per index, signs per element, odd sub-block scales (2 s + 1); the K-quant tile
+    # family (tiles_k.py) with Q8_K activations, as ggml's vec_dot_type.
+    BlockFormat("IQ2_XXS", QK_K, (_h("d"), _f("qs", QK_K // 4)), Partner.Q8_K, "k",
+                "f16 d | 8 x (4 B grid indices, u32 4x7 sign indices | 4-bit s); "
+                "x = d*(2s+1)/8 * grid256[idx] * ksigns per 32", signed=True),
+    BlockFormat("IQ2_XS", QK_K, (_h("d"), _f("qs", QK_K // 4), _f("scales", QK_K // 32)), Partner.Q8_K, "k",
+                "f16 d | 32 u16 (9-bit grid index, 7-bit sign index) | 8 B 4-bit scales; "
+                "x = d*(2s+1)/8 * grid512[idx] * ksigns per 16", signed=True),
+    BlockFormat("IQ2_S", QK_K, (_h("d"), _f("qs", QK_K // 8), _f("signs", QK_K // 8), _f("qh", QK_K // 32),
+                                _f("scales", QK_K // 32)), Partner.Q8_K, "k",
+                "f16 d | 32 B low index bits | 32 B sign bits | 8 B 2-bit high index bits | 8 B 4-bit scales; "
+                "x = d*(2s+1)/8 * grid1024[idx] * sign per 16", signed=True),
+    BlockFormat("IQ3_XXS", QK_K, (_h("d"), _f("qs", QK_K // 4), _f("scales_signs", QK_K // 8)), Partner.Q8_K,
+                "k", "f16 d | 64 B grid indices | 8 x u32 (4x7 sign indices | 4-bit s); "
+                "x = d*(2s+1)/4 * grid256x4[idx] * ksigns per 32", signed=True),
+    BlockFormat("IQ3_S", QK_K, (_h("d"), _f("qs", QK_K // 4), _f("qh", QK_K // 32), _f("signs", QK_K // 8),
+                                _f("scales", QK_K // 64)), Partner.Q8_K, "k",
+                "f16 d | 64 B low index bits | 8 B high index bits | 32 B sign bits | 4 B 4-bit scales; "
+                "x = d*(2s+1) * grid512x4[idx] * sign per 32", signed=True),
+    BlockFormat("IQ1_S", QK_K, (_h("d"), _f("qs", QK_K // 8), _f("qh", QK_K // 16)), Partner.Q8_K, "k",
+                "f16 d | 32 B low index bits | 8 x u16 (4x3 high index bits | 3-bit s | delta sign); "
+                "x = d*(2s+1) * (grid2048[idx] +- 1/8) per 32", signed=True, has_min=True),
+    BlockFormat("IQ1_M", QK_K, (_f("qs", QK_K // 8), _f("qh", QK_K // 16), _f("scales", QK_K // 32)),
+                Partner.Q8_K, "k", "32 B low index bits | 16 B (3 high index bits, delta sign) per 8 | "
+                "4 x u16 (4x3-bit s | a nibble of the f16 d); x = d*(2s+1) * (grid2048[idx] +- 1/8) per 16 "
+                "(delta per 8)", signed=True),
 )
 
 FORMATS: dict[int, BlockFormat] = {f.type_id: f for f in sorted(_DECLARED, key=lambda f: f.type_id)}
@@ -198,6 +227,27 @@ GGML_Q4_K = BY_NAME["Q4_K"].type_id
 GGML_Q5_K = BY_NAME["Q5_K"].type_id
 GGML_Q6_K = BY_NAME["Q6_K"].type_id
 GGML_IQ4_XS = BY_NAME["IQ4_XS"].type_id
+GGML_IQ4_NL = BY_NAME["IQ4_NL"].type_id
+GGML_IQ2_XXS = BY_NAME["IQ2_XXS"].type_id
+GGML_IQ2_XS = BY_NAME["IQ2_XS"].type_id
+GGML_IQ2_S = BY_NAME["IQ2_S"].type_id
+GGML_IQ3_XXS = BY_NAME["IQ3_XXS"].type_id
+GGML_IQ3_S = BY_NAME["IQ3_S"].type_id
+GGML_IQ1_S = BY_NAME["IQ1_S"].type_id
+GGML_IQ1_M = BY_NAME["IQ1_M"].type_id
+
+IQ1_M_SCALES = BY_NAME["IQ1_M"].off("scales")
+
+
+def set_iq1m_d(blocks: np.ndarray, d: np.ndarray) -> None:
+    """Store float16 ``d`` [n] as the super-block scales of IQ1_M ``blocks`` uint8 [n, 56] in
+    place: IQ1_M has no d field, its f16 bits are the top nibbles of the four u16 scale words
+    (nibble k of d in word k), as ggml's iq1m_scale_t (ggml-quants.c dequantize_row_iq1_m)."""
+    bits = np.asarray(d, dtype=np.float16).view(np.uint16).reshape(-1)
+    words = blocks[:, IQ1_M_SCALES:IQ1_M_SCALES + 8].copy().view(np.uint16).reshape(-1, 4)
+    for k in range(4):
+        words[:, k] = (words[:, k] & np.uint16(0x0FFF)) | (((bits >> np.uint16(4 * k)) & np.uint16(15)) << np.uint16(12))
+    blocks[:, IQ1_M_SCALES:IQ1_M_SCALES + 8] = words.view(np.uint8).reshape(-1, 8)
 
 
 def block_format(ggml_type: int) -> BlockFormat:
@@ -223,7 +273,8 @@ def random_blocks(rng: np.random.Generator, ggml_type: int, n_rows: int, n_cols:
                   scale: float = 0.01) -> np.ndarray:
     """A tensor of n_rows x n_cols ``ggml_type`` as uint8 [n_rows * row_bytes]: random bytes
     with finite float16 scale fields (normal, std ``scale``), MXFP4 exponents in 2^-10..2^-1,
-    and normal F32/F16/BF16 values. For tests and benchmarks of the kernels."""
+    IQ1_M's d (spread over its scale words) as the f16 fields, and normal F32/F16/BF16
+    values; any bytes are valid grid and sign indices of the i-quants. For tests and benchmarks of the kernels."""
     f = block_format(ggml_type)
     nb = n_cols // f.block_elems
     if f.family == "float":
@@ -239,4 +290,6 @@ def random_blocks(rng: np.random.Generator, ggml_type: int, n_rows: int, n_cols:
         raw[:, :, off:off + 2] = v.view(np.uint8).reshape(n_rows, nb, 2)
     if ggml_type == GGML_MXFP4:
         raw[:, :, 0] = rng.integers(118, 128, size=(n_rows, nb))
+    if ggml_type == GGML_IQ1_M:
+        set_iq1m_d(raw.reshape(-1, f.block_bytes), (rng.standard_normal(n_rows * nb) * scale).astype(np.float16))
     return raw.reshape(-1)

@@ -1,4 +1,4 @@
-"""Tile kernels of the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 x Q8_0 /
+"""Tile kernels of the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL x Q8_0 /
 Q8_1): LLVM IR for R weight rows x A activation rows per pass (see the section comment).
 A format of this family declares its tile parameters in formats.py (``kind``, ``bias``,
 ``signed``, ``has_min`` and the ``qs`` / ``qh`` offsets)."""
@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from moe_service.engine.quant.formats import BY_NAME, FORMATS, MXFP4_KVALUES, QK
+from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, MXFP4_KVALUES, QK
 from moe_service.engine.quant.ir import (
     _F32,
     _I8,
@@ -81,8 +81,9 @@ def _unpack32(builder, f, ptrs, offset=0):
     dup = _shuf(builder, v, [16 * j + i for j in range(n) for _ in range(2) for i in range(16)])
     w16 = builder.lshr(builder.bitcast(dup, _vt(_I16, 16 * n)), _cvec(_I16, ([0] * 8 + [4] * 8) * n))
     q = builder.and_(builder.bitcast(w16, _vt(_I8, 32 * n)), _cvec(_I8, [15] * 32 * n))
-    if f.kind == "mxfp4":
-        table = _cvec(_I8, [(v_ + offset) & 0xFF for v_ in MXFP4_KVALUES] * (2 * n))
+    if f.kind in ("mxfp4", "iq4nl"):
+        values = MXFP4_KVALUES if f.kind == "mxfp4" else IQ4NL_KVALUES
+        table = _cvec(_I8, [(v_ + offset) & 0xFF for v_ in values] * (2 * n))
         name = "llvm.x86.avx512.pshuf.b.512" if n == 2 else "llvm.x86.avx2.pshuf.b"
         return _call(builder, name, _vt(_I8, 32 * n), [table, q])
     if f.qh >= 0:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from llvmlite import ir
 from numba.core import cgutils
 
+from moe_service.engine.quant import codebooks
 from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, QK_K
 from moe_service.engine.quant.ir import (
     _F32,
@@ -39,7 +40,7 @@ from moe_service.engine.quant.ir import (
 )
 
 # ---------------------------------------------------------------------------------------
-# Tile kernels of the K-quants (Q2_K .. Q6_K, IQ4_XS x Q8_K): R weight rows x A items per pass
+# Tile kernels of the K-quants (Q2_K .. Q6_K, IQ4_XS, the i-quants x Q8_K): R weight rows x A items per pass
 # ---------------------------------------------------------------------------------------
 # Per super-block (256 elements) and (row, item): an int32 accumulator of 16 lanes takes
 # four 64-element pieces, each vpmaddubsw (unsigned weights x activation -> int16 pairs)
@@ -64,13 +65,16 @@ class KPieces(NamedTuple):
     i16> (the sub-block scale of each int16 pair lane), ``mins`` <16 x i16> (the min of each
     16 elements, formats with ``has_min``) or None, ``offset`` <16 x i16> (a constant offset
     of the values times the scale of each 16 elements, dotted with the Q8_K sums) or None,
-    ``d2`` <2 x float> [d, dmin]."""
+    ``d2`` <2 x float> [d, dmin]; ``neg`` None, or 4 x <64 x i1>: the elements whose
+    (unsigned) value is negated, applied to the activation instead (ggml's sign of q8, the
+    IQ2 / IQ3 grids)."""
 
     pieces: list
     scales: list
     mins: object
     offset: object
     d2: object
+    neg: list | None = None
 
 
 def _weight_side(*names: str):
@@ -241,6 +245,232 @@ def _iq4_xs_pieces(builder, f, o):
     return KPieces(pieces, scl, None, None, _shuf(builder, d2, [0, 0]))
 
 
+
+# ---------------------------------------------------------------------------------------
+# The i-quants' weight sides (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
+# ---------------------------------------------------------------------------------------
+# Each group of 8 (IQ3: 4) elements is one grid word, loaded from a constant table built
+# from codebooks.py (gguf-py's grids), and 8 sign bits; the signed values go through the
+# tile's sign trick as IQ4_XS's do. Scales are ggml's odd sub-block scales 2 s + 1 (per 32 or
+# per 16 elements); the constant factor ggml applies at the end (IQ2: 1/8, IQ3_XXS: 1/4) is
+# folded into d: a power of two, so every float step is the same scaled exactly (ggml:
+# 0.125f * hsum(acc), here hsum(acc') with acc' = acc / 8 exactly). The integer lanes are
+# those of ggml's AVX2 kernels (quants.c ggml_vec_dot_iq*_q8_K, arch/x86): one 32-element
+# sub-block per ymm, lane k = the scaled products of elements 4k..4k+3, summed over the
+# sub-blocks. IQ1_S's delta (+-1/8 per 32 elements) enters as ggml's sumi1 through the mins
+# path: lanes +-(2 s + 1) dotted with the Q8_K 16-sums, times -d/8 (result = acc - mins, so
+# + d/8 * sumi1 as ggml's hsum(acc) + IQ1S_DELTA * accum1). IQ1_M's delta is per 8
+# elements: its values are taken as 8 g +- 1 (an exact integer identity) with d/8; ggml
+# keeps the delta in a second float accumulator, so IQ1_M's sums differ from ggml's by
+# float32 rounding only.
+
+
+def _ksign_bytes(builder, idx7):
+    """ksigns_iq2xs[idx7] for a <n x i8> of 7-bit indices: the index with bit 7 set when it
+    has an odd number of set bits (even parity; checked against gguf-py's table at import)."""
+    n = idx7.type.count
+    pop = _call(builder, f"llvm.ctpop.v{n}i8", _vt(_I8, n), [idx7])
+    return builder.or_(idx7, builder.shl(builder.and_(pop, _cvec(_I8, [1] * n)), _cvec(_I8, [7] * n)))
+
+
+if [i | ((bin(i).count("1") & 1) << 7) for i in range(128)] != [int(v) for v in codebooks.ksigns()]:
+    raise AssertionError("ksigns_iq2xs is not the even-parity completion of its index (see _ksign_bytes)")
+
+
+def _grid_global(builder, name):
+    """The grid of i-quant ``name`` as a module constant [entries x i64] (8 values per entry)
+    or [entries x i32] (4 values), value j in byte j (codebooks.grid_words)."""
+    words = codebooks.grid_words(name)
+    ty = _I64 if codebooks.grid(name).shape[1] == 8 else _I32
+    gname = f"_moe_grid_{name.lower()}"
+    g = builder.module.globals.get(gname)
+    if g is None:
+        g = cgutils.global_constant(builder, gname, ir.Constant(ir.ArrayType(ty, len(words)), words))
+    return g
+
+
+def _zext32(builder, v):
+    """<n x i8 / i16> zero-extended to <n x i32>."""
+    return builder.zext(v, _vt(_I32, v.type.count))
+
+
+def _spread(builder, v, n, per):
+    """<n x ...>: lane k = lane k // per of v."""
+    return _shuf(builder, v, [k // per for k in range(n)])
+
+
+def _lshr_and(builder, v, shifts, mask):
+    """(v >> shifts[k]) & mask per lane k of a <n x iN> v."""
+    ty = v.type.element
+    n = v.type.count
+    return builder.and_(builder.lshr(v, _cvec(ty, shifts)), _cvec(ty, [mask] * n))
+
+
+def _grid_values(builder, name, idx):
+    """4 x <64 x i8>: the grid values of the <32 x i32> (8-wide grids) or <64 x i32> (4-wide)
+    indices ``idx`` (element order), by AVX2 gathers from the grid's constant table
+    (vpgatherdq, 4 entries of 8 bytes; vpgatherdd, 8 entries of 4 bytes)."""
+    table = _grid_global(builder, name)
+    base = builder.bitcast(table, _I8.as_pointer())
+    wide = table.type.pointee.element == _I64
+    step = 4 if wide else 8
+    ety = _I64 if wide else _I32
+    vty = _vt(ety, step)
+    name_ = "llvm.x86.avx2.gather.d.q.256" if wide else "llvm.x86.avx2.gather.d.d.256"
+    zero, ones = ir.Constant(vty, [0] * step), ir.Constant(vty, [-1] * step)
+    parts = [_call(builder, name_, vty, [zero, base, _shuf(builder, idx, range(j, j + step)), ones,
+                                         ir.Constant(_I8, 8 if wide else 4)])
+             for j in range(0, idx.type.count, step)]
+    per = len(parts) // 4
+    return [builder.bitcast(_cat(builder, parts[per * g:per * g + per]), _vt(_I8, 64)) for g in range(4)]
+
+
+def _sign_masks(builder, signs32):
+    """4 x <64 x i1>: element 8 i + j of piece g negative where bit j of byte i of <32 x i8>
+    ``signs32`` is set (KPieces.neg)."""
+    bit = _cvec(_I8, [1 << (j % 8) for j in range(64)])
+    zero = _cvec(_I8, [0] * 64)
+    return [builder.icmp_unsigned("!=", builder.and_(_shuf(builder, signs32, [8 * g + j // 8 for j in range(64)]), bit),
+                                  zero) for g in range(4)]
+
+
+def _odd16(builder, s16):
+    """2 s + 1 for a <16 x i16>."""
+    return builder.add(builder.shl(s16, _cvec(_I16, [1] * 16)), _cvec(_I16, [1] * 16))
+
+
+def _scales16(builder, sc16):
+    """The 4 x <32 x i16> pair-lane scales of the 16 per-16-element scales ``sc16``."""
+    return [_shuf(builder, sc16, [4 * g + m // 8 for m in range(32)]) for g in range(4)]
+
+
+def _nibble_scales16(builder, o, off):
+    """<16 x i16> 2 s + 1 of 8 bytes of 4-bit scales at ``off``: 16 elements j have nibble
+    j % 2 of byte j // 2 (IQ2_XS, IQ2_S)."""
+    sb = _spread(builder, _ldv(builder, o, off, _vt(_I8, 8)), 16, 2)
+    return _odd16(builder, builder.zext(_lshr_and(builder, sb, [0, 4] * 8, 15), _vt(_I16, 16)))
+
+
+def _d_times(builder, o, off, factors):
+    """<2 x float> [d * factors[0], d * factors[1]] for the f16 d at byte ``off`` (exact: powers of 2)."""
+    d2 = _f16_pair(builder, o, off)
+    return builder.fmul(_shuf(builder, d2, [0, 0]), ir.Constant(_vt(_F32, 2), list(factors)))
+
+
+def _aux_fields(builder, aux8):
+    """From the 8 sub-block words <8 x i32> of IQ2_XXS / IQ3_XXS: the <32 x i8> ksigns bytes
+    (group 4 ib + k: bits 7k of word ib) and the <16 x i16> odd scales 2 (w >> 28) + 1 per 16."""
+    a32 = _spread(builder, aux8, 32, 4)
+    sidx = builder.trunc(_lshr_and(builder, a32, [7 * (k % 4) for k in range(32)], 127), _vt(_I8, 32))
+    s8 = builder.trunc(builder.lshr(aux8, _cvec(_I32, [28] * 8)), _vt(_I16, 8))
+    return _ksign_bytes(builder, sidx), _odd16(builder, _spread(builder, s8, 16, 2))
+
+
+@_weight_side("IQ2_XXS")
+def _iq2_xxs_pieces(builder, f, o):
+    """Sub-block ib (32 elements) is 4 grid-index bytes then a u32 aux (four 7-bit ksigns
+    indices, bits 7k, and the scale s, bits 28..31); scale 2 s + 1; d / 8."""
+    q = _ldv(builder, o, f.qs, _vt(_I32, 16))  # words: index bytes, aux, index bytes, aux, ...
+    idx = _zext32(builder, _shuf(builder, builder.bitcast(q, _vt(_I8, 64)),
+                                 [8 * (k // 4) + k % 4 for k in range(32)]))
+    signs, sc16 = _aux_fields(builder, _shuf(builder, q, range(1, 16, 2)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+
+
+@_weight_side("IQ3_XXS")
+def _iq3_xxs_pieces(builder, f, o):
+    """64 grid-index bytes (4 values each) then 8 u32 aux words as IQ2_XXS's; d / 4."""
+    idx = _zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 64)))
+    signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks(builder, signs))
+
+
+@_weight_side("IQ2_XS")
+def _iq2_xs_pieces(builder, f, o):
+    """32 u16 (one per 8 elements): low 9 bits the grid index, high 7 bits the ksigns index;
+    4-bit scales per 16 elements (_nibble_scales16); d / 8."""
+    q = _ldv(builder, o, f.qs, _vt(_I16, 32))
+    idx = _zext32(builder, builder.and_(q, _cvec(_I16, [511] * 32)))
+    signs = _ksign_bytes(builder, builder.trunc(builder.lshr(q, _cvec(_I16, [9] * 32)), _vt(_I8, 32)))
+    sc16 = _nibble_scales16(builder, o, f.off("scales"))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+
+
+@_weight_side("IQ2_S")
+def _iq2_s_pieces(builder, f, o):
+    """Group k of 8 elements: grid index qs[k] | 2 bits 2 (k % 4) of qh[k // 4] << 8, sign byte
+    signs[k]; 4-bit scales per 16 elements; d / 8."""
+    qh = _zext32(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 32, 4))
+    hi = builder.shl(_lshr_and(builder, qh, [2 * (k % 4) for k in range(32)], 3), _cvec(_I32, [8] * 32))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi)
+    sc16 = _nibble_scales16(builder, o, f.off("scales"))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (0.125, 0.0)),
+                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
+
+
+@_weight_side("IQ3_S")
+def _iq3_s_pieces(builder, f, o):
+    """Grid index k (4 values) = qs[k] | bit k % 8 of qh[k // 8] << 8; element e's sign is bit
+    e % 8 of signs[e // 8]; sub-block ib (32 elements) scale 2 s + 1, s nibble ib % 2 of
+    scales[ib // 2]; d."""
+    qh = _zext32(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 64, 8))
+    hi = builder.shl(_lshr_and(builder, qh, [k % 8 for k in range(64)], 1), _cvec(_I32, [8] * 64))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 64))), hi)
+    sb = _spread(builder, _ldv(builder, o, f.off("scales"), _vt(_I8, 4)), 16, 4)
+    sc16 = _odd16(builder, builder.zext(_lshr_and(builder, sb, [0, 0, 4, 4] * 4, 15), _vt(_I16, 16)))
+    return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
+                   _d_times(builder, o, 0, (1.0, 0.0)),
+                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
+
+
+@_weight_side("IQ1_S")
+def _iq1_s_pieces(builder, f, o):
+    """Sub-block ib: u16 qh (3 high index bits per 8 elements at bits 3k, s at 12..14, the
+    delta's sign at 15) and 4 low index bytes; values the grid's -1 / 0 / 1, scale 2 s + 1;
+    the delta as mins lanes +-(2 s + 1) with [d, -d / 8] (see the section comment)."""
+    q8 = _ldv(builder, o, f.qh, _vt(_I16, 8))
+    hi = _zext32(builder, _lshr_and(builder, _spread(builder, q8, 32, 4), [3 * (k % 4) for k in range(32)], 7))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), builder.shl(hi, _cvec(_I32, [8] * 32)))
+    pieces = _grid_values(builder, f.name, idx)
+    q16 = _spread(builder, q8, 16, 2)
+    sc16 = _odd16(builder, _lshr_and(builder, q16, [12] * 16, 7))
+    neg = builder.icmp_signed("<", q16, _cvec(_I16, [0] * 16))
+    mins = builder.select(neg, builder.sub(_cvec(_I16, [0] * 16), sc16), sc16)
+    return KPieces(pieces, _scales16(builder, sc16), mins, None, _d_times(builder, o, 0, (1.0, -0.125)))
+
+
+@_weight_side("IQ1_M")
+def _iq1_m_pieces(builder, f, o):
+    """Group k of 8 elements: nibble k % 2 of qh[k // 2] holds 3 high index bits and the
+    delta's sign (bit 3); values 8 g +- 1 (g the grid's -1 / 0 / 1, + 1 when the sign bit is
+    clear), d / 8; 16 elements m have scale 2 s + 1, s bits 3 (m % 4) of u16 scale word
+    m // 4, whose top nibbles are the f16 d."""
+    so = f.off("scales")
+    nib = _lshr_and(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 16)), 32, 2), [0, 4] * 16, 15)
+    hi = builder.shl(_zext32(builder, builder.and_(nib, _cvec(_I8, [7] * 32))), _cvec(_I32, [8] * 32))
+    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi)
+    dsign = builder.and_(nib, _cvec(_I8, [8] * 32))  # set: delta -1/8
+    pieces = []
+    for g, v in enumerate(_grid_values(builder, f.name, idx)):
+        neg = builder.icmp_unsigned("!=", _shuf(builder, dsign, [8 * g + j // 8 for j in range(64)]), _cvec(_I8, [0] * 64))
+        delta = builder.select(neg, _cvec(_I8, [0xFF] * 64), _cvec(_I8, [1] * 64))
+        pieces.append(builder.add(builder.shl(v, _cvec(_I8, [3] * 64)), delta))
+    w = _ldv(builder, o, so, _vt(_I16, 4))
+    sc16 = _odd16(builder, _lshr_and(builder, _spread(builder, w, 16, 4), [0, 3, 6, 9] * 4, 7))
+    top = builder.shl(builder.lshr(w, _cvec(_I16, [12] * 4)), _cvec(_I16, [0, 4, 8, 12]))
+    dbits = builder.or_(builder.or_(builder.extract_element(top, ir.Constant(_I32, 0)),
+                                    builder.extract_element(top, ir.Constant(_I32, 1))),
+                        builder.or_(builder.extract_element(top, ir.Constant(_I32, 2)),
+                                    builder.extract_element(top, ir.Constant(_I32, 3))))
+    d = builder.fpext(builder.bitcast(dbits, ir.HalfType()), _F32)
+    d2 = builder.insert_element(ir.Constant(_vt(_F32, 2), [0.0, 0.0]), builder.fmul(d, ir.Constant(_F32, 0.125)),
+                                ir.Constant(_I32, 0))
+    return KPieces(pieces, _scales16(builder, sc16), None, None, d2)
+
 def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
     w64 goes in as |w| x (a with w's sign), ggml's sign trick (no int16 pair sum saturates:
@@ -325,9 +555,13 @@ def _tilek_codegen(fmt, n_w, n_a):
                 for t in range(n_a):
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
                     for k in range(n_w):
-                        iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a64, wk[k].scales[g], iacc[k][t], f.signed)
+                        a = a64
+                        if wk[k].neg is not None:  # unsigned values, their signs on the activation
+                            a = builder.select(wk[k].neg[g], builder.sub(_cvec(_I8, [0] * 64), a64), a64)
+                        iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a, wk[k].scales[g], iacc[k][t],
+                                             f.signed and wk[k].neg is None)
             for k in range(n_w):
-                _, _, mins, _, d2 = wk[k]
+                mins, d2 = wk[k].mins, wk[k].d2
                 lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) if _VNNI else v
                          for v in iacc[k]]
                 dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item

@@ -9,12 +9,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from moe_service.engine import torch_quant as tq
+from moe_service.engine.quant.formats import set_iq1m_d
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "BF16", "F32"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "BF16", "F32",
+         "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 
 # byte offsets of the float16 scale fields of each block (random bytes there could be NaN/inf)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
+              "IQ4_XS": (0,), "IQ4_NL": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+              "IQ3_S": (0,), "IQ1_S": (0,)}
 
 
 def random_tensor(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -35,6 +39,8 @@ def random_tensor(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         blocks[:, :, at : at + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
     if name == "MXFP4":
         blocks[:, :, 0] = rng.integers(100, 140, size=blocks.shape[:2], dtype=np.uint8)
+    if name == "IQ1_M":  # its f16 d is the top nibbles of its four scale words
+        set_iq1m_d(blocks.reshape(-1, size), (rng.standard_normal(blocks.shape[0] * blocks.shape[1]) * 0.05).astype(np.float16))
     return blocks.reshape(rows, -1)
 
 
@@ -112,12 +118,12 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="Q8_0 tensor of shape \\(2, 32\\) needs 68 bytes, got 10"):
         tq.dequantize(torch.zeros(10, dtype=torch.uint8), tq.Q8_0, (2, 32))
     with pytest.raises(ValueError, match="no torch dequantizer"):
-        tq.nbytes_of(10, (1, 256))  # Q2_K
+        tq.nbytes_of(34, (1, 256))  # TQ1_0
     with pytest.raises(ValueError, match="not a multiple of 256"):
         tq.nbytes_of(tq.Q4_K, (1, 100))
     with pytest.raises(ValueError, match="must be uint8"):
         tq.dequantize(torch.zeros(34, dtype=torch.int8), tq.Q8_0, (1, 32))
-    assert tq.supports(tq.MXFP4) and not tq.supports(10)
+    assert tq.supports(tq.MXFP4) and tq.supports(10) and not tq.supports(34)  # Q2_K yes, TQ1_0 no
 
 
 def test_block_table_matches_gguf():

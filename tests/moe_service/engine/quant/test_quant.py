@@ -49,8 +49,8 @@ def test_format_table_matches_gguf():
 
 
 def test_unknown_type_is_a_model_file_error():
-    with pytest.raises(ModelFileError, match="type 16 is not supported"):
-        q.block_format(16)  # IQ2_XXS
+    with pytest.raises(ModelFileError, match="type 34 is not supported"):
+        q.block_format(34)  # TQ1_0
     with pytest.raises(ValueError, match="not a whole number of Q4_K blocks"):
         q.row_bytes(q.GGML_Q4_K, 100)
 
@@ -260,7 +260,7 @@ def test_matmul_validates(rng):
     with pytest.raises(ValueError, match="activations have 32 columns"):
         q.matmul(raw, 0, q.GGML_Q8_0, 4, 64, np.zeros((1, 32), np.float32))
     with pytest.raises(ModelFileError):
-        q.matmul(raw, 0, 16, 1, 256, np.zeros((1, 256), np.float32))  # IQ2_XXS
+        q.matmul(raw, 0, 34, 1, 256, np.zeros((1, 256), np.float32))  # TQ1_0
     with pytest.raises(ValueError, match="1-D C-contiguous uint8"):
         q.matmul(raw.view(np.int8), 0, q.GGML_Q8_0, 4, 64, x)
 

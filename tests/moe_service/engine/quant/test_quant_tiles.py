@@ -43,6 +43,11 @@ RECORDED = {
     "Q4_1": "c8e03e00075c8757", "Q5_0": "992046dbf52145b0", "Q5_1": "ac15f893c759efe5",
     "Q8_0": "ece95a51908e5b18", "Q4_K": "f2828244dd77151c", "Q5_K": "6da3e98f3dc51ad4",
     "Q6_K": "1c8cff244759131f", "BF16": "1b61783ed388b217", "MXFP4": "aab4b25310807aaf",
+    # recorded on an AVX2-only host (their kernels were written tiled; the AVX-512 VNNI form
+    # must give the same bits, test_avx2_code_matches_the_recorded_one_row_kernels' converse)
+    "IQ4_NL": "ee03d348835c0eb4", "IQ2_XXS": "3d7c19b3b55931d1", "IQ2_XS": "14c56da1b131f287",
+    "IQ2_S": "d48ec4e6b2116f80", "IQ3_XXS": "1d6b8a593a28fc15", "IQ3_S": "fba611ac6acae77f",
+    "IQ1_S": "7be750a6ff04da85", "IQ1_M": "12d621d02f4b8950",
 }
 
 # F16/BF16: LLVM vectorizes the float kernels for the host CPU it compiles on, so their
@@ -97,6 +102,8 @@ def det_blocks(tid: int, n_rows: int, n_cols: int, seed: int) -> np.ndarray:
         raw[:, :, off:off + 2] = v.view(np.uint8).reshape(n_rows, nb, 2)
     if tid == q.GGML_MXFP4:
         raw[:, :, 0] = (118 + _u32(n_rows * nb, seed + 7) % 10).reshape(n_rows, nb)
+    if tid == q.GGML_IQ1_M:  # its f16 d is spread over the scale words' top nibbles
+        q.set_iq1m_d(raw.reshape(-1, f.block_bytes), (_unit(n_rows * nb, seed + 101) * 0.02).astype(np.float16))
     return raw.reshape(-1)
 
 
