@@ -149,10 +149,7 @@ class Ds4Reference:
         s = np.einsum("thd,nd->thn", q.astype(np.float64), k.astype(np.float64))
         score = np.einsum("thn,th->tn", np.maximum(s, 0.0), w.astype(np.float64))
         score = self._h("lid_score", il, np.where(visible, score, -np.inf))
-        n_top = min(score.shape[1], hp.indexer_top_k)
-        top = np.argsort(-score, axis=1, kind="stable")[:, :n_top]
-        sel = np.zeros_like(visible)
-        np.put_along_axis(sel, top, True, axis=1)
+        sel = ops.top_k_rows(score, visible.sum(axis=1), hp.indexer_top_k)  # ties as ggml_top_k
         return self._h("lid_top_k", il, sel & visible)
 
     def ffn(self, il, h, ids):
