@@ -542,9 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "golden")
     ap.add_argument("--skip-big", action="store_true", help="skip the 1-layer qwen3-30b-a3b model (~1 GB)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory for model files")
-    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "deepseek4", "gpt-oss", "iquants"],
+    ap.add_argument("--only", choices=["demo-chain", "qwen-dense", "deepseek2", "deepseek4", "deepseek4-grid",
+                                       "gpt-oss", "iquants"],
                     help="regenerate only this part (demo-chain.json, qwen-dense.json; the deepseek2 models in "
-                         "manifest.json; deepseek4.json; gpt-oss.json and its logits and chat files)")
+                         "manifest.json; deepseek4.json; deepseek4-grid.json; gpt-oss.json and its logits and chat "
+                         "files)")
+    ap.add_argument("--cases", default=None,
+                    help="with --only deepseek4-grid: comma-separated case names to regenerate (the others kept)")
     args = ap.parse_args(argv)
     out: Path = args.out
     work = args.work or Path(tempfile.mkdtemp(prefix="golden-"))
@@ -574,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
         from tools.golden_deepseek4 import deepseek4_goldens
 
         deepseek4_goldens(out, work, versions())
+        return 0
+    if args.only == "deepseek4-grid":  # deepseek4-grid.json (tools/golden_deepseek4_grid.py)
+        from tools.golden_deepseek4_grid import deepseek4_grid_goldens
+
+        deepseek4_grid_goldens(out, work, versions(), set(args.cases.split(",")) if args.cases else None)
         return 0
     if args.only == "deepseek2":
         manifest = json.loads((out / "manifest.json").read_text())

@@ -279,6 +279,80 @@ def route(probs: np.ndarray, k: int, bias: np.ndarray | None, fixed_ids: np.ndar
     return ids.astype(np.int32), w
 
 
+def top_k_rows(score: np.ndarray, n_valid: np.ndarray, k: int) -> np.ndarray:
+    """The indexer's selection as llama.cpp makes it: bool [R, N], per row r the ``k`` largest
+    of score[r, :n_valid[r]] (all of them when n_valid[r] <= k); the rest of the row is masked
+    (-inf there, never chosen). score float [R, N]; n_valid int [R].
+
+    Ties are broken as ggml's CPU top-k breaks them (ggml-cpu ops.cpp
+    ggml_compute_forward_top_k_f32: std::partial_sort of the indices 0..N-1 by score, greater
+    first; libstdc++'s __heap_select: a heap of the first k indices, then each later index
+    replaces the heap's least element only when its score is strictly greater), not by the
+    lower index. Exact ties are common here: a block whose every head has q . k <= 0 scores
+    exactly 0 (the ReLU), and with fewer than k positive scores the rest of the top-k is chosen
+    among those zeros (models/deepseek4.cpp build_lid_top_k). Measured on a window-2, top-2
+    file at 225 tokens: 1 position chose another zero-scored block, which moved the logits' top-5
+    log-probs by 0.107 against llama.cpp's own 0.006 noise."""
+    score = np.ascontiguousarray(score, dtype=np.float64)
+    nv = np.ascontiguousarray(n_valid, dtype=np.int64).reshape(-1)
+    if score.ndim != 2 or nv.shape[0] != score.shape[0] or k < 1:
+        raise ValueError(f"top_k_rows: score {score.shape}, n_valid {nv.shape}, k {k}")
+    out = np.zeros(score.shape, dtype=np.bool_)
+    _heap_select_rows(score, np.minimum(nv, score.shape[1]), int(k), out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _adjust_heap(idx, hole, n, value, s):
+    """libstdc++ std::__adjust_heap (then __push_heap) on the index heap idx[:n] ordered by
+    comp(a, b) = s[a] > s[b] (the heap's top is the least score)."""
+    top = hole
+    child = hole
+    while child < (n - 1) // 2:
+        child = 2 * (child + 1)
+        if s[idx[child]] > s[idx[child - 1]]:
+            child -= 1
+        idx[hole] = idx[child]
+        hole = child
+    if (n & 1) == 0 and child == (n - 2) // 2:
+        child = 2 * (child + 1)
+        idx[hole] = idx[child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and s[idx[parent]] > s[value]:
+        idx[hole] = idx[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    idx[hole] = value
+
+
+@njit(cache=True, nogil=True)
+def _heap_select_rows(score, n_valid, k, out):
+    """:func:`top_k_rows`' loop: std::__heap_select of the first n_valid[r] indices per row."""
+    idx = np.empty(max(k, 1), np.int64)
+    for r in range(score.shape[0]):
+        n = n_valid[r]
+        if n <= k:
+            for j in range(n):
+                out[r, j] = True
+            continue
+        s = score[r]
+        for j in range(k):
+            idx[j] = j
+        if k >= 2:  # std::__make_heap
+            parent = (k - 2) // 2
+            while True:
+                _adjust_heap(idx, parent, k, idx[parent], s)
+                if parent == 0:
+                    break
+                parent -= 1
+        for i in range(k, n):
+            if s[i] > s[idx[0]]:  # std::__pop_heap(first, middle, i): i replaces the least
+                _adjust_heap(idx, 0, k, i, s)
+        for j in range(k):
+            out[r, idx[j]] = True
+
+
 def compress(kv: np.ndarray, score: np.ndarray, ratio: int, overlap: bool) -> np.ndarray:
     """Compressed rows of every complete block (build_*_compressed_kv_from_state), before the
     norm and rope. kv, score [T, c*D] (score includes ape[pos % ratio]) for positions 0..T-1

@@ -718,15 +718,15 @@ def _back(be, a: np.ndarray):
 
 def _top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
     """The lightning indexer's choice: bool [n, nb], the ``top_k`` visible compressed rows by
-    sum_heads relu(q . k) * w (q [n, Ni, Di] roped, w [n, Ni] scaled, k [nb, Di])."""
+    sum_heads relu(q . k) * w (q [n, Ni, Di] roped, w [n, Ni] scaled, k [nb, Di]), ties broken as
+    llama.cpp's ggml_top_k (models/deepseek4.cpp build_lid_top_k, ggml-cpu ops.cpp top_k)."""
     # float64 (BLAS dgemm): the selection is discrete, so the score must not depend on how
     # many rows a step has (float32 kernels block differently per shape and flip near-ties)
     n, Ni, Di = q.shape
     s = q.astype(np.float64).reshape(n * Ni, Di) @ k.astype(np.float64).T
     score = (np.maximum(s, 0.0).reshape(n, Ni, -1) * w.astype(np.float64)[:, :, None]).sum(axis=1)
-    score = np.where(visible, score, -np.inf)
-    n_top = min(score.shape[1], top_k)
-    top = np.argsort(-score, axis=1, kind="stable")[:, :n_top]
-    sel = np.zeros_like(visible)
-    np.put_along_axis(sel, top, True, axis=1)
-    return sel
+    # visible is a prefix of each row (block b from position (b + 1) * 4 - 1 on); ties (exact
+    # zeros from the ReLU) broken as ggml's top-k breaks them (ds4_ops.top_k_rows)
+    from moe_service.engine import ds4_ops as ops
+
+    return ops.top_k_rows(score, visible.sum(axis=1), top_k) & visible

@@ -72,3 +72,27 @@ def test_rope_last_equals_numpy(dtype, shape, half):
         for inverse in (False, True):
             assert np.array_equal(ds4_ops.rope_last(x, pos, cos, sin, inverse),
                                   _numpy_rope_last(x, pos, cos, sin, inverse))
+
+
+def test_top_k_rows_breaks_ties_as_ggml_top_k():
+    """The indexer's top-k keeps ggml's choice among equal scores (exact zeros from the ReLU are
+    common): libstdc++'s std::partial_sort of the indices by score, greater first, as
+    ggml_compute_forward_top_k_f32 runs it. Expected sets printed by that std::partial_sort
+    (g++ 12); the lower-index rule would give {0, 4, 5}, {0, 3, 5}, {0, 3, 4} and {1, 4}."""
+    from moe_service.engine.ds4_ops import top_k_rows
+
+    rows = [[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 2, 1, 0], [0, 0, 0, 1, 0, 2, 0, 0, 0],
+            [-1, 0, 0, 0, 0.5, 0, 0, 0]]
+    want = {2: [{0, 1}, {0, 3}, {4, 5}, {3, 5}, {2, 4}], 3: [{0, 1, 2}, {0, 1, 3}, {1, 4, 5}, {1, 3, 5}, {1, 3, 4}]}
+    for k, sets in want.items():
+        for row, expect in zip(rows, sets, strict=True):
+            n = len(row)
+            score = np.full((1, 12), -np.inf)
+            score[0, :n] = row
+            sel = top_k_rows(score, np.array([n]), k)
+            assert set(np.flatnonzero(sel[0]).tolist()) == expect, (row, k)
+    # fewer valid entries than k: all of them; the masked tail never
+    sel = top_k_rows(np.array([[3.0, 1.0, 9.0, 9.0]]), np.array([2]), 3)
+    assert sel.tolist() == [[True, True, False, False]]
+    with pytest.raises(ValueError, match="top_k_rows"):
+        top_k_rows(np.zeros((2, 4)), np.array([1]), 2)
