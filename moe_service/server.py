@@ -3,6 +3,8 @@
 ==========================  ======================================================================
 POST /v1/completions        prompt (text or token ids) -> text; ``stream`` as server-sent events
 POST /v1/chat/completions   messages -> chat template -> assistant message; ``stream`` likewise
+POST /v1/responses          the OpenAI Responses API over the chat path (moe_service.api.responses);
+                            GET / DELETE /v1/responses/{id} for stored responses
 GET  /v1/models             the one served model (config ``model.name``, else the file name)
 GET  /health                200 ``{"status": "ok"}`` while serving; 503 ``{"status": "loading",
                             "stage": ...}`` before, 503 ``{"status": "stopping"}`` after SIGTERM,
@@ -65,7 +67,7 @@ from moe_service.request_limits import (
 log = get_logger(__name__)
 
 MAX_STOP_STRINGS = 4
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +316,9 @@ class Service:
         self.cors_origins = tuple(cors_origins)
         self.max_body_bytes: int | None = None  # serve.max_body_bytes (request_limits.BodyLimit)
         self.body_timeout_s: float | None = None  # serve.body_timeout_s (request_limits.BodyLimit)
+        from moe_service.api.response_store import ResponseStore
+
+        self.responses_store = ResponseStore()  # serve.responses_store_mib (previous_response_id)
 
     def health_problem(self) -> str | None:
         """Why the service cannot do work although it is up (the engine thread died, N steps in
@@ -475,9 +480,11 @@ class _MetricsMiddleware:
         if scope["type"] != "http" or self.service.metrics is None:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        endpoint = path if path in ROUTES or path.startswith(("/v1/models/", "/v1/responses/")) else "other"
         if endpoint.startswith("/v1/models/"):
             endpoint = "/v1/models/{id}"
+        elif endpoint.startswith("/v1/responses/"):
+            endpoint = "/v1/responses/{id}"
         status = {"code": 500}
 
         async def send_wrapper(message):
@@ -507,7 +514,7 @@ def create_app(service: Service) -> FastAPI:
     if service.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
     app.add_middleware(_CloseWhenStopping, service=service)
@@ -566,6 +573,24 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(service, request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        from moe_service.api import responses as rs
+
+        return await rs.create_response(service, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        from moe_service.api import responses as rs
+
+        return rs.get_stored(service, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        from moe_service.api import responses as rs
+
+        return rs.delete_stored(service, response_id)
 
     return app
 

@@ -275,6 +275,9 @@ class ServeStage(Stage):
                                          allowed_hosts=tuple(cfg.allowed_hosts), cors_origins=tuple(cfg.cors_origins))
         service.max_body_bytes = cfg.max_body_bytes or None
         service.body_timeout_s = cfg.body_timeout_s
+        from moe_service.api.response_store import ResponseStore
+
+        service.responses_store = ResponseStore(int(cfg.responses_store_mib * (1 << 20)))
         ctx.server = service
         app = create_app(service)
         previous = _on_sighup(keys)
