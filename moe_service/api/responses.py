@@ -587,7 +587,7 @@ def _tool_choice(
             name = choice.get("name")
             if name not in names or (kind == "custom") != (name in custom):
                 raise RequestError(
-                    f"tool_choice names {kind} tool {name!r}, which is not among the {kind} tools "
+                    f"tool_choice.name: {name!r} is not among the request's {kind} tools "
                     f"({', '.join(n for n in names if (n in custom) == (kind == 'custom')) or 'none'})",
                     param="tool_choice.name",
                 )
@@ -607,7 +607,7 @@ def _tool_choice(
             return mode, [t for t in tools if t["function"]["name"] in keep]
         if kind in SKIPPED_TOOL_TYPES or (isinstance(kind, str) and kind.startswith("web_search")):
             raise RequestError(
-                f"tool_choice: the {kind} tool cannot run on this server",
+                f"tool_choice.type: the {kind} tool cannot run on this server",
                 param="tool_choice.type",
                 code="unsupported_parameter",
             )
