@@ -370,6 +370,13 @@ class ServeConfig(_Table):
     max_tokens_default: int = Field(
         256, ge=1, description="max_tokens when a request gives none."
     )
+    model_aliases: list[str] = Field(
+        default_factory=list,
+        description="Other model names that mean the served model, as exact names or glob patterns "
+        "(`claude-*`, `gpt-5*`; fnmatch, case-sensitive): coding agents send their own model names. "
+        "Honoured by /v1/chat/completions, /v1/completions, /v1/messages and /v1/responses; the "
+        "answer names the served model. Empty: any other name is a 400 naming the served one.",
+    )
     prefix_cache_gib: float = Field(
         2.0,
         ge=0,
@@ -393,7 +400,8 @@ class ServeConfig(_Table):
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,
-        description="API keys accepted as `Authorization: Bearer <key>` (compared in constant time). "
+        description="API keys accepted as `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's "
+        "clients; either admits), compared in constant time. "
         "Empty together with api_key_file: no key needed (a warning is logged when host is not loopback).",
     )
     api_key_file: str = Field(

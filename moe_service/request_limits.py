@@ -209,9 +209,10 @@ class BodyLimit:
             except ValueError:
                 n = -1
             if n < 0:
-                return await _send_error(send, RequestError(f"invalid Content-Length {length[:40]!r}"))
+                return await _send_error(send, RequestError(f"invalid Content-Length {length[:40]!r}"),
+                                         scope.get("path", ""))
             if n > limit:
-                return await _send_error(send, BodyTooLarge(limit, n))
+                return await _send_error(send, BodyTooLarge(limit, n), scope.get("path", ""))
         seen = 0
         body_done = False
 
@@ -235,8 +236,15 @@ class BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-async def _send_error(send, err: RequestError) -> None:
-    body = json.dumps(err.to_dict()).encode()
+async def _send_error(send, err: RequestError, path: str = "") -> None:
+    from moe_service.api.auth import is_anthropic_path
+
+    if is_anthropic_path(path):  # Anthropic's clients read their own envelope
+        from moe_service.api.anthropic import error_body
+
+        body = json.dumps(error_body(err.status, err.message)).encode()
+    else:
+        body = json.dumps(err.to_dict()).encode()
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

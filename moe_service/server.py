@@ -38,6 +38,7 @@ tools.py, grammar.py, logprobs.py).
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import threading
 import time
@@ -301,7 +302,7 @@ class Service:
     def __init__(self, *, engine=None, batch=None, metrics=None, model_name: str,
                  stage: Callable[[], str] = lambda: "starting", status_poll_s: float = 0.25,
                  keys=None, metrics_auth: bool = False, allowed_hosts: tuple[str, ...] = (),
-                 cors_origins: tuple[str, ...] = ()):
+                 cors_origins: tuple[str, ...] = (), model_aliases: tuple[str, ...] = ()):
         self.engine = engine
         self.batch = batch
         self.metrics = metrics
@@ -314,6 +315,7 @@ class Service:
         self.metrics_auth = metrics_auth
         self.allowed_hosts = tuple(allowed_hosts)
         self.cors_origins = tuple(cors_origins)
+        self.model_aliases = tuple(a for a in model_aliases if a)
         self.max_body_bytes: int | None = None  # serve.max_body_bytes (request_limits.BodyLimit)
         self.body_timeout_s: float | None = None  # serve.body_timeout_s (request_limits.BodyLimit)
         from moe_service.api.response_store import ResponseStore
@@ -345,9 +347,19 @@ class Service:
             raise RequestError(f"the model is loading (stage: {self.stage()})", status=503, type="server_error",
                                code="loading")
 
+    def serves_model(self, model: str) -> bool:
+        """True when ``model`` names the served model: its id, or one of serve.model_aliases
+        (exact names or fnmatch glob patterns, case-sensitive)."""
+        return model == self.model_name or any(model == a or fnmatch.fnmatchcase(model, a)
+                                               for a in self.model_aliases)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+        """Refuse (400 ``model_not_found``, naming the served model) a model name that is
+        neither the served model nor one of serve.model_aliases; None is accepted."""
+        if model is not None and not self.serves_model(model):
+            aliases = f" (or a name matching serve.model_aliases: {', '.join(self.model_aliases)})" \
+                if self.model_aliases else ""
+            raise RequestError(f"The model {model!r} does not exist; this server serves {self.model_name!r}{aliases}",
                                param="model", code="model_not_found")
 
 
@@ -514,8 +526,9 @@ def create_app(service: Service) -> FastAPI:
     if service.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["authorization", "content-type"], max_age=600)
+        app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-api-key",
+                                                                    "anthropic-version", "anthropic-beta"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
     app.add_middleware(_CloseWhenStopping, service=service)
 
@@ -561,7 +574,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != service.model_name:
+        if not service.serves_model(model_id):
             return error_response(RequestError(f"The model {model_id!r} does not exist", status=404,
                                                param="model", code="model_not_found"))
         return _model_card()

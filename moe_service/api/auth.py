@@ -6,11 +6,15 @@ Order of the checks, outermost first::
           browser page of another origin can neither read answers nor send a JSON preflight)
     Host allow-list (serve.allowed_hosts; DNS rebinding: a page of evil.example resolving to
           127.0.0.1 still sends Host: evil.example) -> 400 invalid_host
-    API key (serve.api_keys / serve.api_key_file) -> 401 invalid_api_key; /health always open,
-          /metrics open unless serve.metrics_auth
+    API key (serve.api_keys / serve.api_key_file), as 'Authorization: Bearer <key>' or
+          'x-api-key: <key>' (Anthropic's clients), either admits -> 401 invalid_api_key;
+          /health always open, /metrics open unless serve.metrics_auth
     Content-Type on POST: application/json (or */*+json) -> else 415 unsupported_media_type
           (an HTML form or a no-cors fetch can only send text/plain, form or multipart bodies
           without a preflight: such a POST never reaches the engine)
+
+On /v1/messages the refusals use Anthropic's error envelope (``{"type": "error", "error":
+{"type", "message"}}``), elsewhere OpenAI's.
 
 Keys are compared in constant time: every configured key's SHA-256 is compared with
 ``hmac.compare_digest`` against the presented key's, all of them, whatever matches, so
@@ -179,10 +183,10 @@ class GuardMiddleware:
         if self.allowed_hosts and path not in OPEN_PATHS and not host_allowed(headers.get("host", ""),
                                                                                self.allowed_hosts):
             refusal = _error(400, f"Host {headers.get('host', '')!r} is not in serve.allowed_hosts", "invalid_host")
-        elif self._needs_key(path) and not self.keys.check(_bearer(headers.get("authorization"))):
-            missing = not headers.get("authorization")
-            msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'." if missing
-                   else "Incorrect API key provided.")
+        elif self._needs_key(path) and not self._key_ok(headers):
+            missing = not headers.get("authorization") and not headers.get("x-api-key")
+            msg = ("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
+                   if missing else "Incorrect API key provided.")
             refusal = _error(401, msg, "invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
         elif scope.get("method") in ("POST", "PUT", "PATCH") and not _is_json(headers.get("content-type", "")):
             ct = headers.get("content-type") or "none"
@@ -191,9 +195,21 @@ class GuardMiddleware:
         if refusal is None:
             return await self.app(scope, receive, send)
         status, hdrs, body = refusal
-        log.info("request_refused", path=path, status=status, reason=json.loads(body)["error"]["code"])
+        reason = json.loads(body)["error"]["code"]
+        if is_anthropic_path(path):  # Anthropic's clients read their own envelope (moe_service.api.anthropic)
+            from moe_service.api.anthropic import error_body
+
+            body = json.dumps(error_body(status, json.loads(body)["error"]["message"])).encode()
+            hdrs = [(k, str(len(body)).encode() if k == b"content-length" else v) for k, v in hdrs]
+        log.info("request_refused", path=path, status=status, reason=reason)
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body})
+
+    def _key_ok(self, headers: dict[str, str]) -> bool:
+        """A valid key in ``Authorization: Bearer`` (OpenAI clients) or ``x-api-key``
+        (Anthropic clients): either admits the request."""
+        bearer = _bearer(headers.get("authorization"))
+        return self.keys.check(bearer) or self.keys.check(headers.get("x-api-key") or None)
 
     def _needs_key(self, path: str) -> bool:
         if self.keys is None or not self.keys.enabled or path in OPEN_PATHS:
@@ -201,6 +217,11 @@ class GuardMiddleware:
         if path == "/metrics":
             return self.metrics_auth
         return True
+
+
+def is_anthropic_path(path: str) -> bool:
+    """True for the Anthropic Messages API's paths, whose refusals use Anthropic's error envelope."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _bearer(value: str | None) -> str | None:
