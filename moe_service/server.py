@@ -763,7 +763,7 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
         mb = MessageBuilder()
         parser = plan.parser()
         mb.add(parser.feed(text, tokens))
-        mb.add(parser.finish())
+        mb.add(parser.finish(ev.finish_reason))
         choice = {"index": 0, "message": mb.message(),
                   "logprobs": lp_fmt.chat_logprobs(tokenizer, logprobs) if greq.logprobs is not None else None,
                   "finish_reason": mb.finish_reason(ev.finish_reason)}
@@ -809,7 +809,7 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
     def chat_chunks(ev: Event) -> list[str]:
         parsed = parser.feed(ev.text, ev.token_ids)
         if ev.final:
-            parsed += parser.finish()
+            parsed += parser.finish(ev.finish_reason)
         deltas = builder.deltas(parsed, final=ev.final)
         lps = lp_fmt.chat_logprobs(tokenizer, ev.logprobs or []) if want_lp and ev.logprobs else None
         if lps is not None and not deltas:

@@ -184,20 +184,23 @@ class MessageBuilder:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[tl.ToolCall] = []
+        self.cut = False  # a call cut by the output limit was dropped (tools.OutputParser.finish)
 
     def add(self, deltas: Sequence[tl.Delta]) -> None:
-        """Add parsed pieces; whitespace-only content around tool calls is dropped."""
+        """Add parsed pieces; whitespace-only content around tool calls (kept or cut) is dropped."""
         for d in deltas:
             if d.kind == "content":
                 self.content.append(d.text)
             elif d.kind == "reasoning":
                 self.reasoning.append(d.text)
+            elif d.kind == "tool_call_cut":
+                self.cut = True
             elif d.call is not None:
                 self.calls.append(d.call)
 
     def message(self) -> dict[str, Any]:
         content = "".join(self.content)
-        if self.calls and not content.strip():
+        if (self.calls or self.cut) and not content.strip():
             content = ""
         msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not self.calls) else None}
         reasoning = "".join(self.reasoning)
@@ -237,6 +240,8 @@ class StreamBuilder:
                     out[-1][key] += d.text
                 else:
                     out.append({key: d.text})
+            elif d.kind == "tool_call_cut":
+                self._space = ""  # the whitespace led to a call the output limit cut off
             elif d.call is not None:
                 self._space = ""
                 i = self.n_calls

@@ -83,7 +83,10 @@ class ToolCall:
 
 @dataclass
 class Delta:
-    """A piece of parsed output: ``kind`` ``content`` / ``reasoning`` (``text``) or ``tool_call``."""
+    """A piece of parsed output: ``kind`` ``content`` / ``reasoning`` (``text``), ``tool_call``
+    (``call``) or ``tool_call_cut`` (no text, no call: a call the output limit cut off was
+    dropped, so whitespace held before it is dropped too; consumers that only read content,
+    reasoning and calls can ignore it)."""
 
     kind: str
     text: str = ""
@@ -538,7 +541,7 @@ class OutputParser:
     """Splits a completion into content, reasoning and tool calls, incrementally.
 
     ``feed(text, token_ids)`` with each engine event's text and tokens returns the
-    :class:`Delta` list that is final now; ``finish()`` flushes the rest. ``tools``: the
+    :class:`Delta` list that is final now; ``finish(reason)`` flushes the rest. ``tools``: the
     request's tool list (None: no tool parsing); ``reasoning``: parse ``<think>``;
     ``in_reasoning``: the prompt already opened the reasoning block; ``max_calls``: calls past
     this many are dropped (``parallel_tool_calls: false``; logged).
@@ -577,17 +580,28 @@ class OutputParser:
         self.buf += text
         return self._drain(final=False)
 
-    def finish(self) -> list[Delta]:
+    def finish(self, reason: str | None = None) -> list[Delta]:
+        """The rest of the output once generation ended; ``reason``: the engine's finish
+        reason. ``"length"`` (the output limit or the context cut the text): a tool call
+        still open is returned as a call when what was written parses (only its closing
+        marker is missing), else dropped with a ``tool_call_cut`` delta, and a tail that
+        could be the start of a marker (``\n<tool``, ``</thi``) is dropped: the template's
+        markup never reaches the text (a required call cut at max_tokens 64 on the demo model
+        used to end the content with ``\n<tool``). Other reasons keep such text as content
+        (the model chose to write it)."""
+        cut = reason == "length"
         if self._harmony is not None:
             try:
                 self._harmony.process_eos()
             except Exception as e:  # a truncated message: what was parsed stays
                 log.info("harmony_parse_incomplete", error=str(e))
-            return self._harmony_messages(final=True)
-        return self._drain(final=True)
+            return self._harmony_messages(final=True, cut=cut)
+        return self._drain(final=True, cut=cut)
 
     # -- text families ------------------------------------------------------------------------
-    def _drain(self, *, final: bool) -> list[Delta]:
+    def _drain(self, *, final: bool, cut: bool = False) -> list[Delta]:
+        """Deltas final now; ``final``: the output ended (flush); ``cut``: it ended at the
+        output limit (see :meth:`finish`)."""
         out: list[Delta] = []
         while True:
             before = (self.state, len(self.buf))
@@ -612,11 +626,11 @@ class OutputParser:
                     self.buf = self.buf[i + len(THINK_CLOSE):].lstrip("\n")
                     self.state = "content_start"
                 else:
-                    keep = _held_prefix(self.buf, (THINK_CLOSE,)) if not final else 0
+                    keep = _held_prefix(self.buf, (THINK_CLOSE,)) if (not final or cut) else 0
                     emit = self.buf[: len(self.buf) - keep]
                     if emit:
                         out.append(Delta("reasoning", emit))
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    self.buf = "" if final else self.buf[len(self.buf) - keep:]  # cut: the partial marker goes
                     return out
             elif self.state == "content_start":
                 stripped = self.buf.lstrip()
@@ -637,11 +651,14 @@ class OutputParser:
                     self.buf = self.buf[at:]
                     self.state = "call"
                 else:
-                    keep = _held_prefix(self.buf, opens) if not final else 0
+                    keep = _held_prefix(self.buf, opens) if (not final or cut) else 0
                     emit = self.buf[: len(self.buf) - keep]
                     if emit:
                         out.append(Delta("content", emit))
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    if final and keep:  # cut: a call's opening marker had begun
+                        log.info("tool_call_cut", family=self.fmt.description, text=self.buf[-keep:])
+                        out.append(Delta("tool_call_cut"))
+                    self.buf = "" if final else self.buf[len(self.buf) - keep:]
                     return out
             elif self.state == "call":
                 end = self._call_end(self.buf)
@@ -650,7 +667,13 @@ class OutputParser:
                 block = self.buf if end < 0 else self.buf[:end]
                 self.buf = "" if end < 0 else self.buf[end:]
                 calls = self._parse_block(block)
-                if calls is None:
+                if calls is None and end < 0 and cut and self.fmt.family == "hermes":
+                    # cut inside the closing marker: the call itself may be whole
+                    calls = self._parse_block(block[: len(block) - _held_prefix(block, (HERMES_CLOSE,))])
+                if calls is None and end < 0 and cut:  # the output limit cut the call: nothing of it is text
+                    log.info("tool_call_cut", family=self.fmt.description, text=block[:200])
+                    out.append(Delta("tool_call_cut"))
+                elif calls is None:
                     log.info("tool_call_unparsable", family=self.fmt.description, text=block[:200])
                     out.append(Delta("content", block))
                 else:
@@ -721,7 +744,7 @@ class OutputParser:
         out.extend(self._harmony_messages(final=False))
         return out
 
-    def _harmony_messages(self, *, final: bool) -> list[Delta]:
+    def _harmony_messages(self, *, final: bool, cut: bool = False) -> list[Delta]:
         out: list[Delta] = []
         if self._harmony is None:
             return out
@@ -739,7 +762,10 @@ class OutputParser:
                 out.append(Delta("content", text))
         self._h_msgs = len(msgs)
         if final and self._harmony.current_content and (self._harmony.current_recipient or "").startswith("functions."):
-            out.append(Delta("content", self._harmony.current_content))
+            if cut:  # a call's arguments cut by the output limit: not text
+                out.append(Delta("tool_call_cut"))
+            else:
+                out.append(Delta("content", self._harmony.current_content))
         return out
 
 
