@@ -368,7 +368,20 @@ class ServeConfig(_Table):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After header value on 429 answers.")
     max_tokens_default: int = Field(
-        256, ge=1, description="max_tokens when a request gives none."
+        256,
+        ge=1,
+        description="max_tokens when a /v1/chat/completions or /v1/completions request gives none "
+        "(/v1/messages requires max_tokens; a /v1/responses request without max_output_tokens may use "
+        "the rest of the context).",
+    )
+    max_tokens_policy: Literal["auto", "refuse", "clamp"] = Field(
+        "auto",
+        description="A request whose prompt plus its output limit (max_tokens, max_output_tokens) exceeds "
+        "the context: refuse: 400 context_length_exceeded, as the OpenAI API does; clamp: serve what "
+        "fits, the answer ends with the protocol's length reason (llama.cpp's behaviour). auto: per "
+        "endpoint, refuse on /v1/chat/completions and /v1/completions (OpenAI clients expect it), clamp "
+        "on /v1/messages and /v1/responses (agents ask for a fixed large output, Claude Code 32000 tokens, "
+        "whatever the model's context). See docs/api.md.",
     )
     model_aliases: list[str] = Field(
         default_factory=list,

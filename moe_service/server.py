@@ -316,6 +316,7 @@ class Service:
         self.allowed_hosts = tuple(allowed_hosts)
         self.cors_origins = tuple(cors_origins)
         self.model_aliases = tuple(a for a in model_aliases if a)
+        self.max_tokens_policy = "auto"  # serve.max_tokens_policy (plan_output)
         self.max_body_bytes: int | None = None  # serve.max_body_bytes (request_limits.BodyLimit)
         self.body_timeout_s: float | None = None  # serve.body_timeout_s (request_limits.BodyLimit)
         from moe_service.api.response_store import ResponseStore
@@ -346,6 +347,18 @@ class Service:
                                    code="shutting_down")
             raise RequestError(f"the model is loading (stage: {self.stage()})", status=503, type="server_error",
                                code="loading")
+
+    def plan_output(self, prompt_tokens: int, requested: int | None, *, endpoint_policy: str,
+                    absent: str = "default", param: str = "max_tokens", prompt_param: str = "messages") -> int:
+        """The output budget of a request of ``prompt_tokens`` that asked for ``requested``
+        tokens (None: gave no limit), for every endpoint: serve.max_tokens_policy, where
+        ``auto`` means the endpoint's own ``endpoint_policy`` (``refuse`` | ``clamp``), then
+        moe_service.engine.engine.Engine.plan_max_tokens (``absent``: ``default`` =
+        serve.max_tokens_default, ``context`` = the rest of the context). Raises RequestError
+        400 ``context_length_exceeded`` naming ``param`` or ``prompt_param``."""
+        policy = endpoint_policy if self.max_tokens_policy == "auto" else self.max_tokens_policy
+        return self.engine.plan_max_tokens(prompt_tokens, requested, prompt_param=prompt_param, param=param,
+                                           policy=policy, absent=absent)
 
     def serves_model(self, model: str) -> bool:
         """True when ``model`` names the served model: its id, or one of serve.model_aliases
@@ -654,7 +667,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
             prompt_ids = plan.prompt_ids
             requested, param = ((body.max_completion_tokens, "max_completion_tokens")
                                 if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
-            max_tokens = engine.plan_max_tokens(len(prompt_ids), requested, prompt_param="messages", param=param)
+            max_tokens = service.plan_output(len(prompt_ids), requested, endpoint_policy="refuse", param=param)
         else:
             n_logprobs = body.logprobs
             prompt = body.prompt
@@ -664,7 +677,8 @@ async def _generate(service: Service, request: Request, *, chat: bool):
                                        param="prompt", code="unsupported_parameter")
                 prompt = prompt[0]
             prompt_ids = await asyncio.to_thread(engine.encode_prompt, prompt)
-            max_tokens = engine.plan_max_tokens(len(prompt_ids), body.max_tokens)
+            max_tokens = service.plan_output(len(prompt_ids), body.max_tokens, endpoint_policy="refuse",
+                                             prompt_param="prompt")
         from moe_service.engine.sampler import SamplingParams
 
         sampling = SamplingParams(

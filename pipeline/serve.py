@@ -274,6 +274,7 @@ class ServeStage(Stage):
                                          keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,
                                          allowed_hosts=tuple(cfg.allowed_hosts), cors_origins=tuple(cfg.cors_origins),
                                          model_aliases=tuple(cfg.model_aliases))
+        service.max_tokens_policy = cfg.max_tokens_policy
         service.max_body_bytes = cfg.max_body_bytes or None
         service.body_timeout_s = cfg.body_timeout_s
         from moe_service.api.response_store import ResponseStore

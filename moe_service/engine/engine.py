@@ -16,12 +16,16 @@ is advanced by whoever calls ``model.step`` (the batch loop in moe_service.engin
 Context policy (P prompt tokens, C = ``model.n_ctx`` tokens per sequence, M = max_tokens):
 
 - P >= C: refused (400, code ``context_length_exceeded``): no room for a single completion token;
-- M given and P + M > C: refused (400, ``context_length_exceeded``), as the OpenAI API does;
-- M not given: M = min(``serve.max_tokens_default``, C - P), and the answer ends with
-  finish_reason ``"length"`` when it reaches M.
+- M given and P + M > C: policy ``refuse`` (the OpenAI API's): refused (400,
+  ``context_length_exceeded``); policy ``clamp`` (llama.cpp's server; what agents that ask for a
+  fixed large output need, Claude Code sends 32,000): M = C - P, and the answer ends with the
+  length reason when it reaches the context;
+- M not given: M = min(``serve.max_tokens_default``, C - P) (``absent="default"``), or C - P
+  (``absent="context"``: the rest of the context, for clients that never send a limit), and
+  the answer ends with finish_reason ``"length"`` when it reaches M.
 
-So a completion never runs past the context, and a client that asked for more than fits is
-told so up front instead of receiving a silently shortened answer.
+So a completion never runs past the context. Which policy each endpoint uses is
+``serve.max_tokens_policy`` (moe_service.server.Service.plan_output).
 """
 
 from __future__ import annotations
@@ -357,12 +361,18 @@ class Engine:
         return ids, text
 
     def plan_max_tokens(self, prompt_tokens: int, requested: int | None, *, prompt_param: str = "prompt",
-                        param: str = "max_tokens") -> int:
-        """The completion budget under the context policy (module docstring).
+                        param: str = "max_tokens", policy: str = "refuse", absent: str = "default") -> int:
+        """The completion budget under the context policy (module docstring): ``policy``
+        ``refuse`` | ``clamp`` for a ``requested`` that does not fit; ``absent`` ``default``
+        (serve.max_tokens_default) | ``context`` (the rest of the context) when ``requested`` is
+        None.
 
         Raises RequestError (code ``context_length_exceeded``, naming ``prompt_param`` or
-        ``param``) when the prompt leaves no room or an explicit ``requested`` does not fit.
+        ``param``) when the prompt leaves no room, or when an explicit ``requested`` does not
+        fit under ``refuse``. ValueError for an unknown ``policy`` or ``absent``.
         """
+        if policy not in ("refuse", "clamp") or absent not in ("default", "context"):
+            raise ValueError(f"plan_max_tokens: policy {policy!r} / absent {absent!r}")
         room = self.n_ctx - prompt_tokens
         if room <= 0:
             raise RequestError(
@@ -372,7 +382,11 @@ class Engine:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return min(self.max_tokens_default, room)
+            return room if absent == "context" else min(self.max_tokens_default, room)
+        if prompt_tokens + requested > self.n_ctx and policy == "clamp":
+            log.info("max_tokens_clamped", requested=requested, served=room, prompt_tokens=prompt_tokens,
+                     n_ctx=self.n_ctx)
+            return room
         if prompt_tokens + requested > self.n_ctx:
             raise RequestError(
                 f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "

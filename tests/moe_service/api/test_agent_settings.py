@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from moe_service.api.auth import ApiKeys
+from moe_service.engine.engine import RequestError
 from moe_service.server import create_app
 from tests.moe_service.test_server import MODEL, Stack, chat_ids, greedy_text
 
@@ -65,3 +66,41 @@ def test_x_api_key_or_bearer_either_admits(stack):
         assert r.json()["error"]["message"] == "Incorrect API key provided."
         r = c.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": ""})
         assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
+
+
+def test_max_tokens_policy_refuse_by_default_on_chat_clamp_when_set(stack):
+    n_ctx = stack.engine.n_ctx
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n_ctx, "temperature": 0}
+    n_prompt = len(chat_ids("hi"))
+    with TestClient(create_app(stack.service)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "max_tokens"
+        stack.service.max_tokens_policy = "clamp"
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == n_ctx - n_prompt
+        # a prompt that fills the context is refused whatever the policy
+        r = c.post("/v1/completions", json={"prompt": list(range(3, 3 + n_ctx)), "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_plan_output_per_endpoint_policy_and_absent_limit(stack):
+    svc, n_ctx, default = stack.service, stack.engine.n_ctx, stack.engine.max_tokens_default
+    assert svc.max_tokens_policy == "auto"
+    # auto: the endpoint's own policy
+    assert svc.plan_output(10, n_ctx, endpoint_policy="clamp") == n_ctx - 10
+    with pytest.raises(RequestError) as e:
+        svc.plan_output(10, n_ctx, endpoint_policy="refuse", param="max_output_tokens")
+    assert e.value.param == "max_output_tokens" and e.value.code == "context_length_exceeded"
+    # no limit given: serve.max_tokens_default, or the rest of the context (Codex sends none)
+    assert svc.plan_output(10, None, endpoint_policy="clamp") == min(default, n_ctx - 10)
+    assert svc.plan_output(10, None, endpoint_policy="clamp", absent="context") == n_ctx - 10
+    # an explicit setting wins over the endpoint's default
+    svc.max_tokens_policy = "refuse"
+    with pytest.raises(RequestError):
+        svc.plan_output(10, n_ctx, endpoint_policy="clamp")
+    svc.max_tokens_policy = "clamp"
+    assert svc.plan_output(10, n_ctx, endpoint_policy="refuse") == n_ctx - 10
+    assert svc.plan_output(10, 5, endpoint_policy="refuse") == 5
