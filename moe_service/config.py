@@ -24,7 +24,15 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from moe_service.errors import ConfigError
@@ -333,12 +341,14 @@ class EngineConfig(_Table):
         "model's experts per layer is refused at check/preflight. Logged (model_routing) and "
         "exported as moe_service_experts_per_token.",
     )
-    kv_cache_gib: float = Field(
-        4.0,
-        gt=0,
-        description="Memory budget of the KV cache of all serve.parallel sequences, in GiB. It caps "
-        "the context when model.context_tokens = 0; an explicit context that needs more is refused "
-        "at preflight.",
+    kv_cache_gib: float | Literal["auto"] = Field(
+        "auto",
+        description="Memory budget of the KV cache of all serve.parallel sequences, in GiB, or auto: "
+        "what the plan leaves free on the KV cache's node (engine.kv_node) after the weights' share, "
+        "numa.node_reserve_gib and serve.prefix_cache_gib (as llama.cpp's --fit). It caps the context "
+        "when model.context_tokens = 0 (auto: the trained context wherever memory allows); an explicit "
+        "context that needs more is refused at preflight. `moe-service plan` shows the budget and the "
+        "context it gives.",
     )
     kv_type: Literal["f16", "q8_0"] = Field(
         "f16",
@@ -351,6 +361,14 @@ class EngineConfig(_Table):
         description="NUMA node the KV cache is bound to and populated on; -1: the node of the first "
         "engine worker's CPU (the first node of the plan).",
     )
+
+
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _kv_budget_positive(cls, v: float | str) -> float | str:
+        if v != "auto" and not v > 0:
+            raise ValueError(f"must be a number of GiB greater than 0, or \"auto\" (got {v})")
+        return v
 
 
 class ServeConfig(_Table):

@@ -40,7 +40,8 @@ def make_ops(ctx: PipelineContext) -> CpuOps:
 
 def build_engine(ctx: PipelineContext, ops: CpuOps | None = None) -> Engine:
     """The Engine over the loaded weights: Model (KV for ``serve.parallel`` sequences of the
-    context engine/kv.py plans from ``model.context_tokens`` and ``engine.kv_cache_gib``, in
+    context engine/kv.py plans from ``model.context_tokens`` and ``engine.kv_cache_gib`` (``auto``:
+    pipeline.plan.kv_budget over ``ctx.layout`` and ``ctx.topology``, the prepare step's), in
     ``engine.kv_type``, on ``engine.kv_node``; dense part on ``ctx.device``, with the prefill
     expert offload there when it is a GPU, reading ``ctx.pins``), Tokenizer from the GGUF
     metadata, the served model id.
@@ -68,7 +69,15 @@ def build_engine(ctx: PipelineContext, ops: CpuOps | None = None) -> Engine:
         import torch
 
         torch.set_num_threads(1)
-    kvp = plan_for_config(catalog, cfg)  # the context: model.context_tokens or the budget's (engine/kv.py)
+    auto = None
+    if cfg.engine.kv_cache_gib == "auto":  # sized from the plan's free memory, as preflight checked it
+        from pipeline.plan import kv_budget
+
+        if ctx.layout is None or ctx.topology is None:
+            raise StageError("engine.kv_cache_gib = auto needs the placement plan (ctx.layout, ctx.topology): "
+                             "run the prepare step first")
+        auto = kv_budget(ctx.layout, ctx.topology, cfg)
+    kvp = plan_for_config(catalog, cfg, auto_budget=auto)  # the context: model.context_tokens or the budget's
     if not kvp.ok:
         raise CapacityError(kvp.sentence())
     ops = ops if ops is not None else make_ops(ctx)

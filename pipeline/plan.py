@@ -557,15 +557,44 @@ def check_capacity(layout: Layout, topology: Topology, config: Settings) -> list
     return [c.sentence() for c in node_capacity(layout, topology, config) if not c.ok]
 
 
+def kv_budget(layout: Layout, topology: Topology, config: Settings) -> tuple[int, str] | None:
+    """engine.kv_cache_gib = "auto": (bytes, the sentence that derives them) for the KV cache's
+    node (engine.kv_node, -1: the plan's first node): its available memory (MemFree +
+    reclaimable, as :func:`node_capacity` counts it) less numa.node_reserve_gib, less the
+    weights' share of the node (none with hugetlb pages: those are not in MemAvailable), less
+    serve.prefix_cache_gib (host memory, counted on this node), never below 0. None when
+    engine.kv_cache_gib is a number. The precedents: llama.cpp's ``--fit`` sizes the context
+    from free device memory less a margin, vLLM's ``gpu_memory_utilization`` gives its KV
+    cache what the weights leave of a fraction of the device."""
+    if config.engine.kv_cache_gib != "auto":
+        return None
+    node = config.engine.kv_node if config.engine.kv_node >= 0 else layout.nodes[0]
+    reserve = int(config.numa.node_reserve_gib * GiB)
+    prefix = int(config.serve.prefix_cache_gib * GiB)
+    cap = next((c for c in node_capacity(layout, topology, config) if c.node == node), None)
+    try:
+        info = topology.node(node)
+    except NumaError:
+        return 0, f"node {node} is not in this host's topology"
+    if cap is not None and not cap.page_kib:
+        avail, weights = cap.available_bytes, cap.needed_bytes  # available: already less the reserve
+    else:  # hugetlb weights (or no weights on the node): the KV cache takes ordinary pages
+        avail, weights = max(info.mem_available_bytes - reserve, 0), 0
+    budget = max(avail - weights - prefix, 0)
+    words = (f"node {node} has {(avail + reserve) / GiB:.2f} GiB available, less {weights / GiB:.2f} GiB of weights, "
+             f"{reserve / GiB:.2f} GiB numa.node_reserve_gib and {prefix / GiB:.2f} GiB serve.prefix_cache_gib")
+    return budget, words
+
+
 def kv_capacity(catalog, layout: Layout, topology: Topology, config: Settings) -> dict:
     """The KV cache's plan (moe_service.engine.kv.plan_for_config) and whether it fits: its
-    budget (engine.kv_cache_gib) and, beside the weights' share, the free memory of the node
+    budget (engine.kv_cache_gib, or :func:`kv_budget` for ``auto``) and, beside the weights' share, the free memory of the node
     it is bound to (engine.kv_node, -1: the plan's first node). Returns the KVPlan's dict plus
     ``node``, ``node_need_bytes`` (weights + KV), ``node_available_bytes``, ``fits`` and
     ``reasons`` (sentences naming the numbers)."""
     from moe_service.engine.kv import plan_for_config
 
-    kvp = plan_for_config(catalog, config)
+    kvp = plan_for_config(catalog, config, auto_budget=kv_budget(layout, topology, config))
     node = kvp.node if kvp.node is not None else layout.nodes[0]
     out = kvp.to_dict()
     out["node"] = node

@@ -7,6 +7,10 @@
         = bytes per token  (x context = bytes per sequence; x serve.parallel = the cache)
     context: model.context_tokens, or 0 = the model's trained context capped by
              engine.kv_cache_gib (rounded down to 256 tokens)         -> plan_context / KVPlan
+    budget: engine.kv_cache_gib in GiB, or "auto" = what the plan leaves free on the KV node
+             after the weights' share, numa.node_reserve_gib and serve.prefix_cache_gib
+             (pipeline.plan.kv_budget; llama.cpp's --fit and vLLM's
+             gpu_memory_utilization size their caches from free memory the same way)
     KVCache.allocate: ONE anonymous mapping for every layer's K and V, bound to a node
              (engine.kv_node; MPOL_BIND) and populated (MADV_POPULATE_WRITE) before serving,
              as the weights are; slots of [C, NKV, row] per layer, per sequence
@@ -135,7 +139,8 @@ class KVPlan:
     ``n_ctx``: tokens per sequence (the context); ``n_seq``: sequence slots (serve.parallel);
     ``bytes_per_token`` over all layers' rows; ``state_bytes_per_seq``: the architecture's
     per-sequence state at this context (:class:`SeqState`; 0 for most); ``budget_bytes``:
-    engine.kv_cache_gib; ``requested_ctx``: model.context_tokens (0: derived); ``problem``:
+    engine.kv_cache_gib, or what ``auto`` found free; ``budget_words``: how sentences name the
+    budget; ``requested_ctx``: model.context_tokens (0: derived); ``problem``:
     why it cannot start (None when it can). ``total_bytes`` is the sum of the arrays
     :meth:`KVCache.allocate` makes for this plan (rows + state; the mapping adds at most 63
     bytes of alignment per array)."""
@@ -150,6 +155,11 @@ class KVPlan:
     node: int | None = None
     problem: str | None = None
     state_bytes_per_seq: int = 0
+    budget_words: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.budget_words:
+            self.budget_words = budget_words(self.budget_bytes)
 
     @property
     def bytes_per_seq(self) -> int:
@@ -174,8 +184,8 @@ class KVPlan:
             state = f"{self.state_bytes_per_seq / 2**20:.1f} MiB of KV state at {self.n_ctx} tokens"
             per_seq = f"({per_seq} + {state})" if self.bytes_per_token else state
         s = (f"KV cache {self.kv_type}: {self.n_seq} sequences x {per_seq} = {self.total_bytes / GIB:.2f} GiB "
-             f"({self.bytes_per_seq / 2**20:.1f} MiB per sequence; budget engine.kv_cache_gib = "
-             f"{self.budget_bytes / GIB:.2f} GiB; trained context {self.n_ctx_train})")
+             f"({self.bytes_per_seq / 2**20:.1f} MiB per sequence; budget {self.budget_words}; "
+             f"trained context {self.n_ctx_train})")
         return s if self.ok else f"{s}: {self.problem}"
 
 
@@ -206,19 +216,31 @@ def _per_token_words(bpt: int, state_bytes: int, n_ctx: int) -> str:
     return state if not bpt else f"{bpt} bytes/token + {state}"
 
 
+def budget_words(budget_bytes: int, auto_detail: str | None = None) -> str:
+    """How a problem sentence names the budget: ``engine.kv_cache_gib = 4.00 GiB``, or for
+    ``auto`` ``engine.kv_cache_gib = auto (12.00 GiB: <auto_detail>)``."""
+    if auto_detail is None:
+        return f"engine.kv_cache_gib = {budget_bytes / GIB:.2f} GiB"
+    return f"engine.kv_cache_gib = auto ({budget_bytes / GIB:.2f} GiB: {auto_detail})"
+
+
 def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 0, budget_bytes: int,
-                 kv_type: str = "f16", node: int | None = None, state: StateFn | None = None) -> KVPlan:
+                 kv_type: str = "f16", node: int | None = None, state: StateFn | None = None,
+                 words: str = "") -> KVPlan:
     """The context and KV bytes for ``n_seq`` sequences.
 
     ``context_tokens`` > 0: that context (capped at the trained context), refused when its
     cache exceeds ``budget_bytes``; 0: the trained context, capped by what ``budget_bytes``
     holds for ``n_seq`` sequences (rounded down to CONTEXT_ALIGN tokens), refused below
     MIN_CONTEXT. ``state``: the architecture's per-sequence arrays (:class:`SeqState`),
-    counted on top of the rows. The problem (if any) names the keys and the numbers.
+    counted on top of the rows. The problem (if any) names the keys and the numbers;
+    ``words``: how it names the budget (:func:`budget_words`).
     """
     bpt = bytes_per_token(layers, kv_type)
     trained = int(n_ctx_train or 0)
-    plan = KVPlan(kv_type, n_seq, 0, trained, int(context_tokens), bpt, int(budget_bytes), node)
+    plan = KVPlan(kv_type, n_seq, 0, trained, int(context_tokens), bpt, int(budget_bytes), node,
+                  budget_words=words)
+    words = plan.budget_words
     fit = _fit_tokens(bpt, state, n_seq, int(budget_bytes))
     if context_tokens > 0:
         plan.n_ctx = min(int(context_tokens), trained) if trained else int(context_tokens)
@@ -227,7 +249,7 @@ def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 
             plan.problem = (f"model.context_tokens = {plan.n_ctx} needs {plan.total_bytes / GIB:.2f} GiB of KV cache for "
                             f"serve.parallel = {n_seq} sequences "
                             f"({_per_token_words(bpt, plan.state_bytes_per_seq, plan.n_ctx)}), more than "
-                            f"engine.kv_cache_gib = {budget_bytes / GIB:.2f} GiB (which holds {fit} tokens per sequence)")
+                            f"{words} (which holds {fit} tokens per sequence)")
         return plan
     if not trained:
         plan.n_ctx = fit // CONTEXT_ALIGN * CONTEXT_ALIGN
@@ -235,7 +257,7 @@ def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 
         plan.n_ctx = trained if fit >= trained else fit // CONTEXT_ALIGN * CONTEXT_ALIGN
     plan.state_bytes_per_seq = state_bytes_per_seq(state, plan.n_ctx)
     if plan.n_ctx < MIN_CONTEXT:
-        plan.problem = (f"engine.kv_cache_gib = {budget_bytes / GIB:.2f} GiB holds only {fit} tokens per sequence for "
+        plan.problem = (f"{words} holds only {fit} tokens per sequence for "
                         f"serve.parallel = {n_seq} sequences "
                         f"({_per_token_words(bpt, state_bytes_per_seq(state, MIN_CONTEXT), MIN_CONTEXT)}); at least "
                         f"{MIN_CONTEXT} are needed (raise engine.kv_cache_gib, lower serve.parallel or use "
@@ -243,17 +265,30 @@ def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 
     return plan
 
 
-def plan_for_config(catalog, config, layers=None, state: StateFn | None = None) -> KVPlan:
+def plan_for_config(catalog, config, layers=None, state: StateFn | None = None, *,
+                    auto_budget: tuple[int, str] | None = None) -> KVPlan:
     """:func:`plan_context` for ``catalog`` (the architecture's declarations, or ``layers`` and
     ``state``) under ``config`` (model.context_tokens, serve.parallel, engine.kv_cache_gib,
-    engine.kv_type, engine.kv_node)."""
+    engine.kv_type, engine.kv_node). ``auto_budget``: (bytes, how they were found) when
+    engine.kv_cache_gib = "auto" (pipeline.plan.kv_budget computes it from the plan); without
+    it an ``auto`` budget is a problem that says so."""
     p = catalog.params
     if layers is None:
         layers, state = kv_needs_of(catalog)
     e = config.engine
+    node = e.kv_node if e.kv_node >= 0 else None
+    if e.kv_cache_gib == "auto":
+        if auto_budget is None:
+            plan = KVPlan(e.kv_type, config.serve.parallel, 0, int(p.n_ctx_train or 0), config.model.context_tokens,
+                          bytes_per_token(layers, e.kv_type), 0, node, budget_words="engine.kv_cache_gib = auto")
+            plan.problem = ("engine.kv_cache_gib = auto is sized from the placement plan's free memory, "
+                            "which was not given (pipeline.plan.kv_budget)")
+            return plan
+        budget, words = auto_budget[0], budget_words(auto_budget[0], auto_budget[1])
+    else:
+        budget, words = int(e.kv_cache_gib * GIB), ""
     return plan_context(layers, p.n_ctx_train, config.serve.parallel, context_tokens=config.model.context_tokens,
-                        budget_bytes=int(e.kv_cache_gib * GIB), kv_type=e.kv_type,
-                        node=e.kv_node if e.kv_node >= 0 else None, state=state)
+                        budget_bytes=budget, kv_type=e.kv_type, node=node, state=state, words=words)
 
 
 def kv_layers_of(catalog) -> list:
