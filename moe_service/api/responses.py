@@ -53,11 +53,14 @@ base64-encoded with a ``moe1:`` prefix, not encrypted: a stateless client such a
 ``input_tokens_details.cached_tokens`` from the prefix cache and
 ``output_tokens_details.reasoning_tokens`` (tokens sampled while the parser was in the reasoning).
 
-Output limit: ``max_output_tokens`` when given (refused when prompt + limit exceed the context,
-code ``context_length_exceeded``); without it the rest of the context, not
-``serve.max_tokens_default``: agents such as Codex send no limit, and a 256-token cut would end
-every answer. A response cut by the limit has ``status: incomplete`` and
-``incomplete_details.reason: max_output_tokens``.
+Output limit (moe_service.server.Service.plan_output): ``max_output_tokens`` when given; one
+that does not fit beside the prompt is served up to the context under serve.max_tokens_policy
+``auto`` or ``clamp`` (this endpoint's default, as llama.cpp serves it) and refused with
+``context_length_exceeded`` under ``refuse``. Without it: the rest of the context, not
+``serve.max_tokens_default``: agents such as Codex send no limit, and a 256-token cut would
+end every answer. A response cut by the limit (or the context) has ``status: incomplete`` and
+``incomplete_details.reason: max_output_tokens``; a tool call it cut off is dropped, never
+written as text (tools.OutputParser.finish).
 
 Errors are OpenAI error objects naming the field (``input.3.call_id``, ``tools.0.name``,
 ``previous_response_id``, ``text.format.schema``); nothing reaches the engine then. A request
@@ -88,6 +91,9 @@ from moe_service.log import get_logger
 log = get_logger(__name__)
 
 ENDPOINT = "/v1/responses"
+# serve.max_tokens_policy "auto" on this endpoint: clamp, as llama.cpp serves a limit that does
+# not fit (agents ask for fixed large outputs whatever the context); refuse is OpenAI's rule
+ENDPOINT_POLICY = "clamp"
 ENCRYPTED_PREFIX = "moe1:"  # our reasoning round-trip marker in ``encrypted_content`` (not encryption)
 
 # Item types of OpenAI's hosted tools and server-side features: this server never produces
@@ -990,6 +996,8 @@ class OutputBuilder:
                     continue
                 text, self._space = self._space + d.text, ""
                 evs += self._text("message", text)
+            elif d.kind == "tool_call_cut":
+                self._space = ""  # the whitespace led to a call the output limit cut off
             elif d.call is not None:
                 if d.call.name in self.custom:
                     try:
@@ -1163,7 +1171,7 @@ class _Run:
         before = _in_reasoning(self.parser)
         deltas = self.parser.feed(ev.text, ev.token_ids)
         if ev.final:
-            deltas += self.parser.finish()
+            deltas += self.parser.finish(ev.finish_reason)
         if before or any(d.kind == "reasoning" for d in deltas):
             self.reasoning_tokens += ev.n_tokens
         return self.builder.feed(deltas)
@@ -1219,10 +1227,13 @@ async def create_response(service, request: Request) -> Response:
         admission_precheck(service, chat_chars(req.messages), param="input")
         engine = service.engine
         p = await asyncio.to_thread(plan, engine, req, body)
-        room = engine.n_ctx - len(p.prompt_ids)
-        requested = body.max_output_tokens if body.max_output_tokens is not None else max(room, 1)
-        max_tokens = engine.plan_max_tokens(
-            len(p.prompt_ids), requested, prompt_param="input", param="max_output_tokens"
+        max_tokens = service.plan_output(
+            len(p.prompt_ids),
+            body.max_output_tokens,
+            endpoint_policy=ENDPOINT_POLICY,
+            absent="context",
+            param="max_output_tokens",
+            prompt_param="input",
         )
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,

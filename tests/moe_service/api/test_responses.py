@@ -216,7 +216,6 @@ BAD = [
     ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type", "unsupported_parameter"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type", None),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
-    ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens", "context_length_exceeded"),
     ({"input": "hi", "model": "gpt-5"}, "model", "model_not_found"),
     ({"input": "hi", "background": True}, "background", "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "unsupported_parameter"),
@@ -238,6 +237,18 @@ def test_bad_input_names_the_field_and_nothing_reaches_the_engine(client, stack,
     assert prompt_tokens_counted(stack) == before  # nothing reached the engine
     ok = create(client, input="hi", max_output_tokens=2)  # the process carries on
     assert ok.status_code == 200
+
+
+def test_output_limit_over_the_context_is_clamped_by_default_and_refused_under_refuse(client, stack):
+    r = create(client, input="hi", max_output_tokens=100000)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["usage"]["input_tokens"] + body["usage"]["output_tokens"] == stack.engine.n_ctx
+    stack.service.max_tokens_policy = "refuse"
+    r = create(client, input="hi", max_output_tokens=100000)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "max_output_tokens"
 
 
 def test_unknown_fields_are_accepted_on_responses_only(client):
