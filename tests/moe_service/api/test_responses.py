@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,6 +19,8 @@ from moe_service.api import tools as tl
 from moe_service.api.response_store import ResponseStore
 from moe_service.api.responses import ENCRYPTED_PREFIX, OutputBuilder, encode_reasoning
 from tests.moe_service.test_server import MODEL, TOK, Stack, greedy_text
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 
 @pytest.fixture
@@ -321,3 +324,23 @@ def test_reasoning_items_round_trip_into_the_next_assistant_turn(client, stack):
 
     req = to_chat(ResponsesBody(input=items), [], items)
     assert req.messages[1] == {"role": "assistant", "content": "yo", "reasoning_content": "hmm"}
+
+
+def test_codex_first_request_is_served():
+    """Codex 0.171's first request (captured from `codex exec`; texts shortened): developer
+    messages, function tools beside a namespace and a web_search tool, store false, include,
+    prompt_cache_key, client_metadata, no output limit, stream. Served, not refused."""
+    from moe_service.api.responses import ResponsesBody, input_items, to_chat
+    body = json.loads((FIXTURES / "codex_0171_first_request.json").read_text())
+    req = to_chat(ResponsesBody.model_validate(body), [], input_items(body["input"]))
+    assert [m["role"] for m in req.messages] == ["system", "user", "user"]
+    assert [t["function"]["name"] for t in req.tools] == ["exec_command", "write_stdin", "request_user_input",
+                                                          "view_image", "get_goal", "create_goal", "update_goal"]
+    s = Stack(n_ctx=32768)
+    try:
+        with TestClient(s.app) as c, c.stream("POST", "/v1/responses", json={**body, "max_output_tokens": 3}) as r:
+            assert r.status_code == 200
+            evs = sse(r.iter_lines())
+    finally:
+        s.close()
+    assert evs[-1]["type"] == "response.incomplete" and evs[-1]["response"]["store"] is False
