@@ -579,7 +579,11 @@ def create_app(service: Service) -> FastAPI:
 
     def _model_card() -> dict[str, Any]:
         created = service.engine.created_s if service.engine is not None else int(time.time())
-        return {"id": service.model_name, "object": "model", "created": created, "owned_by": "moe-service"}
+        card: dict[str, Any] = {"id": service.model_name, "object": "model", "created": created,
+                                "owned_by": "moe-service"}
+        if service.engine is not None:  # the served context (OpenRouter's field; Codex's catalog of
+            card["context_length"] = service.engine.n_ctx  # an OpenAI-compatible provider reads it)
+        return card
 
     @app.get("/v1/models")
     async def models():

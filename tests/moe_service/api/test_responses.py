@@ -344,3 +344,8 @@ def test_codex_first_request_is_served():
     finally:
         s.close()
     assert evs[-1]["type"] == "response.incomplete" and evs[-1]["response"]["store"] is False
+
+
+def test_models_card_gives_the_served_context(client, stack):
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == MODEL and card["context_length"] == stack.engine.n_ctx
