@@ -398,6 +398,8 @@ class _Conversation:
                             "reasoning_content"
                         ]
                     return
+            else:
+                self._reasoning = None  # reasoning belongs to the assistant turn right after it
             self.messages.append(msg)
         elif kind == "function_call":
             name = item.get("name")

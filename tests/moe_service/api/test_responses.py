@@ -349,3 +349,44 @@ def test_codex_first_request_is_served():
 def test_models_card_gives_the_served_context(client, stack):
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == MODEL and card["context_length"] == stack.engine.n_ctx
+
+
+def test_to_chat_turns_items_and_tools_into_the_chat_request():
+    from moe_service.api.responses import ResponsesBody, to_chat
+
+    items = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+             {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "input": "*** Begin"},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "r1"}]},
+             {"type": "custom_tool_call_output", "call_id": "c2", "output": "ok"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "only a summary"}]},
+             {"role": "user", "content": "next"}]
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}},
+             {"type": "custom", "name": "patch", "description": "Edit files.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+             {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]+"}}]
+    body = ResponsesBody(input=items, instructions="I", tools=tools,
+                         tool_choice={"type": "allowed_tools", "mode": "required",
+                                      "tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "patch"}]})
+    req = to_chat(body, [], items)
+    assert req.messages == [
+        {"role": "system", "content": "I\n\nS"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "think", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+            {"id": "c2", "type": "function", "function": {"name": "patch", "arguments": '{"input": "*** Begin"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+        {"role": "user", "content": "next"}]
+    assert req.tool_choice == "required" and [t["function"]["name"] for t in req.tools] == ["f", "patch"]
+    patch = req.tools[1]["function"]
+    assert patch["parameters"]["properties"] == {"input": {"type": "string"}}
+    assert "start: /.+/" in patch["description"] and patch["description"].startswith("Edit files.")
+    assert set(req.custom) == {"patch", "code"} and req.forced_custom is None
+    named = to_chat(ResponsesBody(input="x", tools=tools, tool_choice={"type": "custom", "name": "code"}), [],
+                    [{"role": "user", "content": "x"}])
+    assert named.forced_custom == "code" and named.tool_choice == {"type": "function", "function": {"name": "code"}}
+    code = next(t for t in named.tools if t["function"]["name"] == "code")["function"]
+    assert code["parameters"]["properties"]["input"] == {"type": "string", "pattern": "[0-9]+"}
