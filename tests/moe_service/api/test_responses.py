@@ -597,3 +597,24 @@ def test_to_chat_turns_items_and_tools_into_the_chat_request():
     }
     code = next(t for t in named.tools if t["function"]["name"] == "code")["function"]
     assert code["parameters"]["properties"]["input"] == {"type": "string", "pattern": "[0-9]+"}
+
+
+def test_engine_failure_is_a_500_or_response_failed_and_nothing_is_stored():
+    poison = TOK.encode("z")[-1]
+    s = Stack(poison=poison)
+    try:
+        with TestClient(s.app) as c:
+            r = c.post("/v1/responses", json={"input": "zzz", "max_output_tokens": 3})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert "poisoned" in r.json()["error"]["message"]
+            with c.stream(
+                "POST", "/v1/responses", json={"input": "zz", "max_output_tokens": 3, "stream": True}
+            ) as st:
+                evs = sse(st.iter_lines())
+            assert [e["type"] for e in evs] == ["response.created", "response.in_progress", "response.failed"]
+            failed = evs[-1]["response"]
+            assert failed["status"] == "failed" and "poisoned" in failed["error"]["message"]
+            assert len(s.service.responses_store) == 0
+            assert c.post("/v1/responses", json={"input": "ab", "max_output_tokens": 2}).status_code == 200
+    finally:
+        s.close()
