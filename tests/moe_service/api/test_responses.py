@@ -19,6 +19,7 @@ from moe_service.api import tools as tl
 from moe_service.api.response_store import ResponseStore
 from moe_service.api.responses import ENCRYPTED_PREFIX, OutputBuilder, encode_reasoning
 from tests.moe_service.test_server import MODEL, TOK, Stack, greedy_text
+from tests.support.smollm2 import needs_smollm2
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -618,3 +619,30 @@ def test_engine_failure_is_a_500_or_response_failed_and_nothing_is_stored():
             assert c.post("/v1/responses", json={"input": "ab", "max_output_tokens": 2}).status_code == 200
     finally:
         s.close()
+
+
+@needs_smollm2
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_custom_grammar_admits_only_the_tools_language_after_optional_reasoning(reasoning):
+    """custom_grammar on SmolLM2's real vocabulary: the Lark grammar (its own rule names,
+    `start` included, kept apart as @custom) and a regex with a '/' in it; with a thinking
+    model, an optional <think> block first."""
+    from moe_service.api.responses import custom_grammar
+    from moe_service.demo_model import smollm2_gguf_path
+    from moe_service.engine.tokenizer import Tokenizer
+    from tests.moe_service.api.test_tools import _accepts
+
+    tok = Tokenizer.from_file(smollm2_gguf_path())
+    fmt = tl.ChatFormat(reasoning=reasoning)
+    lark = custom_grammar(
+        fmt,
+        "lark",
+        'start: calls\ncalls: "ADD " NUM " " NUM\nNUM: /[0-9]{1,3}/',
+        reasoning_open=False,
+        reasoning_allowed=True,
+    )
+    assert _accepts(tok, lark, "ADD 12 30")
+    assert not _accepts(tok, lark, "SUB 12 30") and not _accepts(tok, lark, "ADD 1234 1")
+    assert _accepts(tok, lark, "<think>sum it</think>\nADD 1 2") == reasoning
+    rx = custom_grammar(fmt, "regex", "[a-z]+/[0-9]{2}", reasoning_open=False, reasoning_allowed=False)
+    assert _accepts(tok, rx, "src/42") and not _accepts(tok, rx, "src/4")
