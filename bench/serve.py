@@ -12,6 +12,7 @@
     --prefix: one service; the shared prefix (~3000 tokens) + question 1   -> TTFT cold
               the same prefix + questions 2..5 (one at a time)         -> TTFT reused (median),
               usage.prompt_tokens_details.cached_tokens of each; ratio cold / reused (goal >= 10x)
+              the first prompt again (now cached): text and top-5 logprobs equal to the cold run's
 
 Token timings come from the SSE chunks as the client sees them: ``decode_tok_s`` =
 (n - 1) / (last token time - first token time) per stream; ``e2e_tok_s`` = n / request wall
@@ -178,13 +179,23 @@ def run_prefix_bench(model_path: Path, *, prefix_tokens: int = 3000, questions: 
         stream_one(svc.url, model_id, 2)  # first request through the HTTP path (short, unrelated prompt)
         runs = []
         for i in range(questions + 1):
-            r = stream_one_usage(svc.url, model_id, max_tokens, prefix + "\nQuestion: " + QUESTIONS[i % len(QUESTIONS)])
+            r = stream_one_usage(svc.url, model_id, max_tokens, prefix + "\nQuestion: " + QUESTIONS[i % len(QUESTIONS)],
+                                 logprobs=5 if i == 0 else None)
             runs.append(r)
             print(f"  request {i}: TTFT {r['ttft_s']:.3f} s, prompt {r['prompt_tokens']} tokens, "
                   f"cached {r['cached_tokens']}", file=sys.stderr, flush=True)
+        # the first request's prompt again, now from the cache: greedy output and log-probabilities
+        # (top 5, from the logits) must equal the cold run's, bit for bit
+        again = stream_one_usage(svc.url, model_id, max_tokens, prefix + "\nQuestion: " + QUESTIONS[0], logprobs=5)
+        print(f"  request 0 again: TTFT {again['ttft_s']:.3f} s, cached {again['cached_tokens']}", file=sys.stderr,
+              flush=True)
+        report["repeat"] = {k: again[k] for k in ("ttft_s", "total_s", "prompt_tokens", "cached_tokens")}
+        report["outputs_identical"] = (again["text"], again["logprobs"]) == (runs[0]["text"], runs[0]["logprobs"])
         cold = runs[0]["ttft_s"]
         reused = sorted(r["ttft_s"] for r in runs[1:])
         med = reused[len(reused) // 2] if len(reused) % 2 else (reused[len(reused) // 2 - 1] + reused[len(reused) // 2]) / 2
+        for r in runs:
+            r.pop("text"), r.pop("logprobs")
         report.update(runs=runs, ttft_cold_s=round(cold, 3), ttft_reused_median_s=round(med, 3),
                       ttft_ratio=round(cold / med, 2) if med > 0 else None)
     finally:
@@ -194,13 +205,19 @@ def run_prefix_bench(model_path: Path, *, prefix_tokens: int = 3000, questions: 
     return report
 
 
-def stream_one_usage(url: str, model: str, max_tokens: int, prompt: str) -> dict:
-    """One streamed completion: TTFT (s) and usage (prompt, cached tokens)."""
+def stream_one_usage(url: str, model: str, max_tokens: int, prompt: str, logprobs: int | None = None) -> dict:
+    """One streamed completion: TTFT (s), usage (prompt, cached tokens), the text, and with
+    ``logprobs`` each chunk's ``logprobs`` object (the sampled tokens' and the top
+    alternatives' log-probabilities)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     t0 = time.monotonic()
     t_first = None
     usage: dict = {}
+    text: list[str] = []
+    lps: list = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1200) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -211,12 +228,18 @@ def stream_one_usage(url: str, model: str, max_tokens: int, prompt: str) -> dict
                 raise RuntimeError(obj["error"]["message"])
             if obj.get("usage"):
                 usage = obj["usage"]
-            elif t_first is None and obj["choices"]:
-                t_first = time.monotonic()
+            if obj.get("choices"):
+                if t_first is None:
+                    t_first = time.monotonic()
+                choice = obj["choices"][0]
+                text.append(choice.get("text") or "")
+                if choice.get("logprobs"):
+                    lps.append(choice["logprobs"])
     t1 = time.monotonic()
     return {"ttft_s": round((t_first or t1) - t0, 4), "total_s": round(t1 - t0, 4),
             "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "text": "".join(text), "logprobs": lps}
 
 
 def format_prefix_report(r: dict) -> str:
@@ -227,6 +250,8 @@ def format_prefix_report(r: dict) -> str:
                      f"{run['prompt_tokens']} prompt tokens")
     lines += [f"TTFT cold / reused    {r['ttft_cold_s']} s / {r['ttft_reused_median_s']} s (median): "
               f"{r['ttft_ratio']}x (goal >= 10x)",
+              f"request 0 again       TTFT {r['repeat']['ttft_s']:.3f} s, cached {r['repeat']['cached_tokens']}: "
+              f"text and top-5 logprobs {'identical to' if r['outputs_identical'] else 'DIFFERENT from'} the cold run",
               f"machine               {r['cpu_count']} CPUs, load {r['load_average_at_start']} -> "
               f"{r['load_average_at_end']}, busy: {', '.join(r['busy_processes_at_start']) or 'nothing else'}"]
     return "\n".join(lines)

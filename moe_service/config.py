@@ -100,7 +100,8 @@ class NumaConfig(_Table):
         ge=0,
         description="GiB of each node's free memory the plan leaves for everything else (KV cache, "
         "buffers, the OS) when it checks that the node can hold its share. Not applied to "
-        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else.",
+        "hugetlb pools (fastload.pages = 2m or 1g), which hold nothing else. engine.kv_cache_gib = "
+        "auto leaves it free on the KV cache's node too: raise it to leave more to other processes.",
     )
     sysfs_root: str = Field(
         "/",
@@ -411,9 +412,10 @@ class ServeConfig(_Table):
     prefix_cache_gib: float = Field(
         2.0,
         ge=0,
-        description="Host memory for the prefix cache, in GiB: the KV rows of earlier requests' "
-        "prompts, kept in blocks of 64 tokens and reused by a request that starts with the same "
-        "tokens (least recently used blocks evicted). 0: off.",
+        description="Host memory for the prefix cache, in GiB: the KV rows (and per-sequence state, "
+        "deepseek4) of earlier requests' prompts, kept in blocks of 64 tokens (128 for deepseek4 "
+        "with ratio-128 layers) and reused by a request that starts with the same tokens (least "
+        "recently used blocks evicted; ring rows captured for prompts in flight count too). 0: off.",
     )
     responses_store_mib: float = Field(
         64.0,

@@ -3,7 +3,9 @@
 ==========================  ======================================================================
 POST /v1/completions        prompt (text or token ids) -> text; ``stream`` as server-sent events
 POST /v1/chat/completions   messages -> chat template -> assistant message; ``stream`` likewise
-POST /v1/responses          the OpenAI Responses API over the chat path (moe_service.api.responses);
+POST /v1/messages           Anthropic's Messages API over the same chat path (moe_service.api.anthropic);
+POST /v1/messages/count_tokens  its errors in Anthropic's envelope, its own SSE events
+POST /v1/responses          the OpenAI Responses API over the same chat path (moe_service.api.responses);
                             GET / DELETE /v1/responses/{id} for stored responses
 GET  /v1/models             the one served model (config ``model.name``, else the file name)
 GET  /health                200 ``{"status": "ok"}`` while serving; 503 ``{"status": "loading",
@@ -68,7 +70,8 @@ from moe_service.request_limits import (
 log = get_logger(__name__)
 
 MAX_STOP_STRINGS = 4
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
+          "/v1/messages/count_tokens", "/v1/responses")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,7 +468,8 @@ def _merge(events: list[Event]) -> Event:
     return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
                  finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
                  completion_tokens=last.completion_tokens, error=last.error,
-                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps, cached_tokens=last.cached_tokens)
+                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps, cached_tokens=last.cached_tokens,
+                 stop_sequence=last.stop_sequence)
 
 
 def _sse(obj: Any) -> str:
@@ -540,21 +544,27 @@ def create_app(service: Service) -> FastAPI:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(service.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type", "x-api-key",
-                                                                    "anthropic-version", "anthropic-beta"], max_age=600)
+                           allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"], max_age=600)
     app.add_middleware(_MetricsMiddleware, service=service)
     app.add_middleware(_CloseWhenStopping, service=service)
 
+    from moe_service.api import anthropic
+    from moe_service.api.auth import is_anthropic_path
+
+    def _answer(request: Request, err: RequestError):  # each protocol's own error envelope
+        return anthropic.error_response(err) if is_anthropic_path(request.url.path) else error_response(err)
+
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc))
+        return _answer(request, _validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(RequestError(msg, status=exc.status_code, type=kind, code=code))
+        return _answer(request, RequestError(msg, status=exc.status_code, type=kind, code=code))
 
     @app.get("/health")
     async def health():
@@ -603,6 +613,14 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(service, request, chat=True)
+
+    @app.post("/v1/messages")  # Anthropic's Messages API (moe_service.api.anthropic); ?beta=true too
+    async def messages(request: Request):
+        return await anthropic.messages(service, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic.count_tokens(service, request)
 
     @app.post("/v1/responses")
     async def responses(request: Request):

@@ -23,8 +23,7 @@ if TYPE_CHECKING:  # the products' modules import heavy things (torch, numba) or
     from moe_service.server import Service
     from moe_service.weights import WeightStore
     from pipeline.checks import PreflightReport
-    from pipeline.pin import PinnedRegions
-    from pipeline.placement import ResidencyReport
+    from pipeline.products import PinnedRegions, ResidencyReport
 
 log = get_logger(__name__)
 

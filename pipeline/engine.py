@@ -50,6 +50,7 @@ def build_engine(ctx: PipelineContext, ops: CpuOps | None = None) -> Engine:
     does not fit its budget), ModelFileError (unsupported architecture, missing tensor or
     tokenizer key).
     """
+    from moe_service.engine import arch
     from moe_service.engine.engine import Engine, served_model_name
     from moe_service.engine.kv import plan_for_config
     from moe_service.engine.model import Model
@@ -77,7 +78,7 @@ def build_engine(ctx: PipelineContext, ops: CpuOps | None = None) -> Engine:
             raise StageError("engine.kv_cache_gib = auto needs the placement plan (ctx.layout, ctx.topology): "
                              "run the prepare step first")
         auto = kv_budget(ctx.layout, ctx.topology, cfg)
-    kvp = plan_for_config(catalog, cfg, auto_budget=auto)  # the context: model.context_tokens or the budget's
+    kvp = plan_for_config(catalog, cfg, *arch.kv_needs(catalog), auto_budget=auto)  # the context: model.context_tokens or the budget's
     if not kvp.ok:
         raise CapacityError(kvp.sentence())
     ops = ops if ops is not None else make_ops(ctx)

@@ -34,8 +34,6 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from moe_service.config import Settings
 from moe_service.engine.device import cuda_absent_reason
@@ -45,12 +43,14 @@ from moe_service.log import get_logger
 from moe_service.sizes import gib_text
 from pipeline.checks import Check, Status
 from pipeline.context import PipelineContext
+from pipeline.products import CUDA_SUCCESS, CudaRuntime, PinChunk, PinnedRegions
+from pipeline.products import clear_cuda_error as _clear_error
+from pipeline.products import cuda_error_text as _cuda_error
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
 
 # CUDA runtime constants (driver_types.h)
-CUDA_SUCCESS = 0
 CUDA_HOST_REGISTER_DEFAULT = 0x00
 CUDA_HOST_REGISTER_READ_ONLY = 0x08
 CUDA_DEV_ATTR_HOST_REGISTER_SUPPORTED = 99
@@ -65,19 +65,6 @@ def flags_name(flags: int) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # The CUDA runtime, behind a small interface
-
-
-class CudaRuntime(Protocol):
-    """The CUDA runtime calls the pin stage makes, with C semantics: each returns the
-    cudaError_t as an int (0 = cudaSuccess); value-returning calls return (error, value)."""
-
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int: ...
-    def cudaHostUnregister(self, ptr: int) -> int: ...
-    def cudaGetLastError(self) -> int: ...
-    def cudaGetErrorName(self, error: int) -> str: ...
-    def cudaGetErrorString(self, error: int) -> str: ...
-    def cudaDeviceGetAttribute(self, attr: int, device: int) -> tuple[int, int]: ...
-    def cudaGetDevice(self) -> tuple[int, int]: ...
 
 
 def _loaded_cudart_paths(maps: str = "/proc/self/maps") -> list[str]:
@@ -176,22 +163,6 @@ class TorchCudart:
         return err, int(dev.value)
 
 
-def _cuda_error(rt: CudaRuntime, err: int) -> str:
-    """``cudaErrorHostMemoryAlreadyRegistered (712): part of the range is already registered``."""
-    try:
-        return f"{rt.cudaGetErrorName(err)} ({err}): {rt.cudaGetErrorString(err)}"
-    except Exception:
-        return f"CUDA error {err}"
-
-
-def _clear_error(rt: CudaRuntime) -> None:
-    """Reset the runtime's last error after a failed call we handled (it is per host thread)."""
-    try:
-        rt.cudaGetLastError()
-    except Exception as e:  # clearing must never hide the original failure
-        log.warning("pin_clear_error_failed", stage="pin", error=str(e))
-
-
 def register_flags(rt: CudaRuntime, device: int | None = None) -> tuple[int, str]:
     """(flags, why): cudaHostRegisterReadOnly when ``device`` (default: the current one) reports
     cudaDevAttrHostRegisterReadOnlySupported = 1, else cudaHostRegisterDefault. A failed
@@ -212,18 +183,6 @@ def register_flags(rt: CudaRuntime, device: int | None = None) -> tuple[int, str
 
 # ---------------------------------------------------------------------------------------------
 # What to register
-
-
-@dataclass(frozen=True)
-class PinChunk:
-    """One cudaHostRegister call: ``nbytes`` at ``arena_offset`` (page aligned), which is
-    ``region_offset`` bytes into region ``region``."""
-
-    region: str
-    role: str
-    arena_offset: int
-    region_offset: int
-    nbytes: int
 
 
 def plan_pin_chunks(layout: Layout, chunk_bytes: int, page_bytes: int = PAGE_BYTES) -> list[PinChunk]:
@@ -252,46 +211,6 @@ def plan_pin_chunks(layout: Layout, chunk_bytes: int, page_bytes: int = PAGE_BYT
 
 # ---------------------------------------------------------------------------------------------
 # Registering
-
-
-@dataclass
-class PinnedRegions:
-    """What the pin stage registered (``ctx.pins``): base address, flags and the chunks in
-    registration order. :meth:`unpin` unregisters them in reverse order."""
-
-    rt: CudaRuntime
-    base_address: int
-    flags: int
-    chunks: list[PinChunk] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
-
-    def covers(self, arena_offset: int, nbytes: int) -> bool:
-        """Whether ``[arena_offset, arena_offset + nbytes)`` lies inside registered chunks."""
-        end = arena_offset + nbytes
-        for c in self.chunks:
-            if c.arena_offset <= arena_offset < c.arena_offset + c.nbytes:
-                if end <= c.arena_offset + c.nbytes:
-                    return True
-                arena_offset = c.arena_offset + c.nbytes
-        return False
-
-    def unpin(self) -> int:
-        """cudaHostUnregister every chunk, last first. Failures are logged (and the CUDA error
-        cleared), never raised: the others are still released. Returns the failures."""
-        failures = 0
-        while self.chunks:
-            c = self.chunks.pop()
-            err = self.rt.cudaHostUnregister(self.base_address + c.arena_offset)
-            if err != CUDA_SUCCESS:
-                failures += 1
-                log.error("pin_unregister_failed", stage="pin", region=c.region, offset=c.region_offset,
-                          bytes=c.nbytes, error=_cuda_error(self.rt, err))
-                _clear_error(self.rt)
-        return failures
 
 
 def pin_chunks(

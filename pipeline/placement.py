@@ -29,7 +29,6 @@ than this fraction of the even share).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from moe_service import numa
 from moe_service.errors import NumaError, StageError
@@ -38,6 +37,7 @@ from moe_service.log import get_logger
 from moe_service.numa import Topology
 from moe_service.sizes import GiB
 from pipeline.context import PipelineContext
+from pipeline.products import RegionResidency, ResidencyReport
 from pipeline.spec import Stage, register_stage
 
 log = get_logger(__name__)
@@ -46,108 +46,6 @@ MIGRATE_ATTEMPTS = 3
 """mbind(MPOL_MF_MOVE) passes over a region with strays before placement gives up on it."""
 
 _POLICY_MODE = {"bind": numa.MPOL_BIND, "interleave": numa.MPOL_INTERLEAVE}
-
-
-@dataclass
-class RegionResidency:
-    """Sampled residency of one region.
-
-    ``node_samples``: node -> samples found there; ``absent``: samples never touched;
-    ``errors``: other move_pages errors; ``stray``: present samples on a node the plan does
-    not allow (bind: not the home node; interleave: outside the region's nodes).
-    ``sample_bytes``: bytes each sample stands for (the step).
-    """
-
-    name: str
-    role: str
-    policy: str
-    planned_nodes: tuple[int, ...]
-    used_bytes: int
-    samples: int
-    node_samples: dict[int, int]
-    absent: int
-    errors: int
-    stray: int
-    sample_bytes: int
-
-    @property
-    def present(self) -> int:
-        return sum(self.node_samples.values())
-
-    @property
-    def ok(self) -> bool:
-        return self.stray == 0 and self.absent == 0 and self.errors == 0
-
-    def bytes_per_node(self) -> dict[int, int]:
-        """Estimated used bytes on each node (used_bytes split by sample shares)."""
-        if not self.present:
-            return {}
-        return {n: self.used_bytes * c // self.present for n, c in self.node_samples.items()}
-
-    def share(self) -> dict[int, float]:
-        """Fraction of present samples on each node."""
-        p = self.present
-        return {n: c / p for n, c in sorted(self.node_samples.items())} if p else {}
-
-    def interleave_imbalance(self) -> float:
-        """Largest |share - 1/N| / (1/N) over the region's nodes (0 = perfectly even)."""
-        if self.policy != "interleave" or not self.planned_nodes or not self.present:
-            return 0.0
-        even = 1.0 / len(self.planned_nodes)
-        sh = self.share()
-        return max(abs(sh.get(n, 0.0) - even) / even for n in self.planned_nodes)
-
-
-@dataclass
-class ResidencyReport:
-    """Residency of the checked regions, after any repair, plus what was migrated."""
-
-    regions: list[RegionResidency] = field(default_factory=list)
-    migrated: list[str] = field(default_factory=list)
-    before: list[RegionResidency] = field(default_factory=list)
-    seconds: float = 0.0
-    note: str = ""
-
-    def merge(self, other: ResidencyReport) -> None:
-        """Add ``other``'s regions and migrations (the replication stage's check of the replica
-        regions) to this report (placement's, of the primaries)."""
-        self.regions.extend(other.regions)
-        self.migrated.extend(other.migrated)
-
-    def bytes_per_node(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for r in self.regions:
-            for n, b in r.bytes_per_node().items():
-                out[n] = out.get(n, 0) + b
-        return dict(sorted(out.items()))
-
-    @property
-    def stray_samples(self) -> int:
-        return sum(r.stray for r in self.regions)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.regions)
-
-    def on_plan_fraction(self) -> float:
-        """Fraction of sampled pages (bind and interleave regions) on an allowed node."""
-        present = sum(r.present for r in self.regions if r.policy != "local")
-        stray = sum(r.stray for r in self.regions if r.policy != "local")
-        return 1.0 if present == 0 else (present - stray) / present
-
-    def to_dict(self) -> dict:
-        return {
-            "note": self.note,
-            "bytes_per_node": {str(k): v for k, v in self.bytes_per_node().items()},
-            "on_plan_fraction": self.on_plan_fraction(),
-            "migrated": list(self.migrated),
-            "regions": [
-                {"name": r.name, "role": r.role, "policy": r.policy, "nodes": list(r.planned_nodes),
-                 "samples": r.samples, "node_samples": {str(k): v for k, v in r.node_samples.items()},
-                 "absent": r.absent, "stray": r.stray}
-                for r in self.regions
-            ],
-        }
 
 
 def arena_address(arena) -> int:

@@ -592,9 +592,10 @@ def kv_capacity(catalog, layout: Layout, topology: Topology, config: Settings) -
     it is bound to (engine.kv_node, -1: the plan's first node). Returns the KVPlan's dict plus
     ``node``, ``node_need_bytes`` (weights + KV), ``node_available_bytes``, ``fits`` and
     ``reasons`` (sentences naming the numbers)."""
+    from moe_service.engine import arch
     from moe_service.engine.kv import plan_for_config
 
-    kvp = plan_for_config(catalog, config, auto_budget=kv_budget(layout, topology, config))
+    kvp = plan_for_config(catalog, config, *arch.kv_needs(catalog), auto_budget=kv_budget(layout, topology, config))
     node = kvp.node if kvp.node is not None else layout.nodes[0]
     out = kvp.to_dict()
     out["node"] = node

@@ -207,7 +207,8 @@ def _on_sighup(keys):
 def make_prefix_cache(engine, cfg, metrics):
     """The prefix cache (engine/prefix.py) over the engine's KV cache, with
     serve.prefix_cache_gib of host memory; None when that is 0, the KV cache is on a torch
-    device or holds per-sequence state beside its rows (deepseek4; said in the log)."""
+    device or holds per-sequence state that declares no snapshot kind (said in the log; a
+    model whose state declares it, deepseek4, gets a prefix cache that restores it)."""
     from moe_service.engine.prefix import PrefixCache
 
     if cfg.prefix_cache_gib <= 0:
@@ -217,12 +218,13 @@ def make_prefix_cache(engine, cfg, metrics):
     if not getattr(kv, "host_rows", False):
         log.info("prefix_cache_off", reason="the KV cache is on a torch device (the prefix cache runs on the CPU path)")
         return None
-    if getattr(kv, "state", None):
-        log.info("prefix_cache_off", reason="the model keeps per-sequence state beside the KV rows (deepseek4's "
-                 "compressed KV), which the prefix cache cannot restore")
+    why = kv.state_restorable if getattr(kv, "state", None) else None
+    if why:
+        log.info("prefix_cache_off", reason=why)
         return None
     pc = PrefixCache(kv, int(cfg.prefix_cache_gib * GiB), metrics=metrics)
-    log.info("prefix_cache_on", budget_bytes=pc.budget_bytes, block_tokens=pc.block_tokens, block_bytes=pc.block_bytes)
+    log.info("prefix_cache_on", budget_bytes=pc.budget_bytes, block_tokens=pc.block_tokens, block_bytes=pc.block_bytes,
+             state=pc.stateful)
     return pc
 
 

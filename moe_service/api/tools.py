@@ -585,9 +585,9 @@ class OutputParser:
         reason. ``"length"`` (the output limit or the context cut the text): a tool call
         still open is returned as a call when what was written parses (only its closing
         marker is missing), else dropped with a ``tool_call_cut`` delta, and a tail that
-        could be the start of a marker (``\n<tool``, ``</thi``) is dropped: the template's
+        could be the start of a marker (``\\n<tool``, ``</thi``) is dropped: the template's
         markup never reaches the text (a required call cut at max_tokens 64 on the demo model
-        used to end the content with ``\n<tool``). Other reasons keep such text as content
+        used to end the content with ``\\n<tool``). Other reasons keep such text as content
         (the model chose to write it)."""
         cut = reason == "length"
         if self._harmony is not None:

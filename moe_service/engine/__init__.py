@@ -14,7 +14,9 @@ import hashlib
 import os
 from pathlib import Path
 
-_KERNEL_SOURCES = ("quant/*.py", "pool.py", "moe.py", "cpu_layers.py")  # attention.py inlines cpu_layers' float16 intrinsics
+# Files whose kernels other files' cached kernels inline (cpu_layers: its float16 intrinsics, in
+# attention/; attention/*.py: the package's modules inline each other's kernels).
+_KERNEL_SOURCES = ("quant/*.py", "pool.py", "moe.py", "cpu_layers.py", "attention/*.py")
 
 
 def kernel_cache_key() -> str:

@@ -291,6 +291,11 @@ class BatchLoop:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            if self.prefix_cache is not None:
+                try:
+                    self.prefix_cache.release(seq.slot)
+                except Exception as e:  # noqa: BLE001 - never keep the slot: the next acquire starts it afresh
+                    log.warning("prefix_cache_release_failed", slot=seq.slot, error=f"{type(e).__name__}: {e}")
             self.model.kv.free(seq.slot)
             seq.slot = None
         if seq in self._active:

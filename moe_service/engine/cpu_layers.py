@@ -119,8 +119,8 @@ def rope(x, positions, cos, sin, rope_dim, neox):
 @njit(**_JIT)
 def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
     """Causal attention of n new tokens (positions n0..n0+n-1) of one sequence over its cache:
-    the single-threaded scalar statement of engine/attention.py's default (two-pass) contract,
-    kept as the tests' reference (the engine calls engine/attention.py).
+    the single-threaded scalar statement of engine/attention's default (two-pass) contract,
+    kept as the tests' reference (the engine calls engine/attention/).
 
     q: float32 [n, NH, D]; kc, vc: uint16 float16 caches [S, C, NKV, D] already holding the new
     tokens; out: float32 [n, NH, Dv]; kf, vf: float32 scratch [>= n0 + n, NKV, D|Dv];

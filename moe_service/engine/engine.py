@@ -159,6 +159,7 @@ class Event:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
+    stop_sequence: str | None = None  # the request's stop string that ended it (Anthropic's stop_reason)
 
     @property
     def final(self) -> bool:
@@ -235,7 +236,7 @@ class Sequence:
         self.finish_reason = reason
         return Event(text=text, n_tokens=1, finish_reason=reason, prompt_tokens=len(self.prompt_ids),
                      completion_tokens=len(self.generated), token_ids=[tok], logprobs=lp,
-                     cached_tokens=self.cached_tokens)
+                     cached_tokens=self.cached_tokens, stop_sequence=self.stops.matched if self.stops.stopped else None)
 
 
 @dataclass

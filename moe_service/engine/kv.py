@@ -19,7 +19,7 @@
 start whose KV cache does not fit its budget or the chosen node's free memory beside the
 weights, naming the numbers, before anything is loaded.
 
-Element formats (engine/attention.py reads both): f16 caches are uint16 arrays [S, C, NKV, D]
+Element formats (engine/attention/ reads both): f16 caches are uint16 arrays [S, C, NKV, D]
 of float16 bits; q8_0 caches are uint8 arrays [S, C, NKV, D/32*34] of ggml Q8_0 blocks. A
 latent layer (MLA) keeps one row per token and passes ``v is k``.
 
@@ -31,15 +31,42 @@ Per-sequence state beside the rows (:class:`SeqState`, declared by an architectu
 ``seq_state(n_ctx)``; deepseek4's compressed KV, indexer keys and compressor rings) is planned
 and allocated from the same declaration: the plan counts ``n_seq x sum(state bytes)`` on top
 of the rows, and :meth:`KVCache.allocate` places those arrays in the same bound, populated
-mapping (``KVCache.state``). A cache with such state cannot serve the prefix cache (its rows
-alone do not restore a sequence).
+mapping (``KVCache.state``).
+
+Snapshot and restore at a block boundary (the prefix cache, engine/prefix.py): each
+:class:`SeqState` says how its array evolves (``kind``), which fixes what a block of tokens
+[a, b) must carry so that the state at any block boundary n can be rebuilt exactly:
+
+- ``"rows"``: append-only rows, row j final once (j + 1) x ``group`` tokens are computed and
+  never written again (deepseek4's compressed KV, ``group`` = the compression ratio). Block
+  [a, b) carries rows a // group .. b // group - 1: the chain of blocks shares them by prefix
+  length, nothing is copied twice.
+- ``"ring"``: row ``p % shape[0]`` holds position p's values, written once when p is computed
+  (deepseek4's raw window and compressor rings). At length n the rows of positions
+  [live_start(n), n) are read later, live_start(n) = max(0, (n // group - groups + 1) x group);
+  the others are stale. Block [a, b) carries the rows of positions [max(a, live_start(b)), b)
+  in position order; since live_start only grows, the blocks up to n carry every live row at n.
+  A step overwrites ring rows of its own positions, so the architecture reports every
+  position's row as it computes it (:meth:`KVCache.note_ring`) and the prefix cache captures
+  the ones its blocks need.
+- ``"carry"``: a state every token rewrites as a whole (a state-space layer's recurrent
+  state, shape [*shape] per sequence). Block [a, b) carries a copy of it after token b - 1.
+  The architecture asks :meth:`KVCache.capture_points` which lengths inside its step are
+  wanted and reports the state at each (:meth:`KVCache.note_carry`).
+- ``""`` (undeclared): the prefix cache cannot restore it and stays off for the model.
+
+A block's state snapshot is a plain dict ``{"blk.<layer>.<name>": numpy array}`` (
+:meth:`KVCache.export_state` / :meth:`KVCache.import_state`), self-describing given the block's
+token span and the declarations.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +89,7 @@ class LayerKV:
     """What one layer keeps per token (an architecture's ``kv_layers()`` declares it; also
     exported by moe_service.engine.arch): ``n_head_kv`` heads of ``key_dim`` key values and
     ``value_dim`` value values; ``latent``: one shared row per token (MLA), V = its first
-    value_dim dims, the cache passes ``vc is kc`` to engine/attention.py (``n_head_kv`` is 1;
+    value_dim dims, the cache passes ``vc is kc`` to engine/attention/ (``n_head_kv`` is 1;
     0: the layer keeps no rows here, its architecture's ``seq_state`` holds them, deepseek4);
     ``window``: sliding window in tokens (0: full attention; the cache keeps every row)."""
 
@@ -71,6 +98,10 @@ class LayerKV:
     value_dim: int
     latent: bool = False
     window: int = 0
+
+
+STATE_KINDS = ("", "rows", "ring", "carry")
+"""SeqState kinds (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -84,11 +115,64 @@ class SeqState:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    kind: str = ""
+    """How the array evolves (module docstring): "rows" (append-only rows, one per ``group``
+    tokens), "ring" (position p at row p % shape[0], live positions per ``group``/``groups``),
+    "carry" (rewritten whole by every token), "" (undeclared: no snapshot, the prefix cache
+    stays off)."""
+    group: int = 1
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in STATE_KINDS:
+            raise ValueError(f"SeqState {self.key}: kind {self.kind!r} is not one of {STATE_KINDS}")
+        if self.group < 1 or self.groups < 1:
+            raise ValueError(f"SeqState {self.key}: group and groups must be >= 1")
+        if self.kind == "ring" and self.shape[0] < self.group * self.groups - 1:
+            raise ValueError(f"SeqState {self.key}: a ring of {self.shape[0]} rows cannot hold "
+                             f"{self.groups} groups of {self.group} positions")
 
     @property
     def nbytes(self) -> int:
         """Bytes per sequence."""
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def key(self) -> str:
+        """The snapshot key, ``blk.<layer>.<name>``."""
+        return f"blk.{self.layer}.{self.name}"
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (shape[1:])."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def live_start(self, n: int) -> int:
+        """A ring's first live position at length ``n`` (positions [live_start, n) are read by
+        later steps)."""
+        return max(0, (n // self.group - self.groups + 1) * self.group)
+
+    def block_part(self, a: int, b: int) -> tuple[int, int]:
+        """What block [a, b) carries: "rows": row indices [a // group, b // group); "ring":
+        positions [max(a, live_start(b)), b); "carry": (0, 1), one copy of the whole state."""
+        if self.kind == "carry":
+            return 0, 1
+        if self.kind == "rows":
+            return a // self.group, b // self.group
+        if self.kind == "ring":
+            return min(b, max(a, self.live_start(b))), b
+        raise ValueError(f"SeqState {self.key} declares no snapshot kind")
+
+
+def state_block_tokens(states: Sequence[SeqState], base: int) -> int:
+    """The prefix-cache block size for ``states``: ``base`` tokens, rounded up to a multiple
+    of every one-group ring's group (at such a boundary that ring holds no live row: a
+    deepseek4 ratio-128 compressor ring needs nothing, instead of up to 127 float32 rows)."""
+    out = int(base)
+    for a in states:
+        if a.kind == "ring" and a.groups == 1 and a.group > 1:
+            out = out * a.group // math.gcd(out, a.group)
+    return out
 
 
 StateFn = Callable[[int], Sequence[SeqState]]
@@ -265,16 +349,16 @@ def plan_context(layers, n_ctx_train: int, n_seq: int, *, context_tokens: int = 
     return plan
 
 
-def plan_for_config(catalog, config, layers=None, state: StateFn | None = None, *,
+def plan_for_config(catalog, config, layers: Sequence[LayerKV], state: StateFn | None = None, *,
                     auto_budget: tuple[int, str] | None = None) -> KVPlan:
-    """:func:`plan_context` for ``catalog`` (the architecture's declarations, or ``layers`` and
-    ``state``) under ``config`` (model.context_tokens, serve.parallel, engine.kv_cache_gib,
-    engine.kv_type, engine.kv_node). ``auto_budget``: (bytes, how they were found) when
-    engine.kv_cache_gib = "auto" (pipeline.plan.kv_budget computes it from the plan); without
-    it an ``auto`` budget is a problem that says so."""
+    """:func:`plan_context` for ``catalog`` (its trained context) under ``config``
+    (model.context_tokens, serve.parallel, engine.kv_cache_gib, engine.kv_type, engine.kv_node),
+    with the per-layer needs ``layers`` and per-sequence ``state`` that the architecture
+    declares (``moe_service.engine.arch.kv_needs(catalog)`` hands both over: this module
+    consumes declarations and knows no architecture). ``auto_budget``: (bytes, how they were
+    found) when engine.kv_cache_gib = "auto" (pipeline.plan.kv_budget computes it from the
+    plan); without it an ``auto`` budget is a problem that says so."""
     p = catalog.params
-    if layers is None:
-        layers, state = kv_needs_of(catalog)
     e = config.engine
     node = e.kv_node if e.kv_node >= 0 else None
     if e.kv_cache_gib == "auto":
@@ -289,32 +373,6 @@ def plan_for_config(catalog, config, layers=None, state: StateFn | None = None, 
         budget, words = int(e.kv_cache_gib * GIB), ""
     return plan_context(layers, p.n_ctx_train, config.serve.parallel, context_tokens=config.model.context_tokens,
                         budget_bytes=budget, kv_type=e.kv_type, node=node, state=state, words=words)
-
-
-def kv_layers_of(catalog) -> list:
-    """The per-layer KV needs of ``catalog`` (:func:`kv_needs_of`'s layers)."""
-    return kv_needs_of(catalog)[0]
-
-
-def kv_needs_of(catalog) -> tuple[list, StateFn | None]:
-    """(per-layer KV needs, per-sequence state or None) of ``catalog``: the architecture's
-    declarations (``kv_layers()``, ``seq_state``) when the architecture package
-    (moe_service.engine.arch) knows the file, else the classic layout from the GGUF params
-    and no state."""
-    try:  # the per-architecture seam (issue 11), when present
-        from moe_service.engine import arch as _arch  # type: ignore[attr-defined]
-
-        a = _arch.for_model(catalog)  # type: ignore[attr-defined]
-        layers = list(a.kv_layers())
-    except Exception:  # noqa: BLE001 - no seam, or it cannot describe the file: the classic layout
-        return layers_from_params(catalog.params), None
-    return layers, state_of(a)
-
-
-def state_of(arch) -> StateFn | None:
-    """The architecture's ``seq_state`` when it declares any per-sequence state, else None."""
-    fn = getattr(arch, "seq_state", None)
-    return fn if fn is not None and list(fn(MIN_CONTEXT)) else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,9 +393,13 @@ class KVCache:
     """
 
     def __init__(self, n_seq: int, n_ctx: int, k: list, v: list, layers=None, *, kv_type: str = "f16",
-                 arena: np.ndarray | None = None, node: int | None = None, state: dict | None = None):
+                 arena: np.ndarray | None = None, node: int | None = None, state: dict | None = None,
+                 state_decl: Sequence[SeqState] = ()):
         self.k, self.v = k, v
         self.state: dict[tuple[int, str], np.ndarray] = dict(state or {})
+        self.state_decl: dict[tuple[int, str], SeqState] = {(a.layer, a.name): a for a in state_decl}
+        # slot -> the prefix cache's capture: sink(decl, p0, rows), .points(n0, n1), .carry(decl, n, value)
+        self.capture: dict[int, Any] = {}
         self.layers = list(layers) if layers is not None else None
         self.kv_type = kv_type
         self.length = [0] * n_seq
@@ -403,7 +465,8 @@ class KVCache:
             off += _align64(n)
         log.info("kv_cache_allocated", kv_type=kv_type, n_seq=n_seq, n_ctx=n_ctx, layers=len(layers), bytes=total,
                  state_arrays=len(arrays), state_bytes=n_seq * sum(a.nbytes for a in state), node=node)
-        return cls(n_seq, n_ctx, k, v, layers, kv_type=kv_type, arena=arena, node=node, state=arrays)
+        return cls(n_seq, n_ctx, k, v, layers, kv_type=kv_type, arena=arena, node=node, state=arrays,
+                   state_decl=state)
 
     @staticmethod
     def state_arrays(state: Sequence[SeqState], n_seq: int) -> dict:
@@ -490,6 +553,105 @@ class KVCache:
         for kk, vv in zip(self.k, self.v, strict=True):
             for c in (kk,) if vv is kk else (kk, vv):
                 c[dst, a:b] = c[src, a:b]
+
+    # -- per-sequence state, for the prefix cache (module docstring) -----------------------------
+
+    @property
+    def state_restorable(self) -> str | None:
+        """None when every per-sequence state array declares a snapshot kind (the prefix cache
+        can restore a sequence), else a sentence naming the first that does not."""
+        for key in self.state:
+            decl = self.state_decl.get(key)
+            if decl is None or not decl.kind:
+                return (f"the per-sequence state {key[1]!r} of layer {key[0]} declares no snapshot kind "
+                        "(kv.SeqState.kind), so reused rows alone would give wrong output")
+        return None
+
+    def note_ring(self, slot: int, layer: int, name: str, p0: int, rows: np.ndarray) -> None:
+        """An architecture computed ring state ``(layer, name)``'s rows for positions p0 ..
+        p0 + len(rows) - 1 of ``slot`` (every position of its span, also those its ring does
+        not keep): handed to the capture registered for the slot (the prefix cache), if any.
+        Costs one dict lookup otherwise."""
+        sink = self.capture.get(slot)
+        if sink is not None:
+            sink(self.state_decl[(layer, name)], int(p0), rows)
+
+    def capture_points(self, slot: int, n0: int, n1: int) -> list[int]:
+        """The lengths n0 < n <= n1 at which the prefix cache wants ``slot``'s "carry" states
+        (:meth:`note_carry`): block ends it captures; [] when nothing is captured."""
+        sink = self.capture.get(slot)
+        return sink.points(n0, n1) if sink is not None else []
+
+    def note_carry(self, slot: int, layer: int, name: str, n: int, value: np.ndarray) -> None:
+        """An architecture's "carry" state ``(layer, name)`` of ``slot`` after its first ``n``
+        tokens (n from :meth:`capture_points`), handed to the slot's capture."""
+        sink = self.capture.get(slot)
+        if sink is not None:
+            sink.carry(self.state_decl[(layer, name)], int(n), value)
+
+    def state_block_bytes(self, a: int, b: int) -> int:
+        """Bytes of the state snapshot of block [a, b) (:meth:`export_state`)."""
+        total = 0
+        for decl in self.state_decl.values():
+            lo, hi = decl.block_part(a, b)
+            total += decl.nbytes if decl.kind == "carry" else (hi - lo) * decl.row_nbytes
+        return total
+
+    def export_state(self, slot: int, a: int, b: int, rings: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The state snapshot of block [a, b) of ``slot``: {"blk.<layer>.<name>": array}, for
+        "rows" states a copy of rows block_part(a, b) of the slot's array, for "ring" states
+        ``rings[key]`` (the captured rows of positions block_part(a, b), in position order), for
+        "carry" states ``rings[key]`` (the captured state after token b - 1, [*shape]).
+        Raises KeyError when a captured array is missing, ValueError when its shape is wrong."""
+        out: dict[str, np.ndarray] = {}
+        for (layer, name), decl in self.state_decl.items():
+            lo, hi = decl.block_part(a, b)
+            if decl.kind == "rows":
+                out[decl.key] = self.state[(layer, name)][slot, lo:hi].copy()
+                continue
+            r = rings[decl.key]
+            want = tuple(decl.shape) if decl.kind == "carry" else (hi - lo,) + tuple(decl.shape[1:])
+            if r.shape != want or r.dtype != np.dtype(decl.dtype):
+                raise ValueError(f"captured {decl.key} for block {a}..{b}: {r.shape} {r.dtype}, expected "
+                                 f"{want} {decl.dtype}")
+            out[decl.key] = r
+        return out
+
+    def import_state(self, slot: int, blocks: Sequence[tuple[int, int, dict]], first: int = 0) -> None:
+        """Restore ``slot``'s state at the end n of ``blocks`` ((a, b, snapshot) in order, from
+        token 0, contiguous): "rows" states get the rows of blocks[first:] (the slot already
+        holds those of the earlier ones), "ring" states the rows of positions
+        [live_start(n), n), each at row p % ring rows, "carry" states the last block's copy.
+        Raises ValueError for a gap or a snapshot that does not cover the live positions."""
+        if not blocks:
+            return
+        n = blocks[-1][1]
+        for i, (a, b, _) in enumerate(blocks):
+            if a != (blocks[i - 1][1] if i else 0) or b < a:
+                raise ValueError(f"state blocks are not contiguous from 0 at block {i} ({a}..{b})")
+        for (layer, name), decl in self.state_decl.items():
+            arr = self.state[(layer, name)]
+            if decl.kind == "rows":
+                for a, b, snap in blocks[first:]:
+                    lo, hi = decl.block_part(a, b)
+                    arr[slot, lo:hi] = snap[decl.key]
+                continue
+            if decl.kind == "carry":
+                arr[slot] = blocks[-1][2][decl.key]
+                continue
+            need = decl.live_start(n)
+            p = n
+            for a, b, snap in reversed(blocks):  # b == p: contiguous
+                if p <= need:
+                    break
+                lo, hi = decl.block_part(a, b)
+                take = max(lo, need)
+                arr[slot, np.arange(take, hi) % decl.shape[0]] = snap[decl.key][take - lo:]
+                p = take
+                if lo > a:  # the block carries only its live tail: nothing before it is needed
+                    break
+            if p > need:
+                raise ValueError(f"the blocks up to {n} do not carry {decl.key}'s live positions {need}..{p}")
 
     def _check(self, slot, a, b, buf) -> None:
         if not (0 <= slot < self.n_seq and 0 <= a <= b <= self.n_ctx):

@@ -54,7 +54,9 @@ from moe_service.engine.arch.base import (
     Routing,
 )
 from moe_service.engine.arch.rope import rope_tables
+from moe_service.engine.mats import HeadMat, QMat  # noqa: F401  (importable from here too)
 from moe_service.engine.quant.formats import GGML_F32
+from moe_service.engine.quant.tensors import dequantize_tensor as _dequantize
 from moe_service.errors import ConfigError, ModelFileError
 from moe_service.log import get_logger
 
@@ -66,33 +68,6 @@ _ROUTER_POOL_MACS = 1 << 20  # an F32 router step below this runs on the calling
 
 # ---------------------------------------------------------------------------------------------
 # Weights as the engine sees them
-
-
-@dataclass(frozen=True)
-class QMat:
-    """A 2-D weight read in place from the arena: ``n_rows`` output rows of ``n_cols`` inputs,
-    GGML block type ``ggml_type``, starting at byte ``offset`` of the arena."""
-
-    name: str
-    offset: int
-    ggml_type: int
-    n_rows: int
-    n_cols: int
-
-
-@dataclass(frozen=True)
-class HeadMat:
-    """Per-head 2-D weights read in place: head h is ``n_rows`` rows of ``n_cols`` inputs at
-    byte ``offset + h * head_stride`` of the arena (a 3-D tensor {n_cols, n_rows, NH}, or
-    head-strided row groups of a 2-D one)."""
-
-    name: str
-    offset: int
-    ggml_type: int
-    n_head: int
-    n_rows: int
-    n_cols: int
-    head_stride: int
 
 
 @dataclass(frozen=True)
@@ -146,19 +121,10 @@ def _value_dim(v) -> int:
     return v.shape[2]
 
 
-def _dequantize(weights, name: str) -> np.ndarray:
-    """Float32 array in numpy shape (ne reversed) of a whole tensor (small tensors, GPU upload)."""
-    from gguf.quants import dequantize
-
-    t = weights.catalog.tensors[name]
-    raw = weights.tensor(name)
-    return np.ascontiguousarray(dequantize(raw, t.ggml_type).reshape(t.shape).astype(np.float32, copy=False))
-
-
 @dataclass
 class Step:
     """What a block needs about the step besides its layer: ``positions`` [T] (backend
-    array), ``spans`` (seq, a, e, n0) as engine/attention.py, ``rope`` the backend's
+    array), ``spans`` (seq, a, e, n0) as engine/attention/, ``rope`` the backend's
     :class:`RopeTable`, ``route(lw, h) -> (ids, w)`` the model's router."""
 
     positions: Any
@@ -283,7 +249,7 @@ class CpuPath:
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, spans, scale: float, *,
                   window: int = 0, sinks: np.ndarray | None = None, value_dim: int = 0) -> np.ndarray:
-        """Store k, v in layer ``layer``'s cache, attend (engine/attention.py): [T, NH, Dv]."""
+        """Store k, v in layer ``layer``'s cache, attend (engine/attention/): [T, NH, Dv]."""
         kc, vc = self.m.kv.k[layer], self.m.kv.v[layer]
         dv = value_dim or _value_dim(v)
         out = np.empty((q.shape[0], q.shape[1], dv), np.float32)
@@ -420,7 +386,8 @@ class TorchPath:
             kc = torch.zeros(ks, dtype=torch.float16, device=dev)
             k.append(kc)
             v.append(kc if vs is None else torch.zeros(vs, dtype=torch.float16, device=dev))
-        return KVCache(n_seq, n_ctx, k, v, layers, state=KVCache.state_arrays(_seq_state(self.m, n_ctx), n_seq))
+        decl = _seq_state(self.m, n_ctx)
+        return KVCache(n_seq, n_ctx, k, v, layers, state=KVCache.state_arrays(decl, n_seq), state_decl=decl)
 
     # -- primitives --------------------------------------------------------------------------
 
@@ -476,7 +443,7 @@ class TorchPath:
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, spans, scale: float, *,
                   window: int = 0, sinks: torch.Tensor | None = None, value_dim: int = 0) -> torch.Tensor:
-        """engine/attention.py's contract with torch ops: causal (+ sliding window), GQA,
+        """engine/attention's contract with torch ops: causal (+ sliding window), GQA,
         sinks, latent cache (``v`` None, V = the key's first ``value_dim`` dims)."""
         m = self.m
         kc, vc = m.kv.k[layer], m.kv.v[layer]

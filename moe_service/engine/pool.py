@@ -184,8 +184,9 @@ def _record_item(items, i, slot):
 
 CALL_ITEM_SIG = types.void(types.CPointer(types.int64), types.int64, types.CPointer(types.int64))
 """Signature of a K_CALL item's function: (items data, item index, op data). Kernels that live
-outside this file (attention.py) are compiled as numba cfuncs of this signature and called
-through their address, so editing them neither recompiles nor stales the pool's cached code."""
+outside this file (attention/tasks.py, mla.py) are compiled as numba cfuncs of this signature
+and called through their address, so the pool's cached code never inlines them and editing them
+never stales it."""
 
 _CALL_ITEM_CFUNCS: dict = {}  # python function -> its cfunc (keeps the code alive)
 _CALL_ITEM_LOCK = threading.Lock()
@@ -193,7 +194,7 @@ _CALL_ITEM_LOCK = threading.Lock()
 
 def call_item_address(fn) -> int:
     """Address of ``fn`` compiled (or loaded from numba's cache) once as a cfunc of
-    CALL_ITEM_SIG: the function a K_CALL item names (attention.py, mla.py)."""
+    CALL_ITEM_SIG: the function a K_CALL item names (attention/tasks.py, mla.py)."""
     with _CALL_ITEM_LOCK:
         cf = _CALL_ITEM_CFUNCS.get(fn)
         if cf is None:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from moe_service.config import Settings, load_config
-from moe_service.engine.kv import CONTEXT_ALIGN, plan_for_config
+from moe_service.engine.kv import CONTEXT_ALIGN, layers_from_params, plan_for_config
 from moe_service.errors import CapacityError
 from moe_service.numa import Topology
 from pipeline.plan import kv_budget, kv_capacity, node_capacity, plan
@@ -101,6 +101,7 @@ def test_auto_without_the_plan_is_a_problem_not_a_guess():
         shards=[],
         metadata={},
     )
-    kvp = plan_for_config(cat, Settings())
+    layers = layers_from_params(cat.params)
+    kvp = plan_for_config(cat, Settings(), layers)
     assert not kvp.ok and "auto" in kvp.problem
-    assert plan_for_config(cat, Settings(), auto_budget=(GIB, "test")).n_ctx == 512
+    assert plan_for_config(cat, Settings(), layers, auto_budget=(GIB, "test")).n_ctx == 512

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,6 +26,40 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+# Where the units' sandbox hides a path from the service (units/moe-service.service):
+# PrivateTmp=yes gives it its own /tmp and /var/tmp, ProtectHome=yes empties /home, /root and
+# /run/user. A lab that runs files of this checkout under the unit must not take them from there.
+UNIT_HIDDEN_ROOTS = ("/tmp", "/var/tmp", "/home", "/root", "/run/user")
+
+_COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache",
+                                      ".ruff_cache", ".mypy_cache")
+
+
+def unit_hidden_root(path: Path) -> str | None:
+    """The root of UNIT_HIDDEN_ROOTS that ``path`` lies under, else None."""
+    resolved = path.resolve()
+    for root in UNIT_HIDDEN_ROOTS:
+        if resolved == Path(root) or Path(root) in resolved.parents:
+            return root
+    return None
+
+
+def checkout_for_units(work: Path) -> Path:
+    """This checkout where the service's units can read it: REPO itself, or, when REPO lies
+    under a path the units hide (:data:`UNIT_HIDDEN_ROOTS`: a clone under /var/tmp or /root),
+    a copy of its files (no .git, venv or caches) at ``work``/checkout, made afresh. The labs
+    run their check scripts, and the units their probes, from what this returns."""
+    root = unit_hidden_root(REPO)
+    if root is None:
+        return REPO
+    dest = work / "checkout"
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(REPO, dest, ignore=_COPY_IGNORE)
+    print(f"lab: this checkout ({REPO}) is under {root}, which the units hide from the service "
+          f"(PrivateTmp/ProtectHome); the lab runs from a copy at {dest}", file=sys.stderr)
+    return dest
 
 
 def this_checkout(code: str, environ: dict[str, str] | None, timeout_s: float = 600) -> subprocess.CompletedProcess:

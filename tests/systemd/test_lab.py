@@ -137,9 +137,10 @@ def boot_lab(environ: dict[str, str]) -> dict:
         pytest.skip(reason)
     LAB_WORK.mkdir(parents=True, exist_ok=True)
     out = LAB_WORK / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
+    lab_repo = lab_harness.checkout_for_units(LAB_WORK)  # REPO, or a copy the units can see
     env = dict(
         environ,
-        LAB_REPO=str(REPO),
+        LAB_REPO=str(lab_repo),
         LAB_ANSIBLE_PLAYBOOK=str(Path(sys.executable).parent / "ansible-playbook"),
         LAB_SHARED_SITE_PACKAGES=sysconfig.get_paths()["purelib"],
     )
@@ -172,7 +173,7 @@ def boot_lab(environ: dict[str, str]) -> dict:
     extra = {k: v for k, v in env.items() if environ.get(k) != v}
     t0 = time.monotonic()
     rc, output, _ = run_in_vm("/usr/bin/python3 tests/systemd/lab/lab_checks.py", nodes=2, mem_gib=4, systemd=True,
-                              timeout_s=timeout_s, out_dir=out, env=extra, cwd=REPO, base_env=environ)
+                              timeout_s=timeout_s, out_dir=out, env=extra, cwd=lab_repo, base_env=environ)
     report = lab_harness.collect_report(out, rc, output, t0, "the lab VM", "numa_lab_rc")
     report["service_skip_reason"] = service_reason
     return report

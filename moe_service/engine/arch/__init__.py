@@ -21,7 +21,7 @@ arrays are numpy float32 on the CPU path, torch float32 on the device path; T to
     be.concat([a, b, ...], axis) -> the arrays joined along axis
     be.attention(layer, q [T, NH, D], k [T, NKV, D], v [T, NKV, Dv] | None, spans, scale,
                  *, window=0, sinks=None, value_dim=0) -> [T, NH, Dv]
-                 (stores k, v in the layer's cache then attends: engine/attention.py; a latent
+                 (stores k, v in the layer's cache then attends: engine/attention/; a latent
                   layer passes v=None and value_dim: the cache row is the key, V its first Dv dims)
     be.glu_ffn(lw, h [T, H], (gate, up, down), act=MoEAct()) -> [T, H]   dense or shared experts
     st.route(lw, h [T, H]) -> ids int32 [T, K], w float32 [T, K]          the model's Routing
@@ -91,13 +91,14 @@ from moe_service.engine.arch.llama import Llama
 from moe_service.engine.arch.qwen2 import Qwen2
 from moe_service.engine.arch.qwen3 import Qwen3
 from moe_service.engine.arch.qwen3moe import Qwen3Moe
+from moe_service.engine.kv import MIN_CONTEXT, StateFn, layers_from_params
 from moe_service.errors import ModelFileError
 from moe_service.gguf_model import Problem
 
 __all__ = [
     "ACT_SILU", "ACT_SWIGLU_OAI", "ARCHITECTURES", "Architecture", "F32_ONLY", "GATING_SIGMOID", "GATING_SOFTMAX",
     "GATING_SOFTMAX_WEIGHT", "HParamError", "HParamReader", "LayerKV", "MATRIX_TYPES", "MoEAct", "OneOf",
-    "RopeSpec", "Routing", "TensorSpec", "VECTOR_TYPES", "check_model", "for_model", "get", "register",
+    "RopeSpec", "Routing", "TensorSpec", "VECTOR_TYPES", "check_model", "for_model", "get", "kv_needs", "register",
     "supported",
 ]
 
@@ -149,6 +150,21 @@ def for_model(catalog) -> Architecture:
     name = catalog.params.arch
     return get(name, path)(catalog.metadata, path, arch=name,
                            tensor_ne={n: t.ne for n, t in catalog.tensors.items()})
+
+
+def kv_needs(catalog) -> tuple[list[LayerKV], StateFn | None]:
+    """What the KV plan (moe_service.engine.kv.plan_for_config) needs from ``catalog``'s
+    architecture: its per-layer KV needs (``kv_layers()``) and its per-sequence state
+    (``seq_state``, None when it declares none). A file no architecture here describes (or
+    whose declarations fail) gets the classic layout from its GGUF parameters and no state,
+    so that ``plan`` still prints a cache for it (``check`` names the real problem)."""
+    try:
+        a = for_model(catalog)
+        layers = list(a.kv_layers())
+    except Exception:  # noqa: BLE001 - unknown or malformed: the classic layout
+        return layers_from_params(catalog.params), None
+    fn = getattr(a, "seq_state", None)
+    return layers, (fn if fn is not None and list(fn(MIN_CONTEXT)) else None)
 
 
 def check_model(catalog, runnable: bool = True) -> list[Problem]:

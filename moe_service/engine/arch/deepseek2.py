@@ -64,6 +64,7 @@ from moe_service.engine.arch.base import (
     Routing,
     TensorSpec,
 )
+from moe_service.engine.quant.tensors import dequantize_tensor
 
 F32 = np.float32
 
@@ -389,10 +390,8 @@ class Deepseek2(Architecture):
             lw.heads["k_b"] = be.head_mat(b + "attn_k_b.weight", NH, Rkv, Dn)
             lw.heads["v_b"] = be.head_mat(b + "attn_v_b.weight", NH, Dv, Rkv)
         else:
-            from moe_service.engine.model import _dequantize
-
             name = b + "attn_kv_b.weight"
-            w = _dequantize(be.m.weights, name).reshape(NH, Dn + Dv, Rkv)
+            w = dequantize_tensor(be.m.weights, name).reshape(NH, Dn + Dv, Rkv)
             lw.heads["k_b"] = be.head_mat_float(np.ascontiguousarray(w[:, :Dn].transpose(0, 2, 1)))  # [NH, Rkv, Dn]
             lw.heads["v_b"] = be.head_mat(name, NH, Dv, Rkv, row0=Dn, head_rows=Dn + Dv)
 

@@ -100,6 +100,8 @@ from moe_service.engine.arch.base import (
     TensorSpec,
 )
 from moe_service.engine.arch.deepseek2 import Yarn, yarn_from_metadata
+from moe_service.engine.kv import SeqState
+from moe_service.engine.mats import QMat
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -416,23 +418,31 @@ class Deepseek4(Architecture):
         at row p % window); per compressed layer ``comp`` [n_ctx // ratio, D] float16 compressed rows, ``ring_kv`` / ``ring_sc``
         [2 ratio, c D] float32 (the last 2 ratio tokens' compressor kv and score inputs, c = 2 on
         ratio-4 layers); ratio-4 layers add the indexer's ``icomp`` [n_ctx // 4, Di] float16
-        and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32."""
-        from moe_service.engine.kv import SeqState
+        and ``iring_kv`` / ``iring_sc`` [8, 2 Di] float32.
 
+        Each declares its snapshot kind for the prefix cache (kv.SeqState, engine/prefix.py):
+        the rings by the positions later steps read, the compressed rows as append-only; a
+        change to what :meth:`_attention` / :meth:`_compress` read must change these too.
+        :meth:`_attention` reports every position's ring rows (KVCache.note_ring)."""
         hp = self.hp
-        out = [SeqState(il, "raw", (hp.window, hp.head_dim), "float16") for il in range(hp.n_layer)]
+        # snapshot kinds (kv.SeqState): the raw ring reads the last window - 1 positions
+        # (_attention: lo = n0 - W + 1); a compressor ring the tokens of the unfinished block,
+        # and on ratio 4 also the previous block (the overlap; _compress: prev / cur); the
+        # compressed rows are written once, when their block completes
+        out = [SeqState(il, "raw", (hp.window, hp.head_dim), "float16", "ring", 1, hp.window)
+               for il in range(hp.n_layer)]
         for il, r in enumerate(hp.compress_ratios[:hp.n_layer]):
             if not r:
                 continue
-            c = 2 if r == 4 else 1
-            out += [SeqState(il, "ring_kv", (2 * r, c * hp.head_dim), "float32"),
-                    SeqState(il, "ring_sc", (2 * r, c * hp.head_dim), "float32"),
-                    SeqState(il, "comp", (n_ctx // r, hp.head_dim), "float16")]
+            c, g = (2, 2) if r == 4 else (1, 1)
+            out += [SeqState(il, "ring_kv", (2 * r, c * hp.head_dim), "float32", "ring", r, g),
+                    SeqState(il, "ring_sc", (2 * r, c * hp.head_dim), "float32", "ring", r, g),
+                    SeqState(il, "comp", (n_ctx // r, hp.head_dim), "float16", "rows", r)]
             if r == 4:
                 Di = hp.indexer_dim
-                out += [SeqState(il, "iring_kv", (8, 2 * Di), "float32"),
-                        SeqState(il, "iring_sc", (8, 2 * Di), "float32"),
-                        SeqState(il, "icomp", (n_ctx // 4, Di), "float16")]
+                out += [SeqState(il, "iring_kv", (8, 2 * Di), "float32", "ring", 4, 2),
+                        SeqState(il, "iring_sc", (8, 2 * Di), "float32", "ring", 4, 2),
+                        SeqState(il, "icomp", (n_ctx // 4, Di), "float16", "rows", 4)]
         return out
 
     def compressed_kv_values_per_token(self) -> float:
@@ -493,8 +503,6 @@ class Deepseek4(Architecture):
             d[k] = _np(v)
         lw.ds4 = d
         # attn_output_a {NH*D/G, Ro*G}: group g is rows g*Ro .. (g+1)*Ro, read in place
-        from moe_service.engine.model import QMat
-
         name = pre + "attn_output_a.weight"
         t = m.catalog.tensors[name]
         row_bytes = m.catalog.tensors[name].nbytes // t.shape[0]
@@ -598,6 +606,7 @@ class Deepseek4(Architecture):
                           ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
         state = self._state(be, il)
+        kvc = be.m.kv
         ring, W = state["raw"], hp.window
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
@@ -608,18 +617,23 @@ class Deepseek4(Architecture):
             keys = np.concatenate([ring[s, np.arange(lo, n0) % W], new]).astype(np.float32)
             keep = np.arange(max(n0, n0 + n - W), n0 + n)  # the span's last W rows stay
             ring[s, keep % W] = new[keep - n0]
+            kvc.note_ring(s, il, "raw", n0, new)  # every position's row: the prefix cache's block snapshots
             j = np.arange(lo, n0 + n)
             mask = (j[None, :] <= p[:, None]) & (p[:, None] - j[None, :] < hp.window)
             if ratio:
                 assert comp_in is not None  # built above for every compressed layer (ratio > 0)
                 comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:e], comp_in[1][a:e],
                                       ratio, d["attn_compressor_norm"], cos, sin)
+                kvc.note_ring(s, il, "ring_kv", n0, comp_in[0][a:e])
+                kvc.note_ring(s, il, "ring_sc", n0, comp_in[1][a:e])
                 nb = (n0 + n) // ratio
                 visible = np.arange(nb)[None, :] < ((p + 1) // ratio)[:, None]
                 if ratio == 4:
                     assert idx_in is not None  # the indexer's inputs, built above when ratio == 4
                     ik = self._compress(state, "iring_kv", "iring_sc", "icomp", s, n0, idx_in[0][a:e],
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
+                    kvc.note_ring(s, il, "iring_kv", n0, idx_in[0][a:e])
+                    kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:e])
                     visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
                                       hp.indexer_top_k)
                 keys = np.concatenate([keys, comp.astype(np.float32)])

@@ -8,7 +8,7 @@ to 5000 keys): bounded here as |out - ref| <= 2e-5 + 2e-4 * max|V| (measured: be
 at depth 5000). Shapes cover depths 1..5000 (partial key tiles and query tiles), GQA group
 sizes 1, 4 and 8, decode (split key ranges on the pool) and prefill, windows, sinks, the
 latent ``vc is kc`` cache and the Q8_0 cache. On an AVX-512 host, the kernels' 16-lane form
-(attention._SCORE_LANES) and their 8-lane form (a subprocess in AVX2 mode) must give the
+(layout._SCORE_LANES) and their 8-lane form (a subprocess in AVX2 mode) must give the
 same outputs bit for bit.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from moe_service.engine import attention
+from moe_service.engine.attention import layout, planner, scores, values
 from moe_service.engine.pool import WorkerPool
 from moe_service.engine.quant import ir as qir
 
@@ -223,7 +224,7 @@ def test_score_dot_products_sum_in_ggml_order(d):
         want = np.array([_ggml_dot(q, k16[j].astype(np.float32), 64 if wide else 16) for j in range(n)], np.float32)
         for kb in (k16.view(np.uint16).reshape(-1), k16.astype(np.float32).reshape(-1)):
             s = np.empty(n, np.float32)
-            mx = attention._score_keys(q, 0, kb, 0, d, s, 0, 0, n, d, np.float32(1.0), wide)
+            mx = scores._score_keys(q, 0, kb, 0, d, s, 0, 0, n, d, np.float32(1.0), wide)
             assert np.array_equal(s, want), (d, wide, kb.dtype, np.abs(s - want).max())
             assert mx == want.max()
 
@@ -246,7 +247,7 @@ def test_multi_row_scores_equal_one_row_scores(d, nr, tile):
     else:
         kb, kstride = k16.view(np.uint16).reshape(-1)[d:], 2 * d
     mrow[1] = 1e30  # a row whose maximum is already larger keeps it
-    attention._score_keys4(q, 0, d, kb, 0, kstride, s, 0, L, 2, n, np.float32(0.5), mrow, 0, nr)
+    scores._score_keys4(q, 0, d, kb, 0, kstride, s, 0, L, 2, n, np.float32(0.5), mrow, 0, nr)
     k16 = k16[:, 1]
     for r in range(nr):
         want = np.array([_ggml_dot(q[r * d:(r + 1) * d], k16[j].astype(np.float32), 16) * np.float32(0.5)
@@ -268,18 +269,18 @@ def test_group_decode_kernels_equal_row_kernels(d, gh):
     kb, vb = k16.view(np.uint16).reshape(-1), v16.view(np.uint16).reshape(-1)
     s = np.full(gh * L, np.nan, np.float32)
     mrow = np.full(gh, -np.inf, np.float32)
-    attention._score_heads_wide16(q, 0, gh, kb, d, kstride, s, 0, L, 3, n, d, np.float32(0.5), mrow, 0)
+    scores._score_heads_wide16(q, 0, gh, kb, d, kstride, s, 0, L, 3, n, d, np.float32(0.5), mrow, 0)
     p = np.zeros(gh * L, np.float32)
     acc_rows = rng.standard_normal(gh * d).astype(np.float32)
     acc_group = acc_rows.copy()
     for r in range(gh):
         want = np.empty(L, np.float32)
-        mx = attention._score_keys(q, r * d, kb, d, kstride, want, 0, 3, n, d, np.float32(0.5), True)
+        mx = scores._score_keys(q, r * d, kb, d, kstride, want, 0, 3, n, d, np.float32(0.5), True)
         assert np.array_equal(s[r * L + 3:r * L + n], want[3:n]), (d, gh, r)
         assert mrow[r] == mx
         p[r * L + 3:r * L + n] = rng.random(n - 3).astype(np.float16)
-        attention._pv_exact(acc_rows, r * d, p, r * L, vb, d, kstride, 3, n, d)
-    attention._pv_heads_f16(acc_group, 0, gh, p, 0, L, vb, d, kstride, 3, n, d)
+        values._pv_exact(acc_rows, r * d, p, r * L, vb, d, kstride, 3, n, d)
+    values._pv_heads_f16(acc_group, 0, gh, p, 0, L, vb, d, kstride, 3, n, d)
     assert np.array_equal(acc_group, acc_rows), (d, gh)
 
 
@@ -294,11 +295,11 @@ def test_latent_scores_equal_row_scores(n):
     kb = k16.view(np.uint16).reshape(-1)
     s = np.full(gh * L, np.nan, np.float32)
     mrow = np.full(gh, -np.inf, np.float32)
-    attention._score_latent(q, 0, gh, kb, 0, kstride, s, 0, L, 2, n + 2, d, np.float32(0.5), mrow, 0,
-                            np.empty(8 * d, np.float32))
+    scores._score_latent(q, 0, gh, kb, 0, kstride, s, 0, L, 2, n + 2, d, np.float32(0.5), mrow, 0,
+                         np.empty(8 * d, np.float32))
     for r in range(gh):
         want = np.empty(L, np.float32)
-        mx = attention._score_keys(q, r * d, kb, 0, kstride, want, 0, 2, n + 2, d, np.float32(0.5), True)
+        mx = scores._score_keys(q, r * d, kb, 0, kstride, want, 0, 2, n + 2, d, np.float32(0.5), True)
         assert np.array_equal(s[r * L + 2:r * L + n + 2], want[2:n + 2]), r
         assert mrow[r] == mx
 
@@ -368,14 +369,14 @@ def test_single_latent_decode_is_split_over_workers(pool, online):
     if online:
         assert attention.plan_tasks([(0, 0, 1, 2999)], 16, max(2, pool.n_workers), n_kv=1)[0][-1] > 1
     else:
-        tasks, meta, n_direct, *_ = attention._plan_exact(np.array([[0, 0, 1, 2999]]), 16, 1, max(2, pool.n_workers),
-                                                          0, attention.QUERY_ROWS, attention.SCORE_BUDGET,
-                                                          attention.MIN_SPLIT_KEYS)
+        tasks, meta, n_direct, *_ = planner._plan_exact(np.array([[0, 0, 1, 2999]]), 16, 1, max(2, pool.n_workers),
+                                                        0, attention.QUERY_ROWS, attention.SCORE_BUDGET,
+                                                        attention.MIN_SPLIT_KEYS)
         assert n_direct == 0 and meta.shape[0] == 1 and tasks.shape[0] == meta[0, 6] > 1
     _run(pool, nh=16, nkv=1, d=576, dv=512, spans=[(0, 0, 1, 2999)], n_ctx=3000, latent=True, online=online)
 
 
-# Shapes whose kernels depend on the vector width (attention._SCORE_LANES): prefill scores of
+# Shapes whose kernels depend on the vector width (layout._SCORE_LANES): prefill scores of
 # 2-4 heads x 16 keys and P.V of up to 4 heads (D 64 and 128, GQA 3 and 8 with a partial
 # group), group decode scores (D 64 and 128), the latent cache's tile (D 576), windows,
 # sinks, a Q8_0 cache; depths off every tile grid.
@@ -407,14 +408,14 @@ def test_8_and_16_lane_kernels_give_the_same_outputs(tmp_path):
     MOE_SERVICE_KERNEL_ISA=avx2 and its own numba cache) give the same attention outputs bit
     for bit: the lane a product is summed into is fixed by the contract, not by the width."""
     env = dict(os.environ, MOE_SERVICE_KERNEL_ISA="avx2", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(attention.__file__).parents[2]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(attention.__file__).parents[3]), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, __file__], env=env, timeout=600, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["lanes"] == 8
-    assert attention._SCORE_LANES == 16
+    assert layout._SCORE_LANES == 16
     assert got["digest"] == digest_outputs()
 
 
 if __name__ == "__main__":
-    print(json.dumps({"lanes": attention._SCORE_LANES, "digest": digest_outputs()}))
+    print(json.dumps({"lanes": layout._SCORE_LANES, "digest": digest_outputs()}))

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moe_service.engine import kv
+from moe_service.engine import arch, kv
 from moe_service.engine.model import Model
 from moe_service.gguf_model import GGUFModel
 from moe_service.synth_deepseek2 import write_deepseek2
@@ -32,6 +32,11 @@ def tiny4(tmp_path_factory):
     return write_deepseek4(tmp_path_factory.mktemp("ds4kv") / "tiny4.gguf", "tiny-deepseek4")
 
 
+def _plan(cat, config) -> kv.KVPlan:
+    """The KV plan of ``cat`` under ``config`` from its architecture's declarations."""
+    return kv.plan_for_config(cat, config, *arch.kv_needs(cat))
+
+
 def _config(context_tokens: int, kv_cache_gib: float, parallel: int):
     from moe_service.config import Settings
 
@@ -46,7 +51,7 @@ def test_planned_bytes_are_the_allocated_bytes(tiny4, ops, dense):
     KV cache holds, and the layer uses those very arrays."""
     cat = GGUFModel.open(tiny4)
     n_seq, n_ctx = 2, 700
-    plan = kv.plan_for_config(cat, _config(n_ctx, 1.0, n_seq))
+    plan = _plan(cat, _config(n_ctx, 1.0, n_seq))
     assert plan.ok and plan.n_ctx == n_ctx
     D, Di = 128, 64
     assert plan.bytes_per_token == 0  # nothing per token of context in the row cache
@@ -94,11 +99,11 @@ def test_v4_context_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
 
     path = write_deepseek4(tmp_path / "v4f.gguf", "deepseek-v4-flash", sparse=True)  # ratios 0, 0, 4, 128
     cat = GGUFModel.open(path)
-    layers, state = kv.kv_needs_of(cat)
+    layers, state = arch.kv_needs(cat)
     assert state is not None and len(layers) == 4
     N = 1 << 20  # the trained context
     cfg = _config(N, 0.25, 2)
-    p = kv.plan_for_config(cat, cfg)
+    p = _plan(cat, cfg)
     assert not p.ok
     # window rows: 4 layers x 128 x 512 f16; ratio 4: (512 + indexer 128) / 4 tokens; ratio 128
     assert p.bytes_per_token == 0
@@ -119,7 +124,7 @@ def test_v4_context_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
     assert check.status == "fail" and "per-sequence KV state" in check.message
     assert check.numbers["state_bytes_per_seq"] == state_n
 
-    derived = kv.plan_for_config(cat, _config(0, 0.0625, 2))
+    derived = _plan(cat, _config(0, 0.0625, 2))
     assert derived.ok and derived.total_bytes <= 0.0625 * GIB
     more = kv.plan_context(layers, derived.n_ctx_train, 2, context_tokens=derived.n_ctx + 256,
                            budget_bytes=GIB // 16, state=state)
@@ -127,8 +132,9 @@ def test_v4_context_that_does_not_fit_is_refused_with_the_numbers(tmp_path):
 
 
 def test_prefix_cache_refuses_a_cache_with_state():
-    """Reused rows alone cannot restore deepseek4's compressed state: the prefix cache says so
-    (make_prefix_cache then serves without it)."""
+    """Per-sequence state that declares no snapshot kind (kv.SeqState.kind) cannot be restored
+    from reused rows: the prefix cache says so (make_prefix_cache then serves without it).
+    deepseek4 declares its kinds (tests/moe_service/engine/test_prefix_state.py)."""
     from moe_service.engine.prefix import PrefixCache
 
     c = kv.KVCache.allocate([kv.LayerKV(1, 64, 64, latent=True)], 2, 64,
@@ -148,9 +154,9 @@ def test_deepseek2_latent_cache_planned_as_allocated(tmp_path, ops):
     inside it; no other per-sequence state; plan == allocation."""
     path = write_deepseek2(tmp_path / "ds2.gguf", "tiny-deepseek2")
     cat = GGUFModel.open(path)
-    layers, state = kv.kv_needs_of(cat)
+    layers, state = arch.kv_needs(cat)
     assert state is None and all(lk.latent for lk in layers)
-    p = kv.plan_for_config(cat, _config(300, 1.0, 2))
+    p = _plan(cat, _config(300, 1.0, 2))
     m = Model(cat, WeightStore.load_simple(cat), ops, n_seq=2, n_ctx=300)
     assert m.kv.bytes() == p.total_bytes == 2 * 300 * sum(2 * lk.key_dim for lk in layers)
     assert all(v is k for k, v in zip(m.kv.k, m.kv.v, strict=True))

@@ -1,7 +1,7 @@
 """gpt-oss primitives on the seam: YaRN RoPE tables and the scaling llama.cpp derives from a
 file (arch/rope.py), routing by the top-k raw logits with a softmax over the selected
 (cpu_layers.route gating 2, model.torch_route), attention with a sliding window and sinks on
-both dense paths (engine/attention.py, TorchPath.attention).
+both dense paths (engine/attention/, TorchPath.attention).
 
 Tolerances: the CPU (numba) and torch versions follow the same ggml rounding points but sum
 in different orders, so they agree to float32 summation noise (1e-5 of the values' scale);
