@@ -417,6 +417,14 @@ class ServeConfig(_Table):
         "with ratio-128 layers) and reused by a request that starts with the same tokens (least "
         "recently used blocks evicted; ring rows captured for prompts in flight count too). 0: off.",
     )
+    responses_store_mib: float = Field(
+        64.0,
+        ge=0,
+        description="Host memory for stored Responses API responses, in MiB: a response created with "
+        "`store` (the default) is kept with its conversation so that a later request can name it in "
+        "`previous_response_id`; least recently used ones are evicted, a restart forgets them all. "
+        "0: nothing is stored.",
+    )
     shutdown_grace_s: float = Field(
         30.0,
         ge=0,

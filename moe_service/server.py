@@ -5,6 +5,8 @@ POST /v1/completions        prompt (text or token ids) -> text; ``stream`` as se
 POST /v1/chat/completions   messages -> chat template -> assistant message; ``stream`` likewise
 POST /v1/messages           Anthropic's Messages API over the same chat path (moe_service.api.anthropic);
 POST /v1/messages/count_tokens  its errors in Anthropic's envelope, its own SSE events
+POST /v1/responses          the OpenAI Responses API over the same chat path (moe_service.api.responses);
+                            GET / DELETE /v1/responses/{id} for stored responses
 GET  /v1/models             the one served model (config ``model.name``, else the file name)
 GET  /health                200 ``{"status": "ok"}`` while serving; 503 ``{"status": "loading",
                             "stage": ...}`` before, 503 ``{"status": "stopping"}`` after SIGTERM,
@@ -69,7 +71,7 @@ log = get_logger(__name__)
 
 MAX_STOP_STRINGS = 4
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/messages",
-          "/v1/messages/count_tokens")
+          "/v1/messages/count_tokens", "/v1/responses")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +322,9 @@ class Service:
         self.max_tokens_policy = "auto"  # serve.max_tokens_policy (plan_output)
         self.max_body_bytes: int | None = None  # serve.max_body_bytes (request_limits.BodyLimit)
         self.body_timeout_s: float | None = None  # serve.body_timeout_s (request_limits.BodyLimit)
+        from moe_service.api.response_store import ResponseStore
+
+        self.responses_store = ResponseStore()  # serve.responses_store_mib (previous_response_id)
 
     def health_problem(self) -> str | None:
         """Why the service cannot do work although it is up (the engine thread died, N steps in
@@ -504,9 +509,11 @@ class _MetricsMiddleware:
         if scope["type"] != "http" or self.service.metrics is None:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ROUTES or path.startswith("/v1/models/") else "other"
+        endpoint = path if path in ROUTES or path.startswith(("/v1/models/", "/v1/responses/")) else "other"
         if endpoint.startswith("/v1/models/"):
             endpoint = "/v1/models/{id}"
+        elif endpoint.startswith("/v1/responses/"):
+            endpoint = "/v1/responses/{id}"
         status = {"code": 500}
 
         async def send_wrapper(message):
@@ -582,7 +589,11 @@ def create_app(service: Service) -> FastAPI:
 
     def _model_card() -> dict[str, Any]:
         created = service.engine.created_s if service.engine is not None else int(time.time())
-        return {"id": service.model_name, "object": "model", "created": created, "owned_by": "moe-service"}
+        card: dict[str, Any] = {"id": service.model_name, "object": "model", "created": created,
+                                "owned_by": "moe-service"}
+        if service.engine is not None:  # the served context (OpenRouter's field; Codex's catalog of
+            card["context_length"] = service.engine.n_ctx  # an OpenAI-compatible provider reads it)
+        return card
 
     @app.get("/v1/models")
     async def models():
@@ -610,6 +621,24 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await anthropic.count_tokens(service, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        from moe_service.api import responses as rs
+
+        return await rs.create_response(service, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        from moe_service.api import responses as rs
+
+        return rs.get_stored(service, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        from moe_service.api import responses as rs
+
+        return rs.delete_stored(service, response_id)
 
     return app
 

@@ -279,6 +279,9 @@ class ServeStage(Stage):
         service.max_tokens_policy = cfg.max_tokens_policy
         service.max_body_bytes = cfg.max_body_bytes or None
         service.body_timeout_s = cfg.body_timeout_s
+        from moe_service.api.response_store import ResponseStore
+
+        service.responses_store = ResponseStore(int(cfg.responses_store_mib * (1 << 20)))
         ctx.server = service
         app = create_app(service)
         previous = _on_sighup(keys)
