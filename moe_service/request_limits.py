@@ -20,6 +20,7 @@ import asyncio
 import json
 from typing import Any
 
+from moe_service.api.envelopes import error_body, is_anthropic_path
 from moe_service.engine.engine import RequestError
 
 MAX_JSON_DEPTH = 64
@@ -237,11 +238,7 @@ class BodyLimit:
 
 
 async def _send_error(send, err: RequestError, path: str = "") -> None:
-    from moe_service.api.auth import is_anthropic_path
-
     if is_anthropic_path(path):  # Anthropic's clients read their own envelope
-        from moe_service.api.anthropic import error_body
-
         body = json.dumps(error_body(err.status, err.message)).encode()
     else:
         body = json.dumps(err.to_dict()).encode()

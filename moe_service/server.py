@@ -42,10 +42,8 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import json
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +54,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_service.api import logprobs as lp_fmt
+from moe_service.api.transport import (  # shared with the other protocols' endpoints
+    Events,
+    error_response,
+    finish_request,
+    merge_events,
+    read_json,
+    sse_data,
+    validation_error,
+)
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 from moe_service.request_limits import (
@@ -63,7 +70,6 @@ from moe_service.request_limits import (
     admission_precheck,
     chat_chars,
     check_stop_strings,
-    parse_json_body,
     prompt_chars,
 )
 
@@ -257,37 +263,6 @@ def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     return out
 
 
-def _validation_error(e: ValidationError | RequestValidationError) -> RequestError:
-    """The first pydantic error as a 400 naming the field (``messages.0.content``)."""
-    errors = e.errors()
-    if not errors:
-        return RequestError("invalid request body")
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    # unions report the member tried (e.g. 'str'): keep the request's own path only
-    path: list[str] = []
-    for p in loc:
-        if p in ("str", "int", "float", "list[int]", "list[str]", "list[list[int]]", "bool") or "[" in p:
-            continue
-        path.append(p)
-    param = ".".join(path) or None
-    kind = err.get("type", "")
-    if kind == "extra_forbidden":
-        return RequestError(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
-    if kind == "missing":
-        return RequestError(f"{param}: this field is required", param=param, code="missing_required_parameter")
-    if kind == "json_invalid":
-        return RequestError(f"invalid JSON body: {err.get('msg')}", code="invalid_json")
-    return RequestError(f"{param}: {err.get('msg')} (got {json.dumps(err.get('input'), default=str)[:80]})"
-                        if param else str(err.get("msg")), param=param, code="invalid_value")
-
-
-def error_response(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
-    if headers is None and getattr(err, "retry_after_s", None) is not None:  # 429 from any check
-        headers = {"Retry-After": str(err.retry_after_s)}
-    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
-
-
 # ---------------------------------------------------------------------------------------------
 # The service the app serves
 
@@ -379,103 +354,6 @@ class Service:
                                param="model", code="model_not_found")
 
 
-class _Mailbox:
-    """Hands events from the engine thread to one event loop, one wake-up per burst: a decode
-    step emits a token for every active sequence back to back, and the first post schedules
-    one delivery that takes them all (a wake-up per event cost the engine thread ~12% of its
-    time with 4 streams on 2 cores: each write to the loop's self-pipe woke the loop there)."""
-
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Event]] = []
-        self._scheduled = False
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
-        try:
-            box = cls._by_loop.get(loop)
-            if box is None:
-                box = cls._by_loop[loop] = cls(loop)
-        except TypeError:  # a loop type without weak references: one mailbox per request then
-            box = cls(loop)
-        return box
-
-    def post(self, queue: asyncio.Queue, ev: Event) -> None:  # engine thread
-        """Queue ``ev`` for ``queue``; raises RuntimeError when the loop is closed (the
-        requester is gone, so the engine cancels the sequence)."""
-        if self.loop.is_closed():
-            raise RuntimeError("the event loop is closed")
-        with self._lock:
-            self._items.append((queue, ev))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:
-            with self._lock:
-                self._scheduled = False
-            raise
-
-    def _deliver(self) -> None:  # the loop's thread
-        with self._lock:
-            items, self._items, self._scheduled = self._items, [], False
-        for queue, ev in items:
-            queue.put_nowait(ev)
-
-
-class _Events:
-    """Receives a request's events from the engine thread; ``get`` keeps one pending read so a
-    timeout loses nothing."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self._mailbox = _Mailbox.of(self.loop)
-        self._pending: asyncio.Task | None = None
-
-    def emit(self, ev: Event) -> None:  # engine thread
-        self._mailbox.post(self.queue, ev)
-
-    async def get(self, timeout_s: float | None = None) -> Event | None:
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout_s)
-        if not done:
-            return None
-        task, self._pending = self._pending, None
-        return task.result()
-
-    def get_nowait(self) -> Event | None:
-        if self._pending is not None:
-            return None
-        try:
-            return self.queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-
-    def close(self) -> None:
-        if self._pending is not None:
-            self._pending.cancel()
-
-
-def _merge(events: list[Event]) -> Event:
-    last = events[-1]
-    lps = [x for e in events for x in (e.logprobs or ())]
-    return Event(text="".join(e.text for e in events), n_tokens=sum(e.n_tokens for e in events),
-                 finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-                 completion_tokens=last.completion_tokens, error=last.error,
-                 token_ids=[t for e in events for t in e.token_ids], logprobs=lps, cached_tokens=last.cached_tokens,
-                 stop_sequence=last.stop_sequence)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class _CloseWhenStopping:
     """After SIGTERM (``service.stopping``) every response says ``Connection: close``, so a
     balancer does not send its next request over a kept-alive connection that is about to be
@@ -557,7 +435,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError):
-        return _answer(request, _validation_error(exc))
+        return _answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
@@ -643,11 +521,6 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-async def _read_json(request: Request) -> Any:
-    """The body as JSON within moe_service.request_limits' bounds (RequestError 400 otherwise)."""
-    return parse_json_body(await request.body())
-
-
 async def _generate(service: Service, request: Request, *, chat: bool):
     """Validate, tokenize, submit, then answer (JSON or SSE). Every failure is an error object."""
     t_arrival = time.monotonic()
@@ -655,13 +528,13 @@ async def _generate(service: Service, request: Request, *, chat: bool):
     request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
         service.check_serving()
-        data = await _read_json(request)
+        data = await read_json(request)
         if not isinstance(data, dict):
             raise RequestError("the request body must be a JSON object", code="invalid_json")
         try:
             body = (ChatBody if chat else CompletionBody).model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         _unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
         service.check_model(body.model)
         check_stop_strings(body.stop)
@@ -710,7 +583,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
             seed=None if body.seed is None else body.seed % (1 << 64),
         )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        events = _Events()
+        events = Events()
         greq = GenerationRequest(prompt_ids, max_tokens, sampling, stop, events.emit, request_id, t_arrival,
                                  ignore_eos=bool(body.ignore_eos),
                                  constraint=plan.constraint if plan is not None else None, logprobs=n_logprobs)
@@ -748,19 +621,7 @@ def _usage(ev: Event) -> dict[str, int]:
             "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
 
 
-def _finished(service: Service, greq: GenerationRequest, ev: Event, endpoint: str, stream: bool) -> None:
-    duration = time.monotonic() - greq.t_arrival_s
-    ttft = None if greq.t_first_token_s is None else round(greq.t_first_token_s - greq.t_arrival_s, 4)
-    if service.metrics is not None:
-        service.metrics.count_tokens(ev.prompt_tokens, ev.completion_tokens)
-        service.metrics.duration.labels(endpoint=endpoint).observe(duration)
-    log.info("request_done", request_id=greq.request_id, endpoint=endpoint, stream=stream,
-             finish_reason=ev.finish_reason, error=ev.error.message if ev.error else None,
-             prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, ttft_s=ttft,
-             duration_s=round(duration, 4))
-
-
-async def _complete(service: Service, request: Request, greq: GenerationRequest, events: _Events, *,
+async def _complete(service: Service, request: Request, greq: GenerationRequest, events: Events, *,
                     chat: bool, created: int, endpoint: str, plan=None):
     """Wait for the whole completion; cancel it when the client disconnects meanwhile."""
     parts: list[str] = []
@@ -788,7 +649,7 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
         events.close()
         if not done:
             service.batch.cancel(greq)
-    _finished(service, greq, ev, endpoint, stream=False)
+    finish_request(service, greq, ev, endpoint, stream=False)
     if ev.error is not None:
         return error_response(ev.error)
     text = "".join(parts)
@@ -816,7 +677,7 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
     )
 
 
-async def _stream(service: Service, request: Request, greq: GenerationRequest, events: _Events, *, chat: bool,
+async def _stream(service: Service, request: Request, greq: GenerationRequest, events: Events, *, chat: bool,
                   created: int, include_usage: bool, endpoint: str, plan=None):
     """SSE chunks as the OpenAI API sends them; cancels the sequence if the client goes away.
 
@@ -840,7 +701,7 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
         o = {**head, "choices": [choice]}
         if include_usage:
             o["usage"] = None
-        return _sse(o)
+        return sse_data(o)
 
     def chat_chunks(ev: Event) -> list[str]:
         parsed = parser.feed(ev.text, ev.token_ids)
@@ -871,11 +732,11 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
                 if more is None:
                     break
                 batch.append(more)
-            ev = _merge(batch)
+            ev = merge_events(batch)
             if ev.error is not None:
                 done = True
-                _finished(service, greq, ev, endpoint, stream=True)
-                yield _sse(ev.error.to_dict())
+                finish_request(service, greq, ev, endpoint, stream=True)
+                yield sse_data(ev.error.to_dict())
                 yield "data: [DONE]\n\n"
                 return
             if chat:
@@ -887,9 +748,9 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
                            "finish_reason": ev.finish_reason})
             if ev.final:
                 done = True
-                _finished(service, greq, ev, endpoint, stream=True)
+                finish_request(service, greq, ev, endpoint, stream=True)
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(ev)})
+                    yield sse_data({**head, "choices": [], "usage": _usage(ev)})
                 yield "data: [DONE]\n\n"
                 return
     finally:

@@ -58,24 +58,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moe_service.api.envelopes import ERROR_TYPES, error_body, error_type  # noqa: F401  (part of this API)
+from moe_service.api.transport import Events, finish_request, merge_events, validation_error
 from moe_service.engine.engine import RequestError
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-"""HTTP status -> Anthropic error type (docs.anthropic.com, "Errors"); other 4xx are
-invalid_request_error, other 5xx api_error."""
 
 MAX_STOP_SEQUENCES = 8
 """Most ``stop_sequences`` a request may give (each at most request_limits.MAX_STOP_CHARS)."""
@@ -88,16 +76,6 @@ ENDPOINT_POLICY = "clamp"
 """serve.max_tokens_policy = auto on /v1/messages: Claude Code asks for max_tokens 32000 on
 every request whatever the model's context; refusing would stop it on any model with less than
 ~45k context, so what fits is served and the answer ends with stop_reason max_tokens."""
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error type for an HTTP ``status``."""
-    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error envelope for a refusal with HTTP ``status``."""
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
 
 
 def error_response(err: RequestError, request_id: str | None = None):
@@ -437,14 +415,13 @@ def template_switches(body: CountTokensBody) -> tuple[dict[str, Any], str | None
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
-    from moe_service.server import _validation_error
 
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
     try:
         body = model.model_validate(data)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     if body.model_extra:
         log.info("anthropic_fields_ignored", fields=sorted(body.model_extra))
     return body
@@ -531,7 +508,6 @@ async def messages(service, request) -> Any:
     from moe_service.engine.engine import GenerationRequest
     from moe_service.engine.sampler import SamplingParams
     from moe_service.request_limits import MAX_STOP_CHARS, admission_precheck, chat_chars, parse_json_body
-    from moe_service.server import _Events
 
     t_arrival = time.monotonic()
     endpoint = "/v1/messages"
@@ -568,7 +544,7 @@ async def messages(service, request) -> Any:
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=None,
         )
-        events = _Events()
+        events = Events()
         greq = GenerationRequest(
             plan.prompt_ids,
             max_tokens,
@@ -781,7 +757,6 @@ class _Blocks:
 async def _complete(service, request, greq, events, plan, head: dict[str, Any], endpoint: str):
     """The whole message (a dict), a RequestError when the engine failed, or None when the
     client went away (its sequence cancelled)."""
-    from moe_service.server import _finished
 
     parser = plan.parser()
     blocks = _Blocks()
@@ -810,7 +785,7 @@ async def _complete(service, request, greq, events, plan, head: dict[str, Any], 
         events.close()
         if not done:
             service.batch.cancel(greq)
-    _finished(service, greq, ev, endpoint, stream=False)
+    finish_request(service, greq, ev, endpoint, stream=False)
     if ev.error is not None:
         return ev.error
     content = blocks.blocks or [{"type": "text", "text": ""}]
@@ -831,7 +806,6 @@ async def _stream(service, greq, events, plan, head: dict[str, Any], endpoint: s
     """The named SSE events; cancels the sequence when the client goes away. ``message_start``
     counts the whole prompt as input_tokens; ``message_delta``'s usage has the final split
     between input_tokens and cache_read_input_tokens (known once the prefill ran)."""
-    from moe_service.server import _finished, _merge
 
     parser = plan.parser()
     blocks = _Blocks()
@@ -868,10 +842,10 @@ async def _stream(service, greq, events, plan, head: dict[str, Any], endpoint: s
                 if more is None:
                     break
                 batch.append(more)
-            ev = _merge(batch)
+            ev = merge_events(batch)
             if ev.error is not None:
                 done = True
-                _finished(service, greq, ev, endpoint, stream=True)
+                finish_request(service, greq, ev, endpoint, stream=True)
                 yield _sse("error", error_body(ev.error.status, ev.error.message))
                 return
             parsed = parser.feed(ev.text, ev.token_ids)
@@ -881,7 +855,7 @@ async def _stream(service, greq, events, plan, head: dict[str, Any], endpoint: s
                 yield _sse(name, data)
             if ev.final:
                 done = True
-                _finished(service, greq, ev, endpoint, stream=True)
+                finish_request(service, greq, ev, endpoint, stream=True)
                 yield _sse(
                     "message_delta",
                     {

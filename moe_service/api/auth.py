@@ -33,6 +33,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from moe_service.api.envelopes import error_body, is_anthropic_path
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -197,8 +198,6 @@ class GuardMiddleware:
         status, hdrs, body = refusal
         reason = json.loads(body)["error"]["code"]
         if is_anthropic_path(path):  # Anthropic's clients read their own envelope (moe_service.api.anthropic)
-            from moe_service.api.anthropic import error_body
-
             body = json.dumps(error_body(status, json.loads(body)["error"]["message"])).encode()
             hdrs = [(k, str(len(body)).encode() if k == b"content-length" else v) for k, v in hdrs]
         log.info("request_refused", path=path, status=status, reason=reason)
@@ -217,11 +216,6 @@ class GuardMiddleware:
         if path == "/metrics":
             return self.metrics_auth
         return True
-
-
-def is_anthropic_path(path: str) -> bool:
-    """True for the Anthropic Messages API's paths, whose refusals use Anthropic's error envelope."""
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _bearer(value: str | None) -> str | None:

@@ -85,6 +85,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moe_service.api import tools as tl
+from moe_service.api.transport import Events, error_response, finish_request, read_json, validation_error
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 
@@ -1204,19 +1205,18 @@ async def create_response(service, request: Request) -> Response:
     """POST /v1/responses: validate, convert, submit, then answer (JSON or typed SSE events)."""
     from moe_service.engine.sampler import SamplingParams
     from moe_service.request_limits import admission_precheck, chat_chars
-    from moe_service.server import _Events, _read_json, _validation_error, error_response
 
     t_arrival = time.monotonic()
     rid = _new_id("resp")
     try:
         service.check_serving()
-        data = await _read_json(request)
+        data = await read_json(request)
         if not isinstance(data, dict):
             raise RequestError("the request body must be a JSON object", code="invalid_json")
         try:
             body = ResponsesBody.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         _refuse_unsupported(body)
         service.check_model(body.model)
         ctx = _Context(rid, int(time.time()), service.model_name, body)
@@ -1243,7 +1243,7 @@ async def create_response(service, request: Request) -> Response:
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=None if body.seed is None else body.seed % (1 << 64),
         )
-        events = _Events()
+        events = Events()
         greq = GenerationRequest(
             p.prompt_ids, max_tokens, sampling, (), events.emit, rid, t_arrival, constraint=p.constraint
         )
@@ -1302,7 +1302,6 @@ def _empty(ctx: _Context) -> Response:
 
 async def _complete(service, request: Request, run: _Run) -> Response:
     """Wait for the whole response; cancel it when the client disconnects meanwhile."""
-    from moe_service.server import _finished, error_response
 
     greq, events = run.greq, run.events
     done = False
@@ -1327,7 +1326,7 @@ async def _complete(service, request: Request, run: _Run) -> Response:
         events.close()
         if not done:
             service.batch.cancel(greq)
-    _finished(service, greq, ev, ENDPOINT, stream=False)
+    finish_request(service, greq, ev, ENDPOINT, stream=False)
     if ev.error is not None:
         return error_response(ev.error)
     _, resp = run.final(ev)
@@ -1337,7 +1336,6 @@ async def _complete(service, request: Request, run: _Run) -> Response:
 
 async def _stream(service, request: Request, run: _Run):
     """The typed SSE events, in OpenAI's order; cancels the sequence if the client goes away."""
-    from moe_service.server import _finished
 
     greq, events, b = run.greq, run.events, run.builder
     done = False
@@ -1356,7 +1354,7 @@ async def _stream(service, request: Request, run: _Run):
             for ev in batch:
                 if ev.error is not None:
                     done = True
-                    _finished(service, greq, ev, ENDPOINT, stream=True)
+                    finish_request(service, greq, ev, ENDPOINT, stream=True)
                     err = {"code": ev.error.code or "server_error", "message": ev.error.message}
                     out += b._close("incomplete")
                     out.append(
@@ -1375,7 +1373,7 @@ async def _stream(service, request: Request, run: _Run):
                 out += run.step(ev)
                 if ev.final:
                     done = True
-                    _finished(service, greq, ev, ENDPOINT, stream=True)
+                    finish_request(service, greq, ev, ENDPOINT, stream=True)
                     closing, resp = run.final(ev)
                     out += closing
                     _keep(service, run, resp)
@@ -1394,7 +1392,6 @@ async def _stream(service, request: Request, run: _Run):
 
 def get_stored(service, response_id: str) -> Response:
     """GET /v1/responses/{id}: a stored response (404 when not stored)."""
-    from moe_service.server import error_response
 
     entry = _store_of(service).get(response_id)
     if entry is None:
@@ -1411,7 +1408,6 @@ def get_stored(service, response_id: str) -> Response:
 
 def delete_stored(service, response_id: str) -> Response:
     """DELETE /v1/responses/{id}."""
-    from moe_service.server import error_response
 
     if not _store_of(service).delete(response_id):
         return error_response(
