@@ -41,8 +41,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from moe_service.engine.quant.formats import BY_NAME, IQ4NL_KVALUES, set_iq1m_d
 from moe_service.errors import ConfigError
+from moe_service.formats import BY_NAME, IQ4NL_KVALUES, set_iq1m_d
 
 # ggml type name -> (block elements, block bytes), from the format declarations
 BLOCK_FORMATS: dict[str, tuple[int, int]] = {f.name: (f.block_elems, f.block_bytes) for f in BY_NAME.values()}

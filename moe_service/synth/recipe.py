@@ -12,7 +12,7 @@ Syntax (``--tensor-types``, or the presets' ``tensor_types`` field): comma-separ
   ``attn`` (every attention matrix: attn_q, attn_k, attn_v, attn_output and the MLA
   projections), ``embd`` (token_embd), ``output`` (the output head);
 - LAYERS: ``N`` or ``N-M`` (inclusive), block indices; without it every layer;
-- TYPE: any quantized format of the registry (moe_service/engine/quant/formats.py).
+- TYPE: any quantized format of the registry (moe_service/formats.py).
 
 Only tensors of random weights take a rule (norms, routers, biases and the successor heads
 keep their types). A rule that matches no tensor, a type the registry does not have, or a
@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from moe_service.engine.quant.formats import BY_NAME
 from moe_service.errors import ConfigError
+from moe_service.formats import BY_NAME
 
 ROLES: dict[str, str] = {
     "gate": r"ffn_gate_exps\.weight",
