@@ -130,7 +130,7 @@ class SynthPreset:
             raise ConfigError(f"synthetic preset {self.name}: n_layer must be >= 1 (got {self.n_layer}).")
 
 
-_DECISIVE = {"successor_output": True, "embd_std": 10.0, "output_norm": 0.4}
+_DECISIVE: dict[str, Any] = {"successor_output": True, "embd_std": 10.0, "output_norm": 0.4}
 """Scales for decisive greedy choices (the dense presets): token embeddings of norm 10 (std
 10/sqrt(H)) dominate the final hidden state against the 4 sublayers' additions (norm ~16
 each, spread over many directions), output rows are the embedding rows permuted
