@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from moe_service.engine.quant.formats import FORMATS
 from moe_service.errors import ModelFileError
+from moe_service.formats import FORMATS
 from moe_service.sizes import gib_text
 
 GGUF_MAGIC = b"GGUF"
@@ -56,7 +56,7 @@ EXPERT_KINDS = ("gate", "up", "down", "gate_up")
 
 SUPPORTED_GGML_TYPES: frozenset[int] = frozenset(FORMATS) | {int(GGMLQuantizationType.I32)}
 """ggml type ids the engine reads: the block formats its kernels compute on (the format
-declarations, moe_service/engine/quant/formats.py) and I32 index tables (deepseek4's
+declarations, moe_service/formats.py) and I32 index tables (deepseek4's
 ffn_gate_tid2eid, read as int32, never as a weight: arch.base.MATRIX_TYPES). A tensor of another
 known type is listed but reported as unsupported; pass ``supported_types`` to widen the set."""
 

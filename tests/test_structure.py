@@ -166,3 +166,25 @@ def test_no_engine_module_over_1000_lines() -> None:
         if n > ENGINE_MODULE_MAX_LINES:
             over.append(f"{path.relative_to(REPO)}: {n} lines")
     assert not over, f"modules over {ENGINE_MODULE_MAX_LINES} lines:\n" + "\n".join(over)
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_file_facts_sit_below_the_engine() -> None:
+    """The block-format declarations (moe_service/formats.py) and the GGUF catalog that reads
+    them (gguf_model.py) reach nothing of moe_service.engine: the kernels import the
+    declarations, never the other way round."""
+    graph = import_graph()
+    for mod in ("moe_service.formats", "moe_service.gguf_model"):
+        up = sorted(m for m in _reach(graph, mod) if m == "moe_service.engine" or m.startswith("moe_service.engine."))
+        assert not up, f"{mod} reaches {', '.join(up)}"

@@ -343,7 +343,7 @@ def demo_chain_fixture(smollm2: Path, demo: Path) -> dict:
 
 
 # deepseek2 fixtures: (preset, expert type). The tiny deepseek2 presets have a successor
-# output head (moe_service/synth_deepseek2.py) so that every greedy step has a clear winner;
+# output head (moe_service/synth/deepseek2.py) so that every greedy step has a clear winner;
 # each fixture records its decisive prefix (steps before the first top-1/top-2 gap below
 # DEEPSEEK2_DECISIVE_GAP) and minimum gap, and the logits after the whole chain (the
 # decode path's numerics, compared in full). With several DEEPSEEK2_SEEDS the seed with the
@@ -472,7 +472,7 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
     return manifest
 
 
-# Mixed i-quant files (UD-like recipes, moe_service/synth_recipe.py): every new format on some
+# Mixed i-quant files (UD-like recipes, moe_service/synth/recipe.py): every new format on some
 # expert tensor, a layer kept at Q4_K, attention at Q8_0 / Q6_K. Their own manifest,
 # iquants.json; tested by tests/moe_service/engine/arch/test_iquants_golden.py. Both presets
 # have a decisive output head (qwen3moe: the dense presets' successor scales; deepseek2: its

@@ -55,9 +55,9 @@ from moe_service.engine.arch.base import (
 )
 from moe_service.engine.arch.rope import rope_tables
 from moe_service.engine.mats import HeadMat, QMat  # noqa: F401  (importable from here too)
-from moe_service.engine.quant.formats import GGML_F32
 from moe_service.engine.quant.tensors import dequantize_tensor as _dequantize
 from moe_service.errors import ConfigError, ModelFileError
+from moe_service.formats import GGML_F32
 from moe_service.log import get_logger
 
 log = get_logger(__name__)

@@ -22,7 +22,7 @@ Block layouts (bytes, as ggml-common.h; d, m, dmin are float16)::
     Q6_K   210 = 128 ql + 64 qh + 16 int8 scales + 2 d             x = (d*sc)*(q-32)
     MXFP4  17  = 1 e (E8M0) + 16 nibbles                           x = 2^(e-128) * kvalue[q]
     Q2_K, Q3_K, IQ4_XS, IQ4_NL and the i-quants (IQ1_S .. IQ3_S): see their declarations
-    (moe_service/engine/quant/formats.py); the i-quant grids come from codebooks.py
+    (moe_service/formats.py); the i-quant grids come from codebooks.py
     F16 2, BF16 2, F32 4 per element
 
 Nibble order in 32-element blocks: element j is the low nibble of byte j, element j+16 the
@@ -38,19 +38,19 @@ import numpy as np
 import torch
 
 from moe_service.engine.quant import codebooks
-from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, MXFP4_KVALUES, QK_K
-from moe_service.engine.quant.formats import GGML_BF16 as BF16
-from moe_service.engine.quant.formats import GGML_F16 as F16
-from moe_service.engine.quant.formats import GGML_F32 as F32
-from moe_service.engine.quant.formats import GGML_MXFP4 as MXFP4
-from moe_service.engine.quant.formats import GGML_Q4_0 as Q4_0
-from moe_service.engine.quant.formats import GGML_Q4_1 as Q4_1
-from moe_service.engine.quant.formats import GGML_Q4_K as Q4_K
-from moe_service.engine.quant.formats import GGML_Q5_0 as Q5_0
-from moe_service.engine.quant.formats import GGML_Q5_1 as Q5_1
-from moe_service.engine.quant.formats import GGML_Q5_K as Q5_K
-from moe_service.engine.quant.formats import GGML_Q6_K as Q6_K
-from moe_service.engine.quant.formats import GGML_Q8_0 as Q8_0
+from moe_service.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, MXFP4_KVALUES, QK_K
+from moe_service.formats import GGML_BF16 as BF16
+from moe_service.formats import GGML_F16 as F16
+from moe_service.formats import GGML_F32 as F32
+from moe_service.formats import GGML_MXFP4 as MXFP4
+from moe_service.formats import GGML_Q4_0 as Q4_0
+from moe_service.formats import GGML_Q4_1 as Q4_1
+from moe_service.formats import GGML_Q4_K as Q4_K
+from moe_service.formats import GGML_Q5_0 as Q5_0
+from moe_service.formats import GGML_Q5_1 as Q5_1
+from moe_service.formats import GGML_Q5_K as Q5_K
+from moe_service.formats import GGML_Q6_K as Q6_K
+from moe_service.formats import GGML_Q8_0 as Q8_0
 
 
 def supports(ggml_type: int) -> bool:
@@ -424,7 +424,7 @@ DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
         ("IQ1_M", _iq1_m))},
 }
 """ggml type id -> its torch dequantizer (the block sizes and names come from the format
-declarations, moe_service/engine/quant/formats.py)."""
+declarations, moe_service/formats.py)."""
 
 BLOCK_SIZES: dict[int, tuple[int, int]] = {t: (FORMATS[t].block_elems, FORMATS[t].block_bytes) for t in DEQUANTIZERS}
 """type: (elements per block, bytes per block)"""

@@ -52,7 +52,7 @@ How to add an architecture
      ``lw.vecs`` (keyed by the tensor name without ``blk.N.`` and ``.weight``; biases as
      ``"<name>.bias"``), ``lw.router``, ``lw.experts``.
 2. Add one line to :data:`ARCHITECTURES` below.
-3. Give moe_service/synth.py a preset (real tensor layouts, the demo tokenizer), generate
+3. Give moe_service/synth/ a preset (real tensor layouts, the demo tokenizer), generate
    llama.cpp goldens with tools/make_golden.py, and add the preset to the golden tests and
    to tests/moe_service/engine/arch/test_arch_mutations.py.
 

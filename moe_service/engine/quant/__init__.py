@@ -43,16 +43,16 @@ All kernels are compiled with ``nogil=True, cache=True``; numba's on-disk cache 
 NUMBA_CACHE_DIR, which the service sets before numba is imported. Requires an x86-64 CPU
 with AVX2 (and SSSE3 pshufb for MXFP4).
 
-Modules (one concern each): ``formats`` (the declarations: one per GGUF type, the only
-place with byte layouts), ``codebooks`` (the i-quant grids, derived from gguf-py), ``ir`` (numba intrinsics and LLVM vector building blocks),
+Modules (one concern each): ``formats`` (a re-export of moe_service/formats.py, the
+declarations: one per GGUF type, the only place with byte layouts), ``codebooks`` (the i-quant grids, derived from gguf-py), ``ir`` (numba intrinsics and LLVM vector building blocks),
 ``activations`` (the partner quantizers), ``dequant``, ``tiles32`` and ``tiles_k`` (the
 two tile-kernel families), ``table`` (the per-format kernels generated from the
 declarations, their address table and ``matmul``). Adding a format is its declaration in
-formats.py, its block function in dequant.py (``@_dequantizes``) and its weight side in its
+moe_service/formats.py, its block function in dequant.py (``@_dequantizes``) and its weight side in its
 tile family (tiles32.py's parameters, or a ``@_weight_side`` function in tiles_k.py).
 
 The names below load their module on first use (PEP 562): ``formats`` needs neither numba
-nor LLVM, so the GGUF reader and the synthetic writer import the declarations without them.
+nor LLVM (the GGUF reader and the synthetic writers import moe_service.formats directly).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from moe_service.engine.quant.formats import PARTNER_BLOCK, QK, QK_K, Partner
 from moe_service.engine.quant.ir import (
     _F32,
     _I8,
@@ -32,6 +31,7 @@ from moe_service.engine.quant.ir import (
     ld,
     st,
 )
+from moe_service.formats import PARTNER_BLOCK, QK, QK_K, Partner
 
 
 @njit(**_JIT_INLINE)

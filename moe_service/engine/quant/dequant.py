@@ -21,14 +21,6 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 from moe_service.engine.quant import codebooks
-from moe_service.engine.quant.formats import (
-    BY_NAME,
-    FORMATS,
-    IQ4NL_KVALUES,
-    QK,
-    block_format,
-    row_bytes,
-)
 from moe_service.engine.quant.ir import (
     _JIT,
     _JIT_INLINE,
@@ -43,6 +35,14 @@ from moe_service.engine.quant.ir import (
     st,
 )
 from moe_service.errors import ModelFileError
+from moe_service.formats import (
+    BY_NAME,
+    FORMATS,
+    IQ4NL_KVALUES,
+    QK,
+    block_format,
+    row_bytes,
+)
 
 _BLOCKS: dict = {}
 """GGML type id -> its block function (inlined; see the module docstring)."""

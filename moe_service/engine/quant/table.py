@@ -14,13 +14,6 @@ from numba.extending import intrinsic
 
 from moe_service.engine.quant.activations import Activations
 from moe_service.engine.quant.dequant import check_tensor
-from moe_service.engine.quant.formats import (
-    FORMATS,
-    GGML_F16,
-    GGML_F32,
-    BlockFormat,
-    block_format,
-)
 from moe_service.engine.quant.ir import (
     _JIT,
     _JIT_INLINE,
@@ -34,6 +27,13 @@ from moe_service.engine.quant.ir import (
 )
 from moe_service.engine.quant.tiles32 import OFFSET, _tile32_codegen
 from moe_service.engine.quant.tiles_k import _tilek_codegen
+from moe_service.formats import (
+    FORMATS,
+    GGML_F16,
+    GGML_F32,
+    BlockFormat,
+    block_format,
+)
 
 
 @intrinsic

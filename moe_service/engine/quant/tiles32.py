@@ -9,7 +9,6 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, MXFP4_KVALUES, QK
 from moe_service.engine.quant.ir import (
     _F32,
     _I8,
@@ -39,6 +38,7 @@ from moe_service.engine.quant.ir import (
     _tree8_many,
     _vt,
 )
+from moe_service.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, MXFP4_KVALUES, QK
 
 # ---------------------------------------------------------------------------------------
 # Tile kernels of the 32-element formats: R weight rows x A activation rows per pass

@@ -11,7 +11,6 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from moe_service.engine.quant import codebooks
-from moe_service.engine.quant.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, QK_K
 from moe_service.engine.quant.ir import (
     _F32,
     _I8,
@@ -38,6 +37,7 @@ from moe_service.engine.quant.ir import (
     _tree8_many,
     _vt,
 )
+from moe_service.formats import BY_NAME, FORMATS, IQ4NL_KVALUES, QK_K
 
 # ---------------------------------------------------------------------------------------
 # Tile kernels of the K-quants (Q2_K .. Q6_K, IQ4_XS, the i-quants x Q8_K): R weight rows x A items per pass
