@@ -499,7 +499,7 @@ class Deepseek4(Architecture):
         t = m.catalog.tensors[name]
         row_bytes = m.catalog.tensors[name].nbytes // t.shape[0]
         off = m.weights.tensor_offset(name)
-        Ro = hp.o_lora_rank
+        Ro, G = hp.o_lora_rank, hp.o_groups
         dense = _np(be.matrix(name)) if m.dense_mode == "torch" else None
         for g in range(hp.o_groups):
             key = f"attn_output_a.{g}"
@@ -508,6 +508,10 @@ class Deepseek4(Architecture):
                 import torch
 
                 lw.dense[key] = torch.from_numpy(dense[g * Ro:(g + 1) * Ro].copy()).to(m.device, m.dense_dtype)
+        # CPU: attn_output_a's G groups as G "heads" of Ro rows read in place (mla.head_matmul:
+        # each group's rows computed as by a 2-D matmul of that group, bit for bit)
+        d["o_a_heads"] = (be.head_mat(name, G, Ro, t.shape[1], 0, Ro) if type(be).__name__ == "CpuPath"
+                          else None)
         if i == 0 and hp.n_mtp:
             log.info("mtp_not_used", arch=self.name, mtp_blocks=hp.n_mtp,
                      first_block=hp.n_layer, what="multi-token-prediction blocks loaded and validated, not run "
@@ -581,19 +585,23 @@ class Deepseek4(Architecture):
         plain, comp_t = self._tables(be.m.n_ctx)
         cos, sin = comp_t if ratio else plain
         pos = np.asarray(_np(st.positions), dtype=np.int64)
-        qa, kv = be.linear(lw, ("attn_q_a", "attn_kv"), h)
-        qr = be.rmsnorm(qa, lw.vecs["attn_q_a_norm"], hp.rms_eps)
-        (qb,) = be.linear(lw, ("attn_q_b",), qr)
-        q = ops.rope_last(ops.rms(_np(qb).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
-        kv = _np(be.rmsnorm(kv, lw.vecs["attn_kv_a_norm"], hp.rms_eps))
+        # every projection of h in one pool dispatch, then every projection of qr in another
+        # (a group computes each matrix's rows as alone: the same results, fewer dispatches)
+        h_names = _H_PROJ[min(ratio, 5)]
+        proj = dict(zip(h_names, be.linear(lw, h_names, h), strict=True))
+        qr = be.rmsnorm(proj["attn_q_a"], lw.vecs["attn_q_a_norm"], hp.rms_eps)
+        qr_names = ("attn_q_b", "indexer.attn_q_b") if ratio == 4 else ("attn_q_b",)
+        proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
+        q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
+        kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
         if ratio:
-            ckv, csc = be.linear(lw, ("attn_compressor_kv", "attn_compressor_gate"), h)
+            ckv, csc = proj["attn_compressor_kv"], proj["attn_compressor_gate"]
             comp_in = (_np(ckv), _np(csc) + d["attn_compressor_ape"][pos % ratio])
             if ratio == 4:
-                ikv, isc, iq, iw = be.linear(lw, ("indexer_compressor_kv", "indexer_compressor_gate"), h) + \
-                    be.linear(lw, ("indexer.attn_q_b",), qr) + be.linear(lw, ("indexer.proj",), h)
+                ikv, isc = proj["indexer_compressor_kv"], proj["indexer_compressor_gate"]
+                iq, iw = proj["indexer.attn_q_b"], proj["indexer.proj"]
                 idx_in = (_np(ikv), _np(isc) + d["indexer_compressor_ape"][pos % 4],
                           ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
@@ -629,8 +637,12 @@ class Deepseek4(Architecture):
         o = ops.rope_last(out, pos, cos, sin, inverse=True)
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
-        oa = [be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0] for g in range(G)]
-        (y,) = be.linear(lw, ("attn_output_b",), be.concat(oa, axis=1))
+        if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
+            oa = be.head_linear(lw.ds4["o_a_heads"], og).reshape(T, G * hp.o_lora_rank)
+        else:
+            oa = be.concat([be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0]
+                            for g in range(G)], axis=1)
+        (y,) = be.linear(lw, ("attn_output_b",), oa)
         return y
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
@@ -683,6 +695,16 @@ class Deepseek4(Architecture):
         lim = hp.clamp_shexp[il]
         act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
         return y + be.glu_ffn(lw, h, ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"), act=act)
+
+
+_H_PROJ: dict[int, tuple[str, ...]] = {
+    0: ("attn_q_a", "attn_kv"),
+    4: ("attn_q_a", "attn_kv", "attn_compressor_kv", "attn_compressor_gate", "indexer_compressor_kv",
+        "indexer_compressor_gate", "indexer.proj"),
+    5: ("attn_q_a", "attn_kv", "attn_compressor_kv", "attn_compressor_gate"),
+}
+"""The projections of the attention's input h, one dispatch per layer, by compress ratio
+(0; 4 with the indexer's; any other ratio, min(ratio, 5) = 5, the compressor's)."""
 
 
 def _np(x) -> np.ndarray:
