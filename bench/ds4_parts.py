@@ -161,13 +161,14 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
     patch(ds4_ops, "attend_sinks", outer("attention"))
     patch(ds4_ops, "sqrt_softplus", outer("router"))
     patch(ds4_ops, "route", outer("router"))
-    for name in ("attend_window_comp", "hc_post_pre", "indexer_top_k"):  # compiled fusions, where present
-        part = {
-            "attend_window_comp": "attention",
-            "hc_post_pre": "hc post",
-            "indexer_top_k": "indexer top-k",
-        }[name]
-        patch(ds4_ops, name, outer(part))
+    try:  # the compiled forms (moe_service.engine.ds4_compiled), where this tree has them
+        from moe_service.engine import ds4_compiled
+    except ImportError:
+        ds4_compiled = None
+    if ds4_compiled is not None:
+        for name, part in (("attend_rows", "attention"), ("hc_pre", "hc pre"), ("hc_post", "hc post"),
+                           ("indexer_top_k", "indexer top-k")):
+            patch(ds4_compiled, name, outer(part))
     patch(deepseek4, "_top_k", outer("indexer top-k"))
     patch(deepseek4.Deepseek4, "_compress", outer("compressor"))
     orig_block = deepseek4.Deepseek4._block

@@ -577,6 +577,7 @@ class Deepseek4(Architecture):
         return be.rmsnorm(_back(be, h), w, hp.rms_eps)
 
     def _attention(self, be, lw, h, st):
+        from moe_service.engine import ds4_compiled as dc
         from moe_service.engine import ds4_ops as ops
 
         hp, d, il = self.hp, lw.ds4, lw.index
@@ -607,13 +608,14 @@ class Deepseek4(Architecture):
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
         state = self._state(be, il)
         ring, W = state["raw"], hp.window
+        pool = getattr(getattr(be.m, "ops", None), "pool", None)
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
             new = kv[a:e].astype(np.float16)
             p = pos[a:e]
             lo = max(0, n0 - W + 1)
-            keys = np.concatenate([ring[s, np.arange(lo, n0) % W], new]).astype(np.float32)
+            win = np.concatenate([ring[s, np.arange(lo, n0) % W], new])  # float16, positions lo..
             keep = np.arange(max(n0, n0 + n - W), n0 + n)  # the span's last W rows stay
             ring[s, keep % W] = new[keep - n0]
             j = np.arange(lo, n0 + n)
@@ -630,10 +632,13 @@ class Deepseek4(Architecture):
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
                     visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
                                       hp.indexer_top_k)
-                keys = np.concatenate([keys, comp.astype(np.float32)])
-                mask = np.concatenate([mask, visible], axis=1)
+                comp_rows, comp_mask = comp, visible
+            else:
+                comp_rows = comp_mask = None
             qh = q[a:e].astype(np.float16).astype(np.float32)
-            out[a:e] = ops.attend_sinks(qh, keys, mask, d["attn_sinks"], 1.0 / np.sqrt(D))
+            # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows
+            out[a:e] = dc.attend_rows(qh, win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
+                                      pool)
         o = ops.rope_last(out, pos, cos, sin, inverse=True)
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)

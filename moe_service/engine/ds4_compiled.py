@@ -1,0 +1,230 @@
+"""Compiled (numba) forms of DeepSeek V4's per-layer work outside the matmuls, each the
+formula of its numpy reference in :mod:`moe_service.engine.ds4_ops` /
+:mod:`moe_service.engine.arch.deepseek4` (tests/moe_service/engine/arch/test_ds4_compiled.py
+compares them): the attention over the raw window plus the selected compressed rows
+(:func:`attend_rows`, reference ``ds4_ops.attend_sinks`` on the concatenated keys), the
+hyper-connection pre / post mixes (:func:`hc_pre`, :func:`hc_post`; references
+``ds4_ops.hc_pre`` / ``ds4_ops.hc_post``) and the lightning indexer's scores and top-k
+(:func:`indexer_top_k`, reference ``deepseek4._top_k``).
+
+Every kernel computes a row (a token, a (token, head) pair) by the same code and in the same
+order whatever the number of rows in the step and whichever worker runs it, so a prompt's
+logits do not depend on how it was chunked (prefill, decode, and the prefix cache's restored
+state agree). Where the reference sums in float64 through BLAS (its order is BLAS's), the
+kernels sum in float64 in a fixed order (hc mixes, indexer scores: equal after rounding to
+float32 but for rare last-bit differences), except the attention, which works as llama.cpp's
+CPU flash path does (float16 keys, float32 dot products of 16 fixed lanes,
+quant.ir.dot_f32_ggml) with a float64 softmax: within ~1e-6 relative of the float64
+reference.
+
+Shapes: T tokens, NH heads, D head dim, C streams, H hidden, M = (2 + C) C mixes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import carray, njit
+
+from moe_service.engine import pool as _pool
+from moe_service.engine.cpu_layers import _f16_bits_to_f32
+from moe_service.engine.quant.ir import dot_f32_ggml, view_f32, view_i64, view_u8
+
+_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
+_POOL_MIN_MACS = 1 << 21  # below this an attention step runs on the calling thread
+
+
+# ---------------------------------------------------------------------------------------
+# attention over the window + the selected compressed rows
+
+
+@njit(**_JIT)
+def _gather_keys(win16, comp16, mask_w, mask_c, keys, cols, ncols):
+    """Keys used by any query, as float32 rows (window rows first, then compressed rows, each
+    in index order); per query t its key rows ``cols[t, :ncols[t]]`` in the reference's column
+    order (window then compressed). Returns the number of key rows written to ``keys``."""
+    T, Nw = mask_w.shape
+    Nc = mask_c.shape[1]
+    D = win16.shape[1]
+    where = np.full(Nw + Nc, -1, np.int64)
+    n = 0
+    for j in range(Nw + Nc):
+        used = False
+        for t in range(T):
+            if mask_w[t, j] if j < Nw else mask_c[t, j - Nw]:
+                used = True
+                break
+        if used:
+            where[j] = n
+            for d in range(D):
+                keys[n, d] = _f16_bits_to_f32(win16[j, d] if j < Nw else comp16[j - Nw, d])
+            n += 1
+    for t in range(T):
+        c = 0
+        for j in range(Nw + Nc):
+            if mask_w[t, j] if j < Nw else mask_c[t, j - Nw]:
+                cols[t, c] = where[j]
+                c += 1
+        ncols[t] = c
+    return n
+
+
+@njit(**_JIT)
+def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
+    """Rows r0..r1 of (token t, head h) = (r // NH, r % NH): softmax with a sink logit over
+    the query's key rows, the same rows as values. q, out float32 [T * NH * D]; keys float32
+    [N, D] (keys8: its bytes). Per token the heads of the range go together, key by key (each
+    key row is read once per pass, not once per head); each (t, h) row is computed in the
+    same order whatever the range: score of key i = float32 dot of 16 fixed lanes
+    (dot_f32_ggml) x scale in float64, float64 softmax with the sink, value sum in float32
+    over the keys in order."""
+    NH = sinks.shape[0]
+    D = keys.shape[1]
+    r = r0
+    while r < r1:
+        t, h0 = r // NH, r % NH
+        nh = min(NH - h0, r1 - r)
+        n = ncols[t]
+        s = np.empty((nh, max(1, n)), np.float64)
+        m = np.empty(nh, np.float64)
+        for k in range(nh):
+            m[k] = np.float64(sinks[h0 + k])
+        for i in range(n):
+            off = cols[t, i] * D * 4
+            for k in range(nh):
+                v = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
+                s[k, i] = v
+                if v > m[k]:
+                    m[k] = v
+        den = np.empty(nh, np.float64)
+        for k in range(nh):
+            tot = 0.0
+            for i in range(n):
+                e = np.exp(s[k, i] - m[k])
+                s[k, i] = e
+                tot += e
+            den[k] = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
+        acc = np.zeros((nh, D), np.float32)
+        for i in range(n):
+            row = cols[t, i]
+            for k in range(nh):
+                p = np.float32(s[k, i] / den[k])
+                for d in range(D):
+                    acc[k, d] += p * keys[row, d]
+        for k in range(nh):
+            for d in range(D):
+                out[(r + k) * D + d] = acc[k, d]
+        r += nh
+
+
+(A_Q, A_KEYS, A_NKEYS, A_D, A_COLS, A_NCOL_W, A_NCOLS, A_SINKS, A_NH, A_SCALE, A_OUT, A_T, A_LEN) = range(13)
+
+
+def _attend_item(items_ptr, i, op_ptr):
+    """Rows [it[2], it[3]) of a pooled attend_rows (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, A_LEN)
+    b = i * _pool.ITEM_W
+    T, NH, D, N, W = op[A_T], op[A_NH], op[A_D], op[A_NKEYS], op[A_NCOL_W]
+    q = view_f32(op[A_Q], T * NH * D)
+    keys_flat = view_f32(op[A_KEYS], N * D)
+    keys8 = view_u8(op[A_KEYS], N * D * 4)
+    cols = view_i64(op[A_COLS], T * W).reshape((T, W))
+    ncols = view_i64(op[A_NCOLS], T)
+    sinks = view_f32(op[A_SINKS], NH)
+    out = view_f32(op[A_OUT], T * NH * D)
+    sc = np.float64(view_f32(op[A_SCALE], 1)[0])
+    _attend_range(q, keys8, keys_flat.reshape((N, D)), cols, ncols, sinks, sc, out, it[b + 2], it[b + 3])
+
+
+def _attend_address() -> int:
+    return _pool.call_item_address(_attend_item)
+
+
+def attend_rows(
+    q: np.ndarray,
+    win: np.ndarray,
+    comp: np.ndarray | None,
+    mask_w: np.ndarray,
+    mask_c: np.ndarray | None,
+    sinks: np.ndarray,
+    scale: float,
+    pool: Any = None,
+) -> np.ndarray:
+    """Softmax attention with one shared K = V head and a sink logit per head over the raw
+    window rows and the compressed rows (deepseek4's attention; llama.cpp
+    src/models/deepseek4.cpp, the KV of llama-kv-cache-dsv4.cpp).
+
+    q float32 [T, NH, D] (already rounded to float16 by the caller, as the reference's
+    caller does); win float16 [Nw, D] (the window's rows: ring then the step's new rows);
+    comp float16 [Nc, D] or None (the slot's compressed rows); mask_w bool [T, Nw], mask_c
+    bool [T, Nc] (True = attend); sinks float32 [NH]; scale: the softmax scale (1/sqrt(D)).
+    Returns float32 [T, NH, D], the reference ``ds4_ops.attend_sinks(q,
+    concat(win, comp), concat(mask_w, mask_c), sinks, scale)`` within ~1e-6 relative (float32
+    dots of 16 fixed lanes and float32 value sums where it uses float64). ``pool``: a
+    WorkerPool to spread the (token, head) rows over when the step is big enough (the same
+    result bit for bit). ``scale`` is used as float32 (1/sqrt(512) rounded: 3e-8 relative).
+    ValueError for shapes that do not agree."""
+    T, NH, D = q.shape
+    if comp is None:
+        comp = np.zeros((0, D), np.float16)
+        mask_c = np.zeros((T, 0), np.bool_)
+    assert mask_c is not None
+    if (
+        win.ndim != 2
+        or win.shape[1] != D
+        or comp.shape[1:] != (D,)
+        or mask_w.shape != (T, win.shape[0])
+        or mask_c.shape != (T, comp.shape[0])
+        or sinks.shape != (NH,)
+    ):
+        raise ValueError(
+            f"attend_rows: q {q.shape}, window {win.shape}, compressed {comp.shape}, masks "
+            f"{mask_w.shape} / {mask_c.shape}, sinks {sinks.shape} do not agree"
+        )
+    win16 = np.ascontiguousarray(win, dtype=np.float16).view(np.uint16)
+    comp16 = np.ascontiguousarray(comp, dtype=np.float16).view(np.uint16)
+    mw, mc = np.ascontiguousarray(mask_w, dtype=np.bool_), np.ascontiguousarray(mask_c, dtype=np.bool_)
+    width = max(1, win.shape[0] + comp.shape[0])
+    keys = np.empty((width, D), np.float32)
+    cols = np.zeros((T, width), np.int64)
+    ncols = np.zeros(T, np.int64)
+    n_keys = _gather_keys(win16, comp16, mw, mc, keys, cols, ncols)
+    qf = np.ascontiguousarray(q, dtype=np.float32).reshape(-1)
+    out = np.empty(T * NH * D, np.float32)
+    s32 = np.ascontiguousarray(sinks, dtype=np.float32)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and T * NH > 1 and int(ncols.sum()) * NH * D >= _POOL_MIN_MACS:
+        scale_words = np.array([scale], np.float32)
+        op = np.zeros(A_LEN, np.int64)
+        op[A_Q], op[A_KEYS], op[A_NKEYS], op[A_D] = qf.ctypes.data, keys.ctypes.data, keys.shape[0], D
+        op[A_COLS], op[A_NCOL_W], op[A_NCOLS] = cols.ctypes.data, width, ncols.ctypes.data
+        op[A_SINKS], op[A_NH], op[A_SCALE], op[A_OUT], op[A_T] = (
+            s32.ctypes.data,
+            NH,
+            scale_words.ctypes.data,
+            out.ctypes.data,
+            T,
+        )
+        rows = T * NH
+        step = max(1, -(-rows // n_workers))  # one range of heads per worker: each reads the keys once
+        fn = _attend_address()
+        items = [(_pool.K_CALL, fn, r, min(rows, r + step)) for r in range(0, rows, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        _attend_range(
+            qf,
+            keys.reshape(-1).view(np.uint8),
+            keys,
+            cols,
+            ncols,
+            s32,
+            np.float64(np.float32(scale)),
+            out,
+            0,
+            T * NH,
+        )
+    del n_keys
+    return out.reshape(T, NH, D)
