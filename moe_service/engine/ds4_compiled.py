@@ -29,6 +29,7 @@ from numba import carray, njit
 
 from moe_service.engine import pool as _pool
 from moe_service.engine.cpu_layers import _f16_bits_to_f32
+from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
 from moe_service.engine.quant.ir import dot_f32_ggml, view_f32, view_i64, view_u8
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
@@ -228,3 +229,132 @@ def attend_rows(
         )
     del n_keys
     return out.reshape(T, NH, D)
+
+
+# ---------------------------------------------------------------------------------------
+# hyper-connections
+
+
+def mix_table(fn: np.ndarray) -> np.ndarray:
+    """A hyper-connection mixing matrix fn [M, C*H] (any float) as the float64 [C*H, M] table
+    :func:`hc_pre` reads (one pass over it, M sums side by side)."""
+    return np.ascontiguousarray(np.asarray(fn, dtype=np.float64).T)
+
+
+@njit(**_JIT)
+def _sigmoid32(v):
+    """ds4_ops.sigmoid of one float32: float32(1 / (1 + exp(-float64(v))))."""
+    return np.float32(1.0 / (1.0 + np.exp(-np.float64(v))))
+
+
+@njit(**_JIT)
+def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb):
+    """:func:`hc_pre` on x float32 [T, C, H] into h [T, H], post [T, C], comb [T, C, C]; xn
+    float32 [T, C*H] scratch."""
+    T, C, H = x.shape
+    K, M = fnT.shape
+    _rms_rows(x.reshape((T, C * H)), eps_rms, xn)
+    acc = np.empty(M, np.float64)
+    mixes = np.empty(M, np.float32)
+    c = np.empty((1, C, C), np.float64)
+    pre = np.empty(C, np.float32)
+    for t in range(T):
+        for m in range(M):
+            acc[m] = 0.0
+        for k in range(K):
+            v = np.float64(xn[t, k])
+            for m in range(M):
+                acc[m] += v * fnT[k, m]
+        for m in range(M):
+            mixes[m] = np.float32(acc[m])
+        for i in range(C):
+            pre[i] = _sigmoid32(mixes[i] * scale[0] + base[i]) + np.float32(eps_hc)
+            post[t, i] = np.float32(2.0) * _sigmoid32(mixes[C + i] * scale[1] + base[C + i])
+        for a in range(C):  # softmax over dst, + eps (ds4_ops.sinkhorn's first step)
+            mx = -np.inf
+            for b in range(C):
+                c[0, a, b] = np.float64(mixes[2 * C + a * C + b] * scale[2] + base[2 * C + a * C + b])
+                mx = max(mx, c[0, a, b])
+            for b in range(C):
+                c[0, a, b] = np.exp(c[0, a, b] - mx)
+            tot = c[0, a, 0]
+            for b in range(1, C):
+                tot += c[0, a, b]
+            for b in range(C):
+                c[0, a, b] = c[0, a, b] / tot + eps_hc
+        _sinkhorn_iters(c, iters, eps_hc)
+        for a in range(C):
+            for b in range(C):
+                comb[t, a, b] = np.float32(c[0, a, b])
+        for j in range(H):
+            s = pre[0] * x[t, 0, j]
+            for i in range(1, C):
+                s += pre[i] * x[t, i, j]
+            h[t, j] = s
+
+
+def hc_pre(
+    x: np.ndarray,
+    fnT: np.ndarray,
+    scale: np.ndarray,
+    base: np.ndarray,
+    eps_rms: float,
+    eps_hc: float,
+    iters: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ds4_ops.hc_pre (build_hc_pre) compiled, one pass per token: x float32 [T, C, H];
+    fnT the mixing matrix as :func:`mix_table` gives it ([C*H, M] float64); scale [3]; base
+    [M]. Returns (h [T, H], post [T, C], comb [T, C, C]) float32. The mixes sum in float64
+    over the C*H terms in order (the reference: BLAS's order, both rounded to float32), the
+    rest in the reference's arithmetic. Streams C < 8 (the Sinkhorn loops' exact-copy range;
+    V4 has 4). ValueError for shapes that do not agree."""
+    T, C, H = x.shape
+    if fnT.shape != (C * H, (2 + C) * C) or base.shape[0] != (2 + C) * C or C >= 8:
+        raise ValueError(f"hc_pre: x {x.shape}, mixing table {fnT.shape}, base {base.shape} do not agree")
+    xc = np.ascontiguousarray(x, dtype=np.float32)
+    h = np.empty((T, H), np.float32)
+    post = np.empty((T, C), np.float32)
+    comb = np.empty((T, C, C), np.float32)
+    _hc_pre_rows(
+        xc,
+        fnT,
+        np.ascontiguousarray(scale, dtype=np.float32),
+        np.ascontiguousarray(base, dtype=np.float32),
+        np.float64(eps_rms),
+        np.float64(eps_hc),
+        int(iters),
+        np.empty((T, C * H), np.float32),
+        h,
+        post,
+        comb,
+    )
+    return h, post, comb
+
+
+@njit(**_JIT)
+def _hc_post_rows(y, x, post, comb, out):
+    T, C, H = x.shape
+    for t in range(T):
+        for dst in range(C):
+            p = post[t, dst]
+            for j in range(H):
+                s = comb[t, 0, dst] * x[t, 0, j]
+                for src in range(1, C):
+                    s += comb[t, src, dst] * x[t, src, j]
+                out[t, dst, j] = p * y[t, j] + s
+
+
+def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """ds4_ops.hc_post (build_hc_post) compiled: x'[dst] = post[dst] y + sum_src comb[src, dst]
+    x[src] in float32, the sum over src in order. y [T, H], x [T, C, H], post [T, C], comb
+    [T, C, C] -> float32 [T, C, H]."""
+    T, C, H = x.shape
+    out = np.empty((T, C, H), np.float32)
+    _hc_post_rows(
+        np.ascontiguousarray(y, dtype=np.float32),
+        np.ascontiguousarray(x, dtype=np.float32),
+        np.ascontiguousarray(post, dtype=np.float32),
+        np.ascontiguousarray(comb, dtype=np.float32),
+        out,
+    )
+    return out

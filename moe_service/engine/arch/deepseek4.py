@@ -545,21 +545,24 @@ class Deepseek4(Architecture):
             return self._block(be, lw, x, st)
 
     def _block(self, be, lw, x, st):
-        from moe_service.engine import ds4_ops as ops
+        from moe_service.engine import ds4_compiled as dc
 
         hp, d = self.hp, lw.ds4
         C, H = hp.hc, hp.n_embd
         xs = _np(x)
         T = xs.shape[0]
         xs = np.repeat(xs[:, None, :], C, axis=1) if lw.index == 0 else xs.reshape(T, C, H)
-        h, post, comb = ops.hc_pre(xs, d["hc_attn_fn"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
-                                   hp.hc_eps, hp.hc_iters)
+        if "hc_attn_fnT" not in d:  # the mixing matrices as the compiled hc_pre reads them
+            d["hc_attn_fnT"], d["hc_ffn_fnT"] = dc.mix_table(d["hc_attn_fn"]), dc.mix_table(d["hc_ffn_fn"])
+        # compiled ds4_ops.hc_pre / hc_post (ds4_compiled; the same formulas)
+        h, post, comb = dc.hc_pre(xs, d["hc_attn_fnT"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
+                                  hp.hc_eps, hp.hc_iters)
         h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
-        xs = ops.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
-        h, post, comb = ops.hc_pre(xs, d["hc_ffn_fn"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
-                                   hp.hc_eps, hp.hc_iters)
+        xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
+        h, post, comb = dc.hc_pre(xs, d["hc_ffn_fnT"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
+                                  hp.hc_eps, hp.hc_iters)
         h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
-        xs = ops.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
+        xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
         return _back(be, xs.reshape(T, C * H))
 
     def final_norm(self, be, x, w):

@@ -72,3 +72,43 @@ def test_attend_rows_refuses_shapes_that_do_not_agree():
     q, win, comp, mw, mc, sinks = _attn_case(rng, 2, 4, 64, 10, 5)
     with pytest.raises(ValueError, match="do not agree"):
         dc.attend_rows(q, win, comp, mw[:, :5], mc, sinks, 0.125)
+
+
+def _hc_case(rng, T, C=4, H=4096):
+    M = (2 + C) * C
+    x = (rng.standard_normal((T, C, H)) * rng.choice([0.5, 3.0])).astype(np.float32)
+    fn = (rng.standard_normal((M, C * H)) / np.sqrt(C * H) * 4).astype(np.float32).astype(np.float64)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    base = (rng.standard_normal(M) * 2.0).astype(np.float32)
+    return x, fn, scale, base
+
+
+@pytest.mark.parametrize("T, H", [(1, 4096), (3, 256), (7, 64)])
+def test_hc_pre_is_the_numpy_formula(T, H):
+    rng = np.random.default_rng(T + H)
+    x, fn, scale, base = _hc_case(rng, T, H=H)
+    want = ds4_ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    got = dc.hc_pre(x, dc.mix_table(fn), scale, base, 1e-6, 1e-6, 20)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float32 and g.shape == w.shape
+        # the mixes sum in another order than BLAS's (float64, rounded to float32): equal but for the last bit
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    alone = dc.hc_pre(x[-1:], dc.mix_table(fn), scale, base, 1e-6, 1e-6, 20)
+    assert all(np.array_equal(a[0], g[-1]) for a, g in zip(alone, got, strict=True))
+
+
+@pytest.mark.parametrize("T, H", [(1, 4096), (5, 256)])
+def test_hc_post_is_numpy_bit_for_bit(T, H):
+    rng = np.random.default_rng(T * 7 + H)
+    x = rng.standard_normal((T, 4, H)).astype(np.float32)
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    post = rng.uniform(0, 2, (T, 4)).astype(np.float32)
+    comb = rng.uniform(0, 1, (T, 4, 4)).astype(np.float32)
+    assert np.array_equal(dc.hc_post(y, x, post, comb), ds4_ops.hc_post(y, x, post, comb))
+
+
+def test_hc_pre_refuses_a_table_of_another_shape():
+    rng = np.random.default_rng(1)
+    x, fn, scale, base = _hc_case(rng, 1, H=64)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
