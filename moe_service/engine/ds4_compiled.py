@@ -358,3 +358,70 @@ def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
         out,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# the lightning indexer
+
+
+@njit(**_JIT)
+def _indexer_rows(q, w, k16, visible, top_k, sel):
+    """:func:`indexer_top_k` into sel bool [n, nb] (zeroed by the caller)."""
+    n, Ni, Di = q.shape
+    nb = k16.shape[0]
+    kT = np.empty((Di, nb), np.float64)  # the keys as float64 columns: the dots run across keys
+    for j in range(nb):
+        for d in range(Di):
+            kT[d, j] = np.float64(_f16_bits_to_f32(k16[j, d]))
+    dots = np.empty(nb, np.float64)
+    score = np.empty(nb, np.float64)
+    for t in range(n):
+        for j in range(nb):
+            score[j] = 0.0
+        for hh in range(Ni):
+            for j in range(nb):
+                dots[j] = 0.0
+            for d in range(Di):
+                qd = np.float64(q[t, hh, d])
+                for j in range(nb):
+                    dots[j] += qd * kT[d, j]
+            wh = np.float64(w[t, hh])
+            for j in range(nb):
+                r = dots[j] if dots[j] > 0.0 else 0.0
+                if hh == 0:
+                    score[j] = r * wh
+                else:
+                    score[j] += r * wh
+        for j in range(nb):
+            if not visible[t, j]:
+                score[j] = -np.inf
+        order = np.argsort(-score, kind="mergesort")  # stable: ties to the lower row
+        for i in range(min(nb, top_k)):
+            j = order[i]
+            sel[t, j] = visible[t, j]
+
+
+def indexer_top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
+    """The lightning indexer's choice (llama.cpp src/models/deepseek4.cpp, the indexer of a
+    ratio-4 layer) compiled: bool [n, nb], the ``top_k`` highest-scoring compressed rows among
+    the visible ones, score = sum over heads (in order) of relu(q . k) * w, in float64.
+    q float32 [n, Ni, Di] (roped), w float32 [n, Ni] (scaled), k float16 [nb, Di] (the
+    indexer's compressed keys), visible bool [n, nb]. Equals ``deepseek4._top_k(q, w,
+    k.astype(float32), visible, top_k) & visible`` (its dots through BLAS: another order of
+    float64 sums, so a tie closer than ~1e-15 relative may resolve differently). ValueError
+    for shapes that do not agree."""
+    n, Ni, Di = q.shape
+    if w.shape != (n, Ni) or k.ndim != 2 or k.shape[1] != Di or visible.shape != (n, k.shape[0]):
+        raise ValueError(
+            f"indexer_top_k: q {q.shape}, w {w.shape}, keys {k.shape}, visible {visible.shape} do not agree"
+        )
+    sel = np.zeros(visible.shape, np.bool_)
+    _indexer_rows(
+        np.ascontiguousarray(q, dtype=np.float32),
+        np.ascontiguousarray(w, dtype=np.float32),
+        np.ascontiguousarray(k, dtype=np.float16).view(np.uint16),
+        np.ascontiguousarray(visible, np.bool_),
+        int(top_k),
+        sel,
+    )
+    return sel

@@ -112,3 +112,29 @@ def test_hc_pre_refuses_a_table_of_another_shape():
     x, fn, scale, base = _hc_case(rng, 1, H=64)
     with pytest.raises(ValueError, match="do not agree"):
         dc.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+
+
+@pytest.mark.parametrize(
+    "n, Ni, Di, nb, top_k",
+    [
+        (1, 64, 128, 1024, 512),
+        (1, 64, 128, 300, 512),
+        (4, 4, 64, 161, 32),
+        (6, 4, 64, 20, 32),
+        (1, 8, 32, 1, 4),
+    ],
+)
+def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k):
+    from moe_service.engine.arch.deepseek4 import _top_k
+
+    rng = np.random.default_rng(n + nb + top_k)
+    q = rng.standard_normal((n, Ni, Di)).astype(np.float32)
+    w = (rng.standard_normal((n, Ni)) / np.sqrt(Ni * Di)).astype(np.float32)
+    k = rng.standard_normal((nb, Di)).astype(np.float16)
+    visible = np.ones((n, nb), np.bool_)
+    for t in range(n):  # causal: later tokens see more rows
+        visible[t, max(1, nb - (n - 1 - t) * 3) :] = False
+    want = _top_k(q, w, k.astype(np.float32), visible, top_k) & visible
+    got = dc.indexer_top_k(q, w, k, visible, top_k)
+    assert np.array_equal(got, want)
+    assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
