@@ -6,9 +6,11 @@ called inside another is subtracted from it; a part's own helpers, e.g. the rms 
 hc_pre, stay in it). Reports milliseconds per layer per decoded token, per compress ratio
 and the mean over the trunk layers:
 
-    attn proj        q_a/kv, q_b, output a/b matmuls (be.linear)
-    compressor proj  attn_compressor_kv/gate matmuls
-    indexer proj     indexer_compressor_kv/gate, indexer.attn_q_b, indexer.proj matmuls
+    attn proj        q_a/kv, q_b, output a/b matmuls (be.linear, be.head_linear; where one
+                     dispatch computes every projection of h, the compressor's and the
+                     indexer's projections are in it)
+    compressor proj  attn_compressor_kv/gate matmuls (when a dispatch of their own)
+    indexer proj     indexer_compressor_kv/gate, indexer.attn_q_b, indexer.proj matmuls (idem)
     compressor       Deepseek4._compress (ring, softmax pooling, norm, rope of completed
                      blocks), attention's and the indexer's
     indexer top-k    the indexer's scores over the compressed keys and the top-k
@@ -149,6 +151,7 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
         return "attn proj" if first.startswith("attn_output_a") else _LINEAR_PARTS.get(first, "attn proj")
 
     patch(CpuPath, "linear", linear_label)
+    patch(CpuPath, "head_linear", outer("attn proj"))  # attn_output_a's groups (one pooled head_matmul)
     patch(CpuPath, "rmsnorm", outer("norms"))
     patch(CpuPath, "router_logits", outer("router"))
     patch(CpuPath, "moe", outer("moe"))

@@ -660,14 +660,20 @@ class Deepseek4(Architecture):
 
         n = kv_new.shape[0]
         R2 = 2 * ratio
+        comp = state[comp_key]
+        first, last = n0 // ratio, (n0 + n) // ratio  # blocks completed in this span
+        # the ring holds position p's inputs at p % R2: only the span's (last R2) rows change
+        keep = np.arange(max(n0, n0 + n - R2), n0 + n)
+        if first == last:  # no block completes (most decode steps): the new rows into the ring
+            state[ring_kv][s, keep % R2] = kv_new[keep - n0]
+            state[ring_sc][s, keep % R2] = sc_new[keep - n0]
+            return comp[s, :last]
         p0 = max(0, n0 - R2)
         ring_idx = np.arange(p0, n0) % R2
         kv_all = np.concatenate([state[ring_kv][s, ring_idx], kv_new])  # positions p0 .. n0 + n - 1
         sc_all = np.concatenate([state[ring_sc][s, ring_idx], sc_new])
         overlap = ratio == 4
         Dp = kv_all.shape[1] // (2 if overlap else 1)
-        comp = state[comp_key]
-        first, last = n0 // ratio, (n0 + n) // ratio  # blocks completed in this span
         for b in range(first, last):
             cur = slice(b * ratio - p0, (b + 1) * ratio - p0)
             if overlap:
@@ -683,9 +689,8 @@ class Deepseek4(Architecture):
             row = ops.rms(row, self.hp.rms_eps) * norm_w
             row = ops.rope_last(row[:, None, :], np.array([b * ratio]), cos, sin)[:, 0, :]
             comp[s, b] = row[0].astype(np.float16)
-        keep = np.arange(max(p0, n0 + n - R2), n0 + n)
-        state[ring_kv][s, keep % R2] = kv_all[keep - p0]
-        state[ring_sc][s, keep % R2] = sc_all[keep - p0]
+        state[ring_kv][s, keep % R2] = kv_new[keep - n0]
+        state[ring_sc][s, keep % R2] = sc_new[keep - n0]
         return comp[s, :last]
 
     def _ffn(self, be, lw, h, st):
