@@ -236,9 +236,14 @@ def attend_rows(
 
 
 def mix_table(fn: np.ndarray) -> np.ndarray:
-    """A hyper-connection mixing matrix fn [M, C*H] (any float) as the float64 [C*H, M] table
-    :func:`hc_pre` reads (one pass over it, M sums side by side)."""
-    return np.ascontiguousarray(np.asarray(fn, dtype=np.float64).T)
+    """A hyper-connection mixing matrix fn [M, C*H] as the [C*H, M] table :func:`hc_pre` reads
+    (one pass over it, M sums side by side): float32 when every value is a float32 (the GGUF
+    tensor is F32: half the bytes a step reads, widened to float64 exactly in the kernel),
+    else float64."""
+    fn = np.asarray(fn)
+    f32 = fn.astype(np.float32)
+    exact = fn.dtype == np.float32 or bool(np.array_equal(f32.astype(fn.dtype), fn))
+    return np.ascontiguousarray((f32 if exact else fn.astype(np.float64)).T)
 
 
 @njit(**_JIT)
@@ -264,7 +269,7 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb)
         for k in range(K):
             v = np.float64(xn[t, k])
             for m in range(M):
-                acc[m] += v * fnT[k, m]
+                acc[m] += v * np.float64(fnT[k, m])
         for m in range(M):
             mixes[m] = np.float32(acc[m])
         for i in range(C):
@@ -303,7 +308,7 @@ def hc_pre(
     iters: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ds4_ops.hc_pre (build_hc_pre) compiled, one pass per token: x float32 [T, C, H];
-    fnT the mixing matrix as :func:`mix_table` gives it ([C*H, M] float64); scale [3]; base
+    fnT the mixing matrix as :func:`mix_table` gives it ([C*H, M] float32 or float64); scale [3]; base
     [M]. Returns (h [T, H], post [T, C], comb [T, C, C]) float32. The mixes sum in float64
     over the C*H terms in order (the reference: BLAS's order, both rounded to float32), the
     rest in the reference's arithmetic. Streams C < 8 (the Sinkhorn loops' exact-copy range;
@@ -335,13 +340,17 @@ def hc_pre(
 def _hc_post_rows(y, x, post, comb, out):
     T, C, H = x.shape
     for t in range(T):
-        for dst in range(C):
+        for dst in range(C):  # per element: ((c0 x0 + c1 x1) + ...) then post y + that, across j
             p = post[t, dst]
+            c0 = comb[t, 0, dst]
             for j in range(H):
-                s = comb[t, 0, dst] * x[t, 0, j]
-                for src in range(1, C):
-                    s += comb[t, src, dst] * x[t, src, j]
-                out[t, dst, j] = p * y[t, j] + s
+                out[t, dst, j] = c0 * x[t, 0, j]
+            for src in range(1, C):
+                c = comb[t, src, dst]
+                for j in range(H):
+                    out[t, dst, j] += c * x[t, src, j]
+            for j in range(H):
+                out[t, dst, j] = p * y[t, j] + out[t, dst, j]
 
 
 def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
