@@ -75,8 +75,9 @@ def _gather_keys(win16, comp16, mask_w, mask_c, keys, cols, ncols):
 def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
     """Rows r0..r1 of (token t, head h) = (r // NH, r % NH): softmax with a sink logit over
     the query's key rows, the same rows as values. q, out float32 [T * NH * D]; keys float32
-    [N, D] (keys8: its bytes). Per token the heads of the range go together, key by key (each
-    key row is read once per pass, not once per head); each (t, h) row is computed in the
+    [N, D] (keys8: its bytes). Per token the heads of the range go in blocks of _HEAD_BLOCK,
+    key by key (a key row is read once per block and pass, not once per head, and the block's
+    q rows and value sums stay in L1); each (t, h) row is computed in the
     same order whatever the range: score of key i = float32 dot of 16 fixed lanes
     (dot_f32_ggml) x scale in float64, float64 softmax with the sink, value sum in float32
     over the keys in order."""
@@ -89,34 +90,39 @@ def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
         n = ncols[t]
         s = np.empty((nh, max(1, n)), np.float64)
         m = np.empty(nh, np.float64)
-        for k in range(nh):
-            m[k] = np.float64(sinks[h0 + k])
-        for i in range(n):
-            off = cols[t, i] * D * 4
-            for k in range(nh):
-                v = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
-                s[k, i] = v
-                if v > m[k]:
-                    m[k] = v
         den = np.empty(nh, np.float64)
-        for k in range(nh):
-            tot = 0.0
-            for i in range(n):
-                e = np.exp(s[k, i] - m[k])
-                s[k, i] = e
-                tot += e
-            den[k] = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
         acc = np.zeros((nh, D), np.float32)
-        for i in range(n):
-            row = cols[t, i]
-            for k in range(nh):
-                p = np.float32(s[k, i] / den[k])
-                for d in range(D):
-                    acc[k, d] += p * keys[row, d]
+        for k0 in range(0, nh, _HEAD_BLOCK):  # a block's q rows and value sums stay in L1
+            k1 = min(nh, k0 + _HEAD_BLOCK)
+            for k in range(k0, k1):
+                m[k] = np.float64(sinks[h0 + k])
+            for i in range(n):
+                off = cols[t, i] * D * 4
+                for k in range(k0, k1):
+                    v = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
+                    s[k, i] = v
+                    if v > m[k]:
+                        m[k] = v
+            for k in range(k0, k1):
+                tot = 0.0
+                for i in range(n):
+                    e = np.exp(s[k, i] - m[k])
+                    s[k, i] = e
+                    tot += e
+                den[k] = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
+            for i in range(n):
+                row = cols[t, i]
+                for k in range(k0, k1):
+                    p = np.float32(s[k, i] / den[k])
+                    for d in range(D):
+                        acc[k, d] += p * keys[row, d]
         for k in range(nh):
             for d in range(D):
                 out[(r + k) * D + d] = acc[k, d]
         r += nh
+
+
+_HEAD_BLOCK = 8  # heads of a token computed together: their q rows and value sums (8 x 2 KB) stay in L1
 
 
 (A_Q, A_KEYS, A_NKEYS, A_D, A_COLS, A_NCOL_W, A_NCOLS, A_SINKS, A_NH, A_SCALE, A_OUT, A_T, A_LEN) = range(13)
