@@ -380,63 +380,106 @@ def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
 
 
 @njit(**_JIT)
-def _indexer_rows(q, w, k16, visible, top_k, sel):
-    """:func:`indexer_top_k` into sel bool [n, nb] (zeroed by the caller)."""
-    n, Ni, Di = q.shape
-    nb = k16.shape[0]
-    kT = np.empty((Di, nb), np.float64)  # the keys as float64 columns: the dots run across keys
+def _index_keys(k16, kT):
+    """The indexer's float16 keys [nb, Di] (as bits) as float64 columns kT [Di, nb]."""
+    nb, Di = k16.shape
     for j in range(nb):
         for d in range(Di):
             kT[d, j] = np.float64(_f16_bits_to_f32(k16[j, d]))
-    dots = np.empty(nb, np.float64)
-    score = np.empty(nb, np.float64)
+
+
+@njit(**_JIT)
+def _index_scores(q, w, kT, score, t, j0, j1):
+    """score[t, j0:j1] = sum over heads in order of relu(q[t, h] . k_j) * w[t, h], float64;
+    per head the dots run across the keys (vectorised), each summed over the Di dims in order
+    (the same bits whatever the key range)."""
+    n, Ni, Di = q.shape
+    nbj = j1 - j0
+    dots = np.empty(max(1, nbj), np.float64)
+    for hh in range(Ni):
+        for j in range(nbj):
+            dots[j] = 0.0
+        for d in range(Di):
+            qd = np.float64(q[t, hh, d])
+            for j in range(nbj):
+                dots[j] += qd * kT[d, j0 + j]
+        wh = np.float64(w[t, hh])
+        for j in range(nbj):
+            r = dots[j] if dots[j] > 0.0 else 0.0
+            if hh == 0:
+                score[t, j0 + j] = r * wh
+            else:
+                score[t, j0 + j] += r * wh
+
+
+@njit(**_JIT)
+def _index_select(score, visible, top_k, sel):
+    """sel[t] = the top_k rows by score among the visible (stable: ties to the lower row)."""
+    n, nb = score.shape
     for t in range(n):
         for j in range(nb):
-            score[j] = 0.0
-        for hh in range(Ni):
-            for j in range(nb):
-                dots[j] = 0.0
-            for d in range(Di):
-                qd = np.float64(q[t, hh, d])
-                for j in range(nb):
-                    dots[j] += qd * kT[d, j]
-            wh = np.float64(w[t, hh])
-            for j in range(nb):
-                r = dots[j] if dots[j] > 0.0 else 0.0
-                if hh == 0:
-                    score[j] = r * wh
-                else:
-                    score[j] += r * wh
-        for j in range(nb):
             if not visible[t, j]:
-                score[j] = -np.inf
-        order = np.argsort(-score, kind="mergesort")  # stable: ties to the lower row
+                score[t, j] = -np.inf
+        order = np.argsort(-score[t], kind="mergesort")
         for i in range(min(nb, top_k)):
             j = order[i]
             sel[t, j] = visible[t, j]
 
 
-def indexer_top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
+(X_Q, X_W, X_KT, X_SCORE, X_N, X_NI, X_DI, X_NB, X_LEN) = range(9)
+
+
+def _index_item(items_ptr, i, op_ptr):
+    """Scores of token it[2], keys [it[3], it[4]) (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, X_LEN)
+    b = i * _pool.ITEM_W
+    n, Ni, Di, nb = op[X_N], op[X_NI], op[X_DI], op[X_NB]
+    q = view_f32(op[X_Q], n * Ni * Di).reshape((n, Ni, Di))
+    w = view_f32(op[X_W], n * Ni).reshape((n, Ni))
+    kT = view_f32(op[X_KT], 2 * Di * nb).view(np.float64).reshape((Di, nb))
+    score = view_f32(op[X_SCORE], 2 * n * nb).view(np.float64).reshape((n, nb))
+    _index_scores(q, w, kT, score, it[b + 2], it[b + 3], it[b + 4])
+
+
+_INDEX_MIN_KEYS = 64  # keys per pooled indexer item, at least
+
+
+def indexer_top_k(
+    q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int, pool: Any = None
+) -> np.ndarray:
     """The lightning indexer's choice (llama.cpp src/models/deepseek4.cpp, the indexer of a
     ratio-4 layer) compiled: bool [n, nb], the ``top_k`` highest-scoring compressed rows among
     the visible ones, score = sum over heads (in order) of relu(q . k) * w, in float64.
     q float32 [n, Ni, Di] (roped), w float32 [n, Ni] (scaled), k float16 [nb, Di] (the
     indexer's compressed keys), visible bool [n, nb]. Equals ``deepseek4._top_k(q, w,
     k.astype(float32), visible, top_k) & visible`` (its dots through BLAS: another order of
-    float64 sums, so a tie closer than ~1e-15 relative may resolve differently). ValueError
-    for shapes that do not agree."""
+    float64 sums, so a tie closer than ~1e-15 relative may resolve differently). ``pool``: a
+    WorkerPool to spread the scores over by ranges of keys when big enough (the same bits).
+    ValueError for shapes that do not agree."""
     n, Ni, Di = q.shape
     if w.shape != (n, Ni) or k.ndim != 2 or k.shape[1] != Di or visible.shape != (n, k.shape[0]):
         raise ValueError(
             f"indexer_top_k: q {q.shape}, w {w.shape}, keys {k.shape}, visible {visible.shape} do not agree"
         )
+    nb = k.shape[0]
+    qc, wc = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32)
+    kT = np.empty((Di, nb), np.float64)
+    _index_keys(np.ascontiguousarray(k, dtype=np.float16).view(np.uint16), kT)
+    score = np.empty((n, nb), np.float64)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and nb >= 2 * _INDEX_MIN_KEYS and n * Ni * Di * nb >= _POOL_MIN_MACS:
+        op = np.array(
+            [qc.ctypes.data, wc.ctypes.data, kT.ctypes.data, score.ctypes.data, n, Ni, Di, nb], np.int64
+        )
+        step = max(_INDEX_MIN_KEYS, -(-nb // n_workers))
+        fn = _pool.call_item_address(_index_item)
+        items = [(_pool.K_CALL, fn, t, j, min(nb, j + step)) for t in range(n) for j in range(0, nb, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        for t in range(n):
+            _index_scores(qc, wc, kT, score, t, 0, nb)
     sel = np.zeros(visible.shape, np.bool_)
-    _indexer_rows(
-        np.ascontiguousarray(q, dtype=np.float32),
-        np.ascontiguousarray(w, dtype=np.float32),
-        np.ascontiguousarray(k, dtype=np.float16).view(np.uint16),
-        np.ascontiguousarray(visible, np.bool_),
-        int(top_k),
-        sel,
-    )
+    _index_select(score, np.ascontiguousarray(visible, np.bool_), int(top_k), sel)
     return sel

@@ -634,7 +634,7 @@ class Deepseek4(Architecture):
                     ik = self._compress(state, "iring_kv", "iring_sc", "icomp", s, n0, idx_in[0][a:e],
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
                     # compiled _top_k (ds4_compiled.indexer_top_k: the same choice, within visible)
-                    visible = dc.indexer_top_k(idx_in[2][a:e], idx_in[3][a:e], ik, visible, hp.indexer_top_k)
+                    visible = dc.indexer_top_k(idx_in[2][a:e], idx_in[3][a:e], ik, visible, hp.indexer_top_k, pool)
                 comp_rows, comp_mask = comp, visible
             else:
                 comp_rows = comp_mask = None

@@ -124,7 +124,7 @@ def test_hc_pre_refuses_a_table_of_another_shape():
         (1, 8, 32, 1, 4),
     ],
 )
-def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k):
+def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
     from moe_service.engine.arch.deepseek4 import _top_k
 
     rng = np.random.default_rng(n + nb + top_k)
@@ -138,3 +138,4 @@ def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k):
     got = dc.indexer_top_k(q, w, k, visible, top_k)
     assert np.array_equal(got, want)
     assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
+    assert np.array_equal(dc.indexer_top_k(q, w, k, visible, top_k, pool), got)  # pooled: the same choice
