@@ -5,7 +5,8 @@ compares them): the attention over the raw window plus the selected compressed r
 (:func:`attend_rows`, reference ``ds4_ops.attend_sinks`` on the concatenated keys), the
 hyper-connection pre / post mixes (:func:`hc_pre`, :func:`hc_post`; references
 ``ds4_ops.hc_pre`` / ``ds4_ops.hc_post``) and the lightning indexer's scores and top-k
-(:func:`indexer_top_k`, reference ``deepseek4._top_k``).
+(:func:`indexer_top_k`, reference ``deepseek4._top_k``; not used by the layer: on a quiet
+AVX2 host it took 3x the CPU time of numpy's BLAS dgemm, 6.3 vs 2.2 ms at 1024 rows).
 
 Every kernel computes a row (a token, a (token, head) pair) by the same code and in the same
 order whatever the number of rows in the step and whichever worker runs it, so a prompt's
