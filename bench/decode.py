@@ -30,6 +30,12 @@ engine's median and the median of the rounds' ratios (on a shared host the memor
 drifts between runs; a ratio taken within one round sees one load). The ratio is against
 the faster llama.cpp configuration measured (``--flash-attn both`` measures both of its
 paths).
+
+Per layer (``--per-layer PRESET``, bench/layers.py): two synthetic files of the preset that
+differ only in layer count (``--layers SMALL,BIG``; deepseek4: ``--pattern`` ratios repeated,
+``--lead-layers`` hash-routed layers fixed), both engines on both at each depth; reports what
+one more layer costs per decoded token and per prefill, (t_big - t_small) / (L_big - L_small),
+each engine's and their ratio, beside the whole files' figures.
 """
 
 from __future__ import annotations
@@ -435,8 +441,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-type", choices=["f16", "q8_0"], default="f16", help="our KV cache format (depth runs)")
     ap.add_argument("--depth-repeats", type=int, default=1,
                     help="rounds over the depths, both engines back to back per depth (medians; default 1)")
+    ap.add_argument("--per-layer", metavar="PRESET", default=None,
+                    help="per-layer mode: two synthetic files of this preset differing only in layer count "
+                         "(bench/layers.py); depths from --depth(s), default 512")
+    ap.add_argument("--layers", default="", help="per-layer mode: SMALL,BIG layer counts (default: the pattern "
+                                                  "length and twice it; synth/deepseek2: 2,4)")
+    ap.add_argument("--pattern", default="", help="per-layer mode, deepseek4: compress ratios repeated per layer")
+    ap.add_argument("--lead-layers", type=int, default=None,
+                    help="per-layer mode: leading hash-routed (deepseek4) or dense (deepseek2) layers in both files")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="per-layer mode: replace a preset field in both files (repeatable), e.g. n_expert=32")
+    ap.add_argument("--pair-dir", type=Path, default=None,
+                    help="per-layer mode: where the files are written and reused (default cache_dir()/bench-layers)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     a = ap.parse_args(argv)
+    if a.per_layer:
+        return _main_per_layer(a)
     if a.model is None:
         from moe_service.paths import demo_model_path
 
@@ -459,6 +479,46 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     r = run(a.model, threads, a.prompt, a.decode, a.repeats, a.ubatch, not a.no_peer)
     print(json.dumps(r, indent=1) if a.json else format_report(r))
+    return 0
+
+
+def _main_per_layer(a: argparse.Namespace) -> int:
+    """``--per-layer PRESET``: bench.layers on a pair of synthetic files; exit 2 with one line
+    for a pair that does not fit."""
+    from bench.layers import LayerPair, family_module, family_of, format_per_layer, parse_sets, run_per_layer
+    from moe_service.errors import ConfigError
+    from moe_service.paths import cache_dir
+
+    prog = "moe-service bench decode"
+    try:
+        fam = family_of(a.per_layer)
+        base = family_module(fam).PRESETS[a.per_layer]
+        sets = parse_sets(a.set, type(base))
+        pattern = tuple(int(x) for x in a.pattern.split(",") if x.strip()) if a.pattern else None
+        if a.layers:
+            small, big = (int(x) for x in a.layers.split(","))
+        elif fam == "deepseek4":
+            n = len(pattern or sets.get("compress_ratios") or base.compress_ratios)
+            small, big = n, 2 * n
+        else:
+            small, big = 2, 4
+        pair = LayerPair(a.per_layer, small, big, a.lead_layers, pattern, tuple(sorted(sets.items())))
+        pair.resolved(small), pair.resolved(big)
+    except ValueError as e:
+        print(f"{prog}: --layers {a.layers!r} / --pattern {a.pattern!r}: expected comma-separated integers ({e})",
+              file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    if a.depth_repeats < 1:
+        print(f"{prog}: --depth-repeats {a.depth_repeats}: at least 1", file=sys.stderr)
+        return 2
+    threads = a.threads or len(os.sched_getaffinity(0))
+    depths = [int(x) for x in a.depths.split(",") if x.strip()] if a.depths else [a.depth or 512]
+    r = run_per_layer(pair, a.pair_dir or cache_dir() / "bench-layers", threads, depths, a.decode, a.ubatch,
+                      not a.no_peer, a.flash_attn, a.n_batch, a.kv_type, a.depth_repeats)
+    print(json.dumps(r, indent=1) if a.json else format_per_layer(r))
     return 0
 
 

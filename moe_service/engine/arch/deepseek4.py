@@ -507,7 +507,7 @@ class Deepseek4(Architecture):
         t = m.catalog.tensors[name]
         row_bytes = m.catalog.tensors[name].nbytes // t.shape[0]
         off = m.weights.tensor_offset(name)
-        Ro = hp.o_lora_rank
+        Ro, G = hp.o_lora_rank, hp.o_groups
         dense = _np(be.matrix(name)) if m.dense_mode == "torch" else None
         for g in range(hp.o_groups):
             key = f"attn_output_a.{g}"
@@ -516,6 +516,10 @@ class Deepseek4(Architecture):
                 import torch
 
                 lw.dense[key] = torch.from_numpy(dense[g * Ro:(g + 1) * Ro].copy()).to(m.device, m.dense_dtype)
+        # CPU: attn_output_a's G groups as G "heads" of Ro rows read in place (mla.head_matmul:
+        # each group's rows computed as by a 2-D matmul of that group, bit for bit)
+        d["o_a_heads"] = (be.head_mat(name, G, Ro, t.shape[1], 0, Ro) if type(be).__name__ == "CpuPath"
+                          else None)
         if i == 0 and hp.n_mtp:
             log.info("mtp_not_used", arch=self.name, mtp_blocks=hp.n_mtp,
                      first_block=hp.n_layer, what="multi-token-prediction blocks loaded and validated, not run "
@@ -549,21 +553,24 @@ class Deepseek4(Architecture):
             return self._block(be, lw, x, st)
 
     def _block(self, be, lw, x, st):
-        from moe_service.engine import ds4_ops as ops
+        from moe_service.engine import ds4_compiled as dc
 
         hp, d = self.hp, lw.ds4
         C, H = hp.hc, hp.n_embd
         xs = _np(x)
         T = xs.shape[0]
         xs = np.repeat(xs[:, None, :], C, axis=1) if lw.index == 0 else xs.reshape(T, C, H)
-        h, post, comb = ops.hc_pre(xs, d["hc_attn_fn"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
-                                   hp.hc_eps, hp.hc_iters)
+        if "hc_attn_fnT" not in d:  # the mixing matrices as the compiled hc_pre reads them
+            d["hc_attn_fnT"], d["hc_ffn_fnT"] = dc.mix_table(d["hc_attn_fn"]), dc.mix_table(d["hc_ffn_fn"])
+        # compiled ds4_ops.hc_pre / hc_post (ds4_compiled; the same formulas)
+        h, post, comb = dc.hc_pre(xs, d["hc_attn_fnT"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
+                                  hp.hc_eps, hp.hc_iters)
         h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
-        xs = ops.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
-        h, post, comb = ops.hc_pre(xs, d["hc_ffn_fn"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
-                                   hp.hc_eps, hp.hc_iters)
+        xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
+        h, post, comb = dc.hc_pre(xs, d["hc_ffn_fnT"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
+                                  hp.hc_eps, hp.hc_iters)
         h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
-        xs = ops.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
+        xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
         return _back(be, xs.reshape(T, C * H))
 
     def final_norm(self, be, x, w):
@@ -581,6 +588,7 @@ class Deepseek4(Architecture):
         return be.rmsnorm(_back(be, h), w, hp.rms_eps)
 
     def _attention(self, be, lw, h, st):
+        from moe_service.engine import ds4_compiled as dc
         from moe_service.engine import ds4_ops as ops
 
         hp, d, il = self.hp, lw.ds4, lw.index
@@ -589,32 +597,37 @@ class Deepseek4(Architecture):
         plain, comp_t = self._tables(be.m.n_ctx)
         cos, sin = comp_t if ratio else plain
         pos = np.asarray(_np(st.positions), dtype=np.int64)
-        qa, kv = be.linear(lw, ("attn_q_a", "attn_kv"), h)
-        qr = be.rmsnorm(qa, lw.vecs["attn_q_a_norm"], hp.rms_eps)
-        (qb,) = be.linear(lw, ("attn_q_b",), qr)
-        q = ops.rope_last(ops.rms(_np(qb).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
-        kv = _np(be.rmsnorm(kv, lw.vecs["attn_kv_a_norm"], hp.rms_eps))
+        # every projection of h in one pool dispatch, then every projection of qr in another
+        # (a group computes each matrix's rows as alone: the same results, fewer dispatches)
+        h_names = _H_PROJ[min(ratio, 5)]
+        proj = dict(zip(h_names, be.linear(lw, h_names, h), strict=True))
+        qr = be.rmsnorm(proj["attn_q_a"], lw.vecs["attn_q_a_norm"], hp.rms_eps)
+        qr_names = ("attn_q_b", "indexer.attn_q_b") if ratio == 4 else ("attn_q_b",)
+        proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
+        q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
+        kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
         if ratio:
-            ckv, csc = be.linear(lw, ("attn_compressor_kv", "attn_compressor_gate"), h)
+            ckv, csc = proj["attn_compressor_kv"], proj["attn_compressor_gate"]
             comp_in = (_np(ckv), _np(csc) + d["attn_compressor_ape"][pos % ratio])
             if ratio == 4:
-                ikv, isc, iq, iw = be.linear(lw, ("indexer_compressor_kv", "indexer_compressor_gate"), h) + \
-                    be.linear(lw, ("indexer.attn_q_b",), qr) + be.linear(lw, ("indexer.proj",), h)
+                ikv, isc = proj["indexer_compressor_kv"], proj["indexer_compressor_gate"]
+                iq, iw = proj["indexer.attn_q_b"], proj["indexer.proj"]
                 idx_in = (_np(ikv), _np(isc) + d["indexer_compressor_ape"][pos % 4],
                           ops.rope_last(_np(iq).reshape(T, hp.indexer_heads, hp.indexer_dim), pos, cos, sin),
                           _np(iw) / np.float32(np.sqrt(hp.indexer_dim * hp.indexer_heads)))
         state = self._state(be, il)
         kvc = be.m.kv
         ring, W = state["raw"], hp.window
+        pool = getattr(getattr(be.m, "ops", None), "pool", None)
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
             new = kv[a:e].astype(np.float16)
             p = pos[a:e]
             lo = max(0, n0 - W + 1)
-            keys = np.concatenate([ring[s, np.arange(lo, n0) % W], new]).astype(np.float32)
+            win = np.concatenate([ring[s, np.arange(lo, n0) % W], new])  # float16, positions lo..
             keep = np.arange(max(n0, n0 + n - W), n0 + n)  # the span's last W rows stay
             ring[s, keep % W] = new[keep - n0]
             kvc.note_ring(s, il, "raw", n0, new)  # every position's row: the prefix cache's block snapshots
@@ -634,17 +647,27 @@ class Deepseek4(Architecture):
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
                     kvc.note_ring(s, il, "iring_kv", n0, idx_in[0][a:e])
                     kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:e])
+                    # numpy + BLAS dgemm: ds4_compiled.indexer_top_k makes the same choice but took
+                    # 3x the CPU time on a quiet AVX2 host (0.67 vs 0.21 ms at 128 rows, 6.3 vs 2.2
+                    # at 1024; 64 heads of 128)
                     visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
                                       hp.indexer_top_k)
-                keys = np.concatenate([keys, comp.astype(np.float32)])
-                mask = np.concatenate([mask, visible], axis=1)
+                comp_rows, comp_mask = comp, visible
+            else:
+                comp_rows = comp_mask = None
             qh = q[a:e].astype(np.float16).astype(np.float32)
-            out[a:e] = ops.attend_sinks(qh, keys, mask, d["attn_sinks"], 1.0 / np.sqrt(D))
+            # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows
+            out[a:e] = dc.attend_rows(qh, win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
+                                      pool)
         o = ops.rope_last(out, pos, cos, sin, inverse=True)
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
-        oa = [be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0] for g in range(G)]
-        (y,) = be.linear(lw, ("attn_output_b",), be.concat(oa, axis=1))
+        if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
+            oa = be.head_linear(lw.ds4["o_a_heads"], og).reshape(T, G * hp.o_lora_rank)
+        else:
+            oa = be.concat([be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0]
+                            for g in range(G)], axis=1)
+        (y,) = be.linear(lw, ("attn_output_b",), oa)
         return y
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
@@ -654,14 +677,20 @@ class Deepseek4(Architecture):
 
         n = kv_new.shape[0]
         R2 = 2 * ratio
+        comp = state[comp_key]
+        first, last = n0 // ratio, (n0 + n) // ratio  # blocks completed in this span
+        # the ring holds position p's inputs at p % R2: only the span's (last R2) rows change
+        keep = np.arange(max(n0, n0 + n - R2), n0 + n)
+        if first == last:  # no block completes (most decode steps): the new rows into the ring
+            state[ring_kv][s, keep % R2] = kv_new[keep - n0]
+            state[ring_sc][s, keep % R2] = sc_new[keep - n0]
+            return comp[s, :last]
         p0 = max(0, n0 - R2)
         ring_idx = np.arange(p0, n0) % R2
         kv_all = np.concatenate([state[ring_kv][s, ring_idx], kv_new])  # positions p0 .. n0 + n - 1
         sc_all = np.concatenate([state[ring_sc][s, ring_idx], sc_new])
         overlap = ratio == 4
         Dp = kv_all.shape[1] // (2 if overlap else 1)
-        comp = state[comp_key]
-        first, last = n0 // ratio, (n0 + n) // ratio  # blocks completed in this span
         for b in range(first, last):
             cur = slice(b * ratio - p0, (b + 1) * ratio - p0)
             if overlap:
@@ -677,9 +706,8 @@ class Deepseek4(Architecture):
             row = ops.rms(row, self.hp.rms_eps) * norm_w
             row = ops.rope_last(row[:, None, :], np.array([b * ratio]), cos, sin)[:, 0, :]
             comp[s, b] = row[0].astype(np.float16)
-        keep = np.arange(max(p0, n0 + n - R2), n0 + n)
-        state[ring_kv][s, keep % R2] = kv_all[keep - p0]
-        state[ring_sc][s, keep % R2] = sc_all[keep - p0]
+        state[ring_kv][s, keep % R2] = kv_new[keep - n0]
+        state[ring_sc][s, keep % R2] = sc_new[keep - n0]
         return comp[s, :last]
 
     def _ffn(self, be, lw, h, st):
@@ -697,6 +725,16 @@ class Deepseek4(Architecture):
         lim = hp.clamp_shexp[il]
         act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
         return y + be.glu_ffn(lw, h, ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"), act=act)
+
+
+_H_PROJ: dict[int, tuple[str, ...]] = {
+    0: ("attn_q_a", "attn_kv"),
+    4: ("attn_q_a", "attn_kv", "attn_compressor_kv", "attn_compressor_gate", "indexer_compressor_kv",
+        "indexer_compressor_gate", "indexer.proj"),
+    5: ("attn_q_a", "attn_kv", "attn_compressor_kv", "attn_compressor_gate"),
+}
+"""The projections of the attention's input h, one dispatch per layer, by compress ratio
+(0; 4 with the indexer's; any other ratio, min(ratio, 5) = 5, the compressor's)."""
 
 
 def _np(x) -> np.ndarray:

@@ -1,0 +1,286 @@
+"""Where a DeepSeek V4 (``deepseek4``) decode step spends its time, per part of the layer.
+
+Prefills ``--depth`` tokens of ordinary text (bench.decode.depth_ids), then times ``--decode``
+single-token steps with each part of the layer wrapped by a timer (exclusive times: a part
+called inside another is subtracted from it; a part's own helpers, e.g. the rms inside
+hc_pre, stay in it). Reports milliseconds per layer per decoded token, per compress ratio
+and the mean over the trunk layers:
+
+    attn proj        q_a/kv, q_b, output a/b matmuls (be.linear, be.head_linear; where one
+                     dispatch computes every projection of h, the compressor's and the
+                     indexer's projections are in it)
+    compressor proj  attn_compressor_kv/gate matmuls (when a dispatch of their own)
+    indexer proj     indexer_compressor_kv/gate, indexer.attn_q_b, indexer.proj matmuls (idem)
+    compressor       Deepseek4._compress (ring, softmax pooling, norm, rope of completed
+                     blocks), attention's and the indexer's
+    indexer top-k    the indexer's scores over the compressed keys and the top-k
+    attention        softmax attention over the window and the selected compressed rows
+    hc pre / post    the hyper-connection mixes (pre: rms + mix + h; post: stream update)
+    sinkhorn         the mixing matrix's normalisations (inside hc pre)
+    norms            rmsnorms outside the above (attn/ffn/q_a/kv norms, per-head q)
+    rope             q / kv rope, inverse rope of the output
+    router           router logits, sqrt-softplus, top-k routing
+    moe              the routed experts (fused MoE step)
+    shared expert    the shared expert's gate/up/down
+    glue             the rest of the layer (numpy in the attention: rings, masks, concatenates)
+
+Command (the numbers depend on the machine's load: compare runs made back to back)::
+
+    PYTHONPATH=. python -m bench.ds4_parts --model V4.gguf --depth 512 --decode 16 --threads 2 [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PARTS = (
+    "attn proj",
+    "compressor proj",
+    "indexer proj",
+    "compressor",
+    "indexer top-k",
+    "attention",
+    "hc pre",
+    "sinkhorn",
+    "hc post",
+    "norms",
+    "rope",
+    "router",
+    "moe",
+    "shared expert",
+    "glue",
+)
+
+
+class PartTimer:
+    """Exclusive wall time per (compress ratio, part) of wrapped calls made inside a layer.
+
+    ``wrap(fn, label)``: ``label(args)`` names the part (None: not timed here, its time
+    stays in the caller's part); a wrapped call inside another wrapped call is subtracted
+    from the outer one. ``layer`` wraps the architecture's block: its inclusive time minus
+    the parts' is ``glue``."""
+
+    def __init__(self, ratios: list[int]):
+        self.ratios = ratios
+        self.on = False
+        self.ratio = 0
+        self.stack: list[float] = []
+        self.excl: dict[tuple[int, str], float] = defaultdict(float)
+        self.layer_s: dict[int, float] = defaultdict(float)
+        self.layer_calls: dict[int, int] = defaultdict(int)
+
+    def wrap(self, fn: Callable, label: Callable[[tuple], str | None]) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            part = label(a) if self.on and self.stack else None
+            if part is None:
+                return fn(*a, **k)
+            self.stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                child = self.stack.pop()
+                self.excl[(self.ratio, part)] += dt - child
+                self.stack[-1] += dt
+
+        return timed
+
+    def wrap_layer(self, fn: Callable) -> Callable:
+        def timed(arch: Any, be: Any, lw: Any, x: Any, st: Any) -> Any:
+            if not self.on:
+                return fn(arch, be, lw, x, st)
+            self.ratio = self.ratios[lw.index]
+            self.stack = [0.0]
+            t0 = time.perf_counter()
+            out = fn(arch, be, lw, x, st)
+            dt = time.perf_counter() - t0
+            self.layer_s[self.ratio] += dt
+            self.layer_calls[self.ratio] += 1
+            self.excl[(self.ratio, "glue")] += dt - self.stack.pop()
+            return out
+
+        return timed
+
+
+_LINEAR_PARTS = {
+    "attn_q_a": "attn proj",
+    "attn_q_b": "attn proj",
+    "attn_output_b": "attn proj",
+    "attn_compressor_kv": "compressor proj",
+    "indexer_compressor_kv": "indexer proj",
+    "indexer.attn_q_b": "indexer proj",
+    "indexer.proj": "indexer proj",
+}
+
+
+def instrument(timer: PartTimer) -> Callable[[], None]:
+    """Wrap deepseek4's parts (module attributes, so calls made through them are timed);
+    returns the function that puts the originals back."""
+    from moe_service.engine import ds4_ops
+    from moe_service.engine.arch import deepseek4
+    from moe_service.engine.model import CpuPath
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(obj: Any, name: str, label: Callable[[tuple], str | None]) -> None:
+        if not hasattr(obj, name):
+            return
+        orig = getattr(obj, name)
+        saved.append((obj, name, orig))
+        setattr(obj, name, timer.wrap(orig, label))
+
+    def outer(part: str) -> Callable[[tuple], str | None]:
+        """Timed as ``part`` unless called inside another timed part (then it stays there)."""
+        return lambda a: part if len(timer.stack) == 1 else None
+
+    def linear_label(a: tuple) -> str | None:
+        if len(timer.stack) != 1:
+            return None
+        first = a[2][0]
+        return "attn proj" if first.startswith("attn_output_a") else _LINEAR_PARTS.get(first, "attn proj")
+
+    patch(CpuPath, "linear", linear_label)
+    patch(CpuPath, "head_linear", outer("attn proj"))  # attn_output_a's groups (one pooled head_matmul)
+    patch(CpuPath, "rmsnorm", outer("norms"))
+    patch(CpuPath, "router_logits", outer("router"))
+    patch(CpuPath, "moe", outer("moe"))
+    patch(CpuPath, "glu_ffn", outer("shared expert"))
+    patch(ds4_ops, "rms", outer("norms"))
+    patch(ds4_ops, "rope_last", outer("rope"))
+    patch(ds4_ops, "hc_pre", outer("hc pre"))
+    patch(ds4_ops, "sinkhorn", lambda a: "sinkhorn")
+    patch(ds4_ops, "hc_post", outer("hc post"))
+    patch(ds4_ops, "attend_sinks", outer("attention"))
+    patch(ds4_ops, "sqrt_softplus", outer("router"))
+    patch(ds4_ops, "route", outer("router"))
+    try:  # the compiled forms (moe_service.engine.ds4_compiled), where this tree has them
+        from moe_service.engine import ds4_compiled
+    except ImportError:
+        ds4_compiled = None
+    if ds4_compiled is not None:
+        for name, part in (("attend_rows", "attention"), ("hc_pre", "hc pre"), ("hc_post", "hc post"),
+                           ("indexer_top_k", "indexer top-k")):
+            patch(ds4_compiled, name, outer(part))
+    patch(deepseek4, "_top_k", outer("indexer top-k"))
+    patch(deepseek4.Deepseek4, "_compress", outer("compressor"))
+    orig_block = deepseek4.Deepseek4._block
+    saved.append((deepseek4.Deepseek4, "_block", orig_block))
+    deepseek4.Deepseek4._block = timer.wrap_layer(orig_block)
+
+    def restore() -> None:
+        for obj, name, orig in reversed(saved):
+            setattr(obj, name, orig)
+
+    return restore
+
+
+def profile(path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 128) -> dict:
+    """Per-part ms per layer per decoded token at ``depth`` (see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from bench.decode import depth_ids
+    from moe_service.engine.model import Model
+    from moe_service.engine.ops import CpuOps
+    from moe_service.gguf_model import GGUFModel
+    from moe_service.weights import WeightStore
+
+    catalog = GGUFModel.open(path)
+    if catalog.params.arch != "deepseek4":
+        raise SystemExit(f"bench.ds4_parts: {path} is a {catalog.params.arch} file, not deepseek4")
+    weights = WeightStore.load_simple(catalog)
+    ops = CpuOps(threads=threads)
+    try:
+        model = Model(catalog, weights, ops, n_seq=1, n_ctx=depth + n_decode + 8)
+        ratios = list(model.arch.hp.compress_ratios[: model.arch.hp.n_layer])
+        timer = PartTimer(ratios)
+        restore = instrument(timer)
+        try:
+            ids = depth_ids(catalog, depth + 1)
+            s = model.kv.alloc()
+            for a in range(0, depth, ubatch):
+                model.step([(s, ids[a : min(depth, a + ubatch)])], want_logits=[a + ubatch >= depth])
+            tok = ids[depth]
+            for _ in range(2):  # warm-up: the decode shapes compiled, the caches touched
+                tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
+            timer.on = True
+            t0 = time.perf_counter()
+            for _ in range(n_decode):
+                tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
+            step_s = (time.perf_counter() - t0) / n_decode
+            timer.on = False
+        finally:
+            restore()
+    finally:
+        ops.close()
+    kinds = sorted(set(ratios))
+    table: dict[str, dict[str, float]] = {}
+    for part in PARTS:
+        row = {}
+        for r in kinds:
+            calls = timer.layer_calls[r]
+            row[f"ratio_{r}"] = timer.excl[(r, part)] / calls * 1e3 if calls else 0.0
+        row["mean"] = (
+            sum(timer.excl[(r, part)] for r in kinds) / max(1, sum(timer.layer_calls.values())) * 1e3
+        )
+        table[part] = row
+    total = {f"ratio_{r}": timer.layer_s[r] / max(1, timer.layer_calls[r]) * 1e3 for r in kinds}
+    total["mean"] = sum(timer.layer_s.values()) / max(1, sum(timer.layer_calls.values())) * 1e3
+    return {
+        "model": str(path),
+        "threads": threads,
+        "depth": depth,
+        "n_decode": n_decode,
+        "ratios": ratios,
+        "step_ms": step_s * 1e3,
+        "parts_ms_per_layer": table,
+        "layer_ms": total,
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def format_table(r: dict) -> str:
+    cols = [k for k in next(iter(r["parts_ms_per_layer"].values()))]
+    lines = [
+        f"deepseek4 decode step by part: {Path(r['model']).name}, depth {r['depth']}, {r['n_decode']} steps, "
+        f"{r['threads']} thread(s), step {r['step_ms']:.1f} ms, load average {r['load_average'][0]:.2f}",
+        "ms per layer per decoded token",
+        f"{'part':18s}" + "".join(f"{c:>10s}" for c in cols),
+    ]
+    for part, row in r["parts_ms_per_layer"].items():
+        lines.append(f"{part:18s}" + "".join(f"{row[c]:10.3f}" for c in cols))
+    lines.append(f"{'layer total':18s}" + "".join(f"{r['layer_ms'][c]:10.3f}" for c in cols))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ds4_parts", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="a deepseek4 GGUF file")
+    ap.add_argument("--threads", type=int, default=0, help="worker threads (default: usable CPUs)")
+    ap.add_argument("--depth", type=int, default=512, help="tokens prefilled before the timed steps")
+    ap.add_argument("--decode", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
+    a = ap.parse_args(argv)
+    if not a.model.is_file():
+        print(f"bench.ds4_parts: {a.model} does not exist", file=sys.stderr)
+        return 2
+    r = profile(a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode)
+    print(format_table(r))
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,486 @@
+"""Compiled (numba) forms of DeepSeek V4's per-layer work outside the matmuls, each the
+formula of its numpy reference in :mod:`moe_service.engine.ds4_ops` /
+:mod:`moe_service.engine.arch.deepseek4` (tests/moe_service/engine/arch/test_ds4_compiled.py
+compares them): the attention over the raw window plus the selected compressed rows
+(:func:`attend_rows`, reference ``ds4_ops.attend_sinks`` on the concatenated keys), the
+hyper-connection pre / post mixes (:func:`hc_pre`, :func:`hc_post`; references
+``ds4_ops.hc_pre`` / ``ds4_ops.hc_post``) and the lightning indexer's scores and top-k
+(:func:`indexer_top_k`, reference ``deepseek4._top_k``; not used by the layer: on a quiet
+AVX2 host it took 3x the CPU time of numpy's BLAS dgemm, 6.3 vs 2.2 ms at 1024 rows).
+
+Every kernel computes a row (a token, a (token, head) pair) by the same code and in the same
+order whatever the number of rows in the step and whichever worker runs it, so a prompt's
+logits do not depend on how it was chunked (prefill, decode, and the prefix cache's restored
+state agree). Where the reference sums in float64 through BLAS (its order is BLAS's), the
+kernels sum in float64 in a fixed order (hc mixes, indexer scores: equal after rounding to
+float32 but for rare last-bit differences), except the attention, which works as llama.cpp's
+CPU flash path does (float16 keys, float32 dot products of 16 fixed lanes,
+quant.ir.dot_f32_ggml) with a float64 softmax: within ~1e-6 relative of the float64
+reference.
+
+Shapes: T tokens, NH heads, D head dim, C streams, H hidden, M = (2 + C) C mixes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import carray, njit
+
+from moe_service.engine import pool as _pool
+from moe_service.engine.cpu_layers import _f16_bits_to_f32
+from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
+from moe_service.engine.quant.ir import dot_f32_ggml, view_f32, view_i64, view_u8
+
+_JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
+_POOL_MIN_MACS = 1 << 21  # below this an attention step runs on the calling thread
+
+
+# ---------------------------------------------------------------------------------------
+# attention over the window + the selected compressed rows
+
+
+@njit(**_JIT)
+def _gather_keys(win16, comp16, mask_w, mask_c, keys, cols, ncols):
+    """Keys used by any query, as float32 rows (window rows first, then compressed rows, each
+    in index order); per query t its key rows ``cols[t, :ncols[t]]`` in the reference's column
+    order (window then compressed). Returns the number of key rows written to ``keys``."""
+    T, Nw = mask_w.shape
+    Nc = mask_c.shape[1]
+    D = win16.shape[1]
+    where = np.full(Nw + Nc, -1, np.int64)
+    n = 0
+    for j in range(Nw + Nc):
+        used = False
+        for t in range(T):
+            if mask_w[t, j] if j < Nw else mask_c[t, j - Nw]:
+                used = True
+                break
+        if used:
+            where[j] = n
+            for d in range(D):
+                keys[n, d] = _f16_bits_to_f32(win16[j, d] if j < Nw else comp16[j - Nw, d])
+            n += 1
+    for t in range(T):
+        c = 0
+        for j in range(Nw + Nc):
+            if mask_w[t, j] if j < Nw else mask_c[t, j - Nw]:
+                cols[t, c] = where[j]
+                c += 1
+        ncols[t] = c
+    return n
+
+
+@njit(**_JIT)
+def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
+    """Rows r0..r1 of (token t, head h) = (r // NH, r % NH): softmax with a sink logit over
+    the query's key rows, the same rows as values. q, out float32 [T * NH * D]; keys float32
+    [N, D] (keys8: its bytes). Per token the heads of the range go in blocks of _HEAD_BLOCK,
+    key by key (a key row is read once per block and pass, not once per head, and the block's
+    q rows and value sums stay in L1); each (t, h) row is computed in the
+    same order whatever the range: score of key i = float32 dot of 16 fixed lanes
+    (dot_f32_ggml) x scale in float64, float64 softmax with the sink, value sum in float32
+    over the keys in order."""
+    NH = sinks.shape[0]
+    D = keys.shape[1]
+    r = r0
+    while r < r1:
+        t, h0 = r // NH, r % NH
+        nh = min(NH - h0, r1 - r)
+        n = ncols[t]
+        s = np.empty((nh, max(1, n)), np.float64)
+        m = np.empty(nh, np.float64)
+        den = np.empty(nh, np.float64)
+        acc = np.zeros((nh, D), np.float32)
+        for k0 in range(0, nh, _HEAD_BLOCK):  # a block's q rows and value sums stay in L1
+            k1 = min(nh, k0 + _HEAD_BLOCK)
+            for k in range(k0, k1):
+                m[k] = np.float64(sinks[h0 + k])
+            for i in range(n):
+                off = cols[t, i] * D * 4
+                for k in range(k0, k1):
+                    v = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
+                    s[k, i] = v
+                    if v > m[k]:
+                        m[k] = v
+            for k in range(k0, k1):
+                tot = 0.0
+                for i in range(n):
+                    e = np.exp(s[k, i] - m[k])
+                    s[k, i] = e
+                    tot += e
+                den[k] = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
+            for i in range(n):
+                row = cols[t, i]
+                for k in range(k0, k1):
+                    p = np.float32(s[k, i] / den[k])
+                    for d in range(D):
+                        acc[k, d] += p * keys[row, d]
+        for k in range(nh):
+            for d in range(D):
+                out[(r + k) * D + d] = acc[k, d]
+        r += nh
+
+
+_HEAD_BLOCK = 8  # heads of a token computed together: their q rows and value sums (8 x 2 KB) stay in L1
+
+
+(A_Q, A_KEYS, A_NKEYS, A_D, A_COLS, A_NCOL_W, A_NCOLS, A_SINKS, A_NH, A_SCALE, A_OUT, A_T, A_LEN) = range(13)
+
+
+def _attend_item(items_ptr, i, op_ptr):
+    """Rows [it[2], it[3]) of a pooled attend_rows (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, A_LEN)
+    b = i * _pool.ITEM_W
+    T, NH, D, N, W = op[A_T], op[A_NH], op[A_D], op[A_NKEYS], op[A_NCOL_W]
+    q = view_f32(op[A_Q], T * NH * D)
+    keys_flat = view_f32(op[A_KEYS], N * D)
+    keys8 = view_u8(op[A_KEYS], N * D * 4)
+    cols = view_i64(op[A_COLS], T * W).reshape((T, W))
+    ncols = view_i64(op[A_NCOLS], T)
+    sinks = view_f32(op[A_SINKS], NH)
+    out = view_f32(op[A_OUT], T * NH * D)
+    sc = np.float64(view_f32(op[A_SCALE], 1)[0])
+    _attend_range(q, keys8, keys_flat.reshape((N, D)), cols, ncols, sinks, sc, out, it[b + 2], it[b + 3])
+
+
+def _attend_address() -> int:
+    return _pool.call_item_address(_attend_item)
+
+
+def attend_rows(
+    q: np.ndarray,
+    win: np.ndarray,
+    comp: np.ndarray | None,
+    mask_w: np.ndarray,
+    mask_c: np.ndarray | None,
+    sinks: np.ndarray,
+    scale: float,
+    pool: Any = None,
+) -> np.ndarray:
+    """Softmax attention with one shared K = V head and a sink logit per head over the raw
+    window rows and the compressed rows (deepseek4's attention; llama.cpp
+    src/models/deepseek4.cpp, the KV of llama-kv-cache-dsv4.cpp).
+
+    q float32 [T, NH, D] (already rounded to float16 by the caller, as the reference's
+    caller does); win float16 [Nw, D] (the window's rows: ring then the step's new rows);
+    comp float16 [Nc, D] or None (the slot's compressed rows); mask_w bool [T, Nw], mask_c
+    bool [T, Nc] (True = attend); sinks float32 [NH]; scale: the softmax scale (1/sqrt(D)).
+    Returns float32 [T, NH, D], the reference ``ds4_ops.attend_sinks(q,
+    concat(win, comp), concat(mask_w, mask_c), sinks, scale)`` within ~1e-6 relative (float32
+    dots of 16 fixed lanes and float32 value sums where it uses float64). ``pool``: a
+    WorkerPool to spread the (token, head) rows over when the step is big enough (the same
+    result bit for bit). ``scale`` is used as float32 (1/sqrt(512) rounded: 3e-8 relative).
+    ValueError for shapes that do not agree."""
+    T, NH, D = q.shape
+    if comp is None:
+        comp = np.zeros((0, D), np.float16)
+        mask_c = np.zeros((T, 0), np.bool_)
+    assert mask_c is not None
+    if (
+        win.ndim != 2
+        or win.shape[1] != D
+        or comp.shape[1:] != (D,)
+        or mask_w.shape != (T, win.shape[0])
+        or mask_c.shape != (T, comp.shape[0])
+        or sinks.shape != (NH,)
+    ):
+        raise ValueError(
+            f"attend_rows: q {q.shape}, window {win.shape}, compressed {comp.shape}, masks "
+            f"{mask_w.shape} / {mask_c.shape}, sinks {sinks.shape} do not agree"
+        )
+    win16 = np.ascontiguousarray(win, dtype=np.float16).view(np.uint16)
+    comp16 = np.ascontiguousarray(comp, dtype=np.float16).view(np.uint16)
+    mw, mc = np.ascontiguousarray(mask_w, dtype=np.bool_), np.ascontiguousarray(mask_c, dtype=np.bool_)
+    width = max(1, win.shape[0] + comp.shape[0])
+    keys = np.empty((width, D), np.float32)
+    cols = np.zeros((T, width), np.int64)
+    ncols = np.zeros(T, np.int64)
+    n_keys = _gather_keys(win16, comp16, mw, mc, keys, cols, ncols)
+    qf = np.ascontiguousarray(q, dtype=np.float32).reshape(-1)
+    out = np.empty(T * NH * D, np.float32)
+    s32 = np.ascontiguousarray(sinks, dtype=np.float32)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and T * NH > 1 and int(ncols.sum()) * NH * D >= _POOL_MIN_MACS:
+        scale_words = np.array([scale], np.float32)
+        op = np.zeros(A_LEN, np.int64)
+        op[A_Q], op[A_KEYS], op[A_NKEYS], op[A_D] = qf.ctypes.data, keys.ctypes.data, keys.shape[0], D
+        op[A_COLS], op[A_NCOL_W], op[A_NCOLS] = cols.ctypes.data, width, ncols.ctypes.data
+        op[A_SINKS], op[A_NH], op[A_SCALE], op[A_OUT], op[A_T] = (
+            s32.ctypes.data,
+            NH,
+            scale_words.ctypes.data,
+            out.ctypes.data,
+            T,
+        )
+        rows = T * NH
+        step = max(1, -(-rows // n_workers))  # one range of heads per worker: each reads the keys once
+        fn = _attend_address()
+        items = [(_pool.K_CALL, fn, r, min(rows, r + step)) for r in range(0, rows, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        _attend_range(
+            qf,
+            keys.reshape(-1).view(np.uint8),
+            keys,
+            cols,
+            ncols,
+            s32,
+            np.float64(np.float32(scale)),
+            out,
+            0,
+            T * NH,
+        )
+    del n_keys
+    return out.reshape(T, NH, D)
+
+
+# ---------------------------------------------------------------------------------------
+# hyper-connections
+
+
+def mix_table(fn: np.ndarray) -> np.ndarray:
+    """A hyper-connection mixing matrix fn [M, C*H] as the [C*H, M] table :func:`hc_pre` reads
+    (one pass over it, M sums side by side): float32 when every value is a float32 (the GGUF
+    tensor is F32: half the bytes a step reads, widened to float64 exactly in the kernel),
+    else float64."""
+    fn = np.asarray(fn)
+    f32 = fn.astype(np.float32)
+    exact = fn.dtype == np.float32 or bool(np.array_equal(f32.astype(fn.dtype), fn))
+    return np.ascontiguousarray((f32 if exact else fn.astype(np.float64)).T)
+
+
+@njit(**_JIT)
+def _sigmoid32(v):
+    """ds4_ops.sigmoid of one float32: float32(1 / (1 + exp(-float64(v))))."""
+    return np.float32(1.0 / (1.0 + np.exp(-np.float64(v))))
+
+
+@njit(**_JIT)
+def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb):
+    """:func:`hc_pre` on x float32 [T, C, H] into h [T, H], post [T, C], comb [T, C, C]; xn
+    float32 [T, C*H] scratch."""
+    T, C, H = x.shape
+    K, M = fnT.shape
+    _rms_rows(x.reshape((T, C * H)), eps_rms, xn)
+    acc = np.empty(M, np.float64)
+    mixes = np.empty(M, np.float32)
+    c = np.empty((1, C, C), np.float64)
+    pre = np.empty(C, np.float32)
+    for t in range(T):
+        for m in range(M):
+            acc[m] = 0.0
+        for k in range(K):
+            v = np.float64(xn[t, k])
+            for m in range(M):
+                acc[m] += v * np.float64(fnT[k, m])
+        for m in range(M):
+            mixes[m] = np.float32(acc[m])
+        for i in range(C):
+            pre[i] = _sigmoid32(mixes[i] * scale[0] + base[i]) + np.float32(eps_hc)
+            post[t, i] = np.float32(2.0) * _sigmoid32(mixes[C + i] * scale[1] + base[C + i])
+        for a in range(C):  # softmax over dst, + eps (ds4_ops.sinkhorn's first step)
+            mx = -np.inf
+            for b in range(C):
+                c[0, a, b] = np.float64(mixes[2 * C + a * C + b] * scale[2] + base[2 * C + a * C + b])
+                mx = max(mx, c[0, a, b])
+            for b in range(C):
+                c[0, a, b] = np.exp(c[0, a, b] - mx)
+            tot = c[0, a, 0]
+            for b in range(1, C):
+                tot += c[0, a, b]
+            for b in range(C):
+                c[0, a, b] = c[0, a, b] / tot + eps_hc
+        _sinkhorn_iters(c, iters, eps_hc)
+        for a in range(C):
+            for b in range(C):
+                comb[t, a, b] = np.float32(c[0, a, b])
+        for j in range(H):
+            s = pre[0] * x[t, 0, j]
+            for i in range(1, C):
+                s += pre[i] * x[t, i, j]
+            h[t, j] = s
+
+
+def hc_pre(
+    x: np.ndarray,
+    fnT: np.ndarray,
+    scale: np.ndarray,
+    base: np.ndarray,
+    eps_rms: float,
+    eps_hc: float,
+    iters: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ds4_ops.hc_pre (build_hc_pre) compiled, one pass per token: x float32 [T, C, H];
+    fnT the mixing matrix as :func:`mix_table` gives it ([C*H, M] float32 or float64); scale [3]; base
+    [M]. Returns (h [T, H], post [T, C], comb [T, C, C]) float32. The mixes sum in float64
+    over the C*H terms in order (the reference: BLAS's order, both rounded to float32), the
+    rest in the reference's arithmetic. Streams C < 8 (the Sinkhorn loops' exact-copy range;
+    V4 has 4). ValueError for shapes that do not agree."""
+    T, C, H = x.shape
+    if fnT.shape != (C * H, (2 + C) * C) or base.shape[0] != (2 + C) * C or C >= 8:
+        raise ValueError(f"hc_pre: x {x.shape}, mixing table {fnT.shape}, base {base.shape} do not agree")
+    xc = np.ascontiguousarray(x, dtype=np.float32)
+    h = np.empty((T, H), np.float32)
+    post = np.empty((T, C), np.float32)
+    comb = np.empty((T, C, C), np.float32)
+    _hc_pre_rows(
+        xc,
+        fnT,
+        np.ascontiguousarray(scale, dtype=np.float32),
+        np.ascontiguousarray(base, dtype=np.float32),
+        np.float64(eps_rms),
+        np.float64(eps_hc),
+        int(iters),
+        np.empty((T, C * H), np.float32),
+        h,
+        post,
+        comb,
+    )
+    return h, post, comb
+
+
+@njit(**_JIT)
+def _hc_post_rows(y, x, post, comb, out):
+    T, C, H = x.shape
+    for t in range(T):
+        for dst in range(C):  # per element: ((c0 x0 + c1 x1) + ...) then post y + that, across j
+            p = post[t, dst]
+            c0 = comb[t, 0, dst]
+            for j in range(H):
+                out[t, dst, j] = c0 * x[t, 0, j]
+            for src in range(1, C):
+                c = comb[t, src, dst]
+                for j in range(H):
+                    out[t, dst, j] += c * x[t, src, j]
+            for j in range(H):
+                out[t, dst, j] = p * y[t, j] + out[t, dst, j]
+
+
+def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """ds4_ops.hc_post (build_hc_post) compiled: x'[dst] = post[dst] y + sum_src comb[src, dst]
+    x[src] in float32, the sum over src in order. y [T, H], x [T, C, H], post [T, C], comb
+    [T, C, C] -> float32 [T, C, H]."""
+    T, C, H = x.shape
+    out = np.empty((T, C, H), np.float32)
+    _hc_post_rows(
+        np.ascontiguousarray(y, dtype=np.float32),
+        np.ascontiguousarray(x, dtype=np.float32),
+        np.ascontiguousarray(post, dtype=np.float32),
+        np.ascontiguousarray(comb, dtype=np.float32),
+        out,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the lightning indexer
+
+
+@njit(**_JIT)
+def _index_keys(k16, kT):
+    """The indexer's float16 keys [nb, Di] (as bits) as float64 columns kT [Di, nb]."""
+    nb, Di = k16.shape
+    for j in range(nb):
+        for d in range(Di):
+            kT[d, j] = np.float64(_f16_bits_to_f32(k16[j, d]))
+
+
+@njit(**_JIT)
+def _index_scores(q, w, kT, score, t, j0, j1):
+    """score[t, j0:j1] = sum over heads in order of relu(q[t, h] . k_j) * w[t, h], float64;
+    per head the dots run across the keys (vectorised), each summed over the Di dims in order
+    (the same bits whatever the key range)."""
+    n, Ni, Di = q.shape
+    nbj = j1 - j0
+    dots = np.empty(max(1, nbj), np.float64)
+    for hh in range(Ni):
+        for j in range(nbj):
+            dots[j] = 0.0
+        for d in range(Di):
+            qd = np.float64(q[t, hh, d])
+            for j in range(nbj):
+                dots[j] += qd * kT[d, j0 + j]
+        wh = np.float64(w[t, hh])
+        for j in range(nbj):
+            r = dots[j] if dots[j] > 0.0 else 0.0
+            if hh == 0:
+                score[t, j0 + j] = r * wh
+            else:
+                score[t, j0 + j] += r * wh
+
+
+@njit(**_JIT)
+def _index_select(score, visible, top_k, sel):
+    """sel[t] = the top_k rows by score among the visible (stable: ties to the lower row)."""
+    n, nb = score.shape
+    for t in range(n):
+        for j in range(nb):
+            if not visible[t, j]:
+                score[t, j] = -np.inf
+        order = np.argsort(-score[t], kind="mergesort")
+        for i in range(min(nb, top_k)):
+            j = order[i]
+            sel[t, j] = visible[t, j]
+
+
+(X_Q, X_W, X_KT, X_SCORE, X_N, X_NI, X_DI, X_NB, X_LEN) = range(9)
+
+
+def _index_item(items_ptr, i, op_ptr):
+    """Scores of token it[2], keys [it[3], it[4]) (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, X_LEN)
+    b = i * _pool.ITEM_W
+    n, Ni, Di, nb = op[X_N], op[X_NI], op[X_DI], op[X_NB]
+    q = view_f32(op[X_Q], n * Ni * Di).reshape((n, Ni, Di))
+    w = view_f32(op[X_W], n * Ni).reshape((n, Ni))
+    kT = view_f32(op[X_KT], 2 * Di * nb).view(np.float64).reshape((Di, nb))
+    score = view_f32(op[X_SCORE], 2 * n * nb).view(np.float64).reshape((n, nb))
+    _index_scores(q, w, kT, score, it[b + 2], it[b + 3], it[b + 4])
+
+
+_INDEX_MIN_KEYS = 64  # keys per pooled indexer item, at least
+
+
+def indexer_top_k(
+    q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int, pool: Any = None
+) -> np.ndarray:
+    """The lightning indexer's choice (llama.cpp src/models/deepseek4.cpp, the indexer of a
+    ratio-4 layer) compiled: bool [n, nb], the ``top_k`` highest-scoring compressed rows among
+    the visible ones, score = sum over heads (in order) of relu(q . k) * w, in float64.
+    q float32 [n, Ni, Di] (roped), w float32 [n, Ni] (scaled), k float16 [nb, Di] (the
+    indexer's compressed keys), visible bool [n, nb]. Equals ``deepseek4._top_k(q, w,
+    k.astype(float32), visible, top_k) & visible`` (its dots through BLAS: another order of
+    float64 sums, so a tie closer than ~1e-15 relative may resolve differently). ``pool``: a
+    WorkerPool to spread the scores over by ranges of keys when big enough (the same bits).
+    ValueError for shapes that do not agree."""
+    n, Ni, Di = q.shape
+    if w.shape != (n, Ni) or k.ndim != 2 or k.shape[1] != Di or visible.shape != (n, k.shape[0]):
+        raise ValueError(
+            f"indexer_top_k: q {q.shape}, w {w.shape}, keys {k.shape}, visible {visible.shape} do not agree"
+        )
+    nb = k.shape[0]
+    qc, wc = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32)
+    kT = np.empty((Di, nb), np.float64)
+    _index_keys(np.ascontiguousarray(k, dtype=np.float16).view(np.uint16), kT)
+    score = np.empty((n, nb), np.float64)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and nb >= 2 * _INDEX_MIN_KEYS and n * Ni * Di * nb >= _POOL_MIN_MACS:
+        op = np.array(
+            [qc.ctypes.data, wc.ctypes.data, kT.ctypes.data, score.ctypes.data, n, Ni, Di, nb], np.int64
+        )
+        step = max(_INDEX_MIN_KEYS, -(-nb // n_workers))
+        fn = _pool.call_item_address(_index_item)
+        items = [(_pool.K_CALL, fn, t, j, min(nb, j + step)) for t in range(n) for j in range(0, nb, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        for t in range(n):
+            _index_scores(qc, wc, kT, score, t, 0, nb)
+    sel = np.zeros(visible.shape, np.bool_)
+    _index_select(score, np.ascontiguousarray(visible, np.bool_), int(top_k), sel)
+    return sel

@@ -1,0 +1,141 @@
+"""ds4_compiled: each compiled deepseek4 op against the numpy reference it replaces
+(moe_service.engine.ds4_ops / arch.deepseek4), on random inputs of the real and toy shapes;
+a row's result does not depend on the rows beside it nor on the worker pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_service.engine import ds4_compiled as dc
+from moe_service.engine import ds4_ops
+from moe_service.engine.pool import WorkerPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(n_threads=2, pin_caller=False)
+    yield p
+    p.close()
+
+
+def _attn_case(rng, T, NH, D, Nw, Nc, window_frac=0.7, comp_frac=0.4):
+    q = (rng.standard_normal((T, NH, D)) * 0.3).astype(np.float16).astype(np.float32)
+    win = (rng.standard_normal((Nw, D)) * 2.0).astype(np.float16)
+    comp = (rng.standard_normal((Nc, D)) * 2.0).astype(np.float16)
+    mw = rng.random((T, Nw)) < window_frac
+    mw[:, -1] = True  # every query sees itself
+    mc = rng.random((T, Nc)) < comp_frac
+    sinks = rng.standard_normal(NH).astype(np.float32)
+    return q, win, comp, mw, mc, sinks
+
+
+@pytest.mark.parametrize(
+    "T, NH, D, Nw, Nc",
+    [
+        (1, 64, 512, 128, 512),
+        (1, 8, 128, 20, 0),
+        (5, 8, 128, 40, 37),
+        (3, 64, 512, 130, 300),
+        (1, 4, 64, 1, 1),
+    ],
+)
+def test_attend_rows_is_attend_sinks_on_the_concatenated_keys(T, NH, D, Nw, Nc, pool):
+    rng = np.random.default_rng(T * 1000 + Nw + Nc)
+    q, win, comp, mw, mc, sinks = _attn_case(rng, T, NH, D, Nw, Nc)
+    scale = 1.0 / np.sqrt(D)
+    want = ds4_ops.attend_sinks(
+        q, np.concatenate([win, comp]).astype(np.float32), np.concatenate([mw, mc], axis=1), sinks, scale
+    )
+    got = dc.attend_rows(q, win, comp if Nc else None, mw, mc if Nc else None, sinks, scale)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    # the pool's split gives the same bits, and a row alone gives the same bits as in the batch
+    assert np.array_equal(
+        dc.attend_rows(q, win, comp if Nc else None, mw, mc if Nc else None, sinks, scale, pool), got
+    )
+    for t in range(T):
+        alone = dc.attend_rows(
+            q[t : t + 1],
+            win,
+            comp if Nc else None,
+            mw[t : t + 1],
+            mc[t : t + 1] if Nc else None,
+            sinks,
+            scale,
+        )
+        assert np.array_equal(alone[0], got[t])
+
+
+def test_attend_rows_refuses_shapes_that_do_not_agree():
+    rng = np.random.default_rng(0)
+    q, win, comp, mw, mc, sinks = _attn_case(rng, 2, 4, 64, 10, 5)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.attend_rows(q, win, comp, mw[:, :5], mc, sinks, 0.125)
+
+
+def _hc_case(rng, T, C=4, H=4096):
+    M = (2 + C) * C
+    x = (rng.standard_normal((T, C, H)) * rng.choice([0.5, 3.0])).astype(np.float32)
+    fn = (rng.standard_normal((M, C * H)) / np.sqrt(C * H) * 4).astype(np.float32).astype(np.float64)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    base = (rng.standard_normal(M) * 2.0).astype(np.float32)
+    return x, fn, scale, base
+
+
+@pytest.mark.parametrize("T, H", [(1, 4096), (3, 256), (7, 64)])
+def test_hc_pre_is_the_numpy_formula(T, H):
+    rng = np.random.default_rng(T + H)
+    x, fn, scale, base = _hc_case(rng, T, H=H)
+    want = ds4_ops.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+    got = dc.hc_pre(x, dc.mix_table(fn), scale, base, 1e-6, 1e-6, 20)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float32 and g.shape == w.shape
+        # the mixes sum in another order than BLAS's (float64, rounded to float32): equal but for the last bit
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    alone = dc.hc_pre(x[-1:], dc.mix_table(fn), scale, base, 1e-6, 1e-6, 20)
+    assert all(np.array_equal(a[0], g[-1]) for a, g in zip(alone, got, strict=True))
+
+
+@pytest.mark.parametrize("T, H", [(1, 4096), (5, 256)])
+def test_hc_post_is_numpy_bit_for_bit(T, H):
+    rng = np.random.default_rng(T * 7 + H)
+    x = rng.standard_normal((T, 4, H)).astype(np.float32)
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    post = rng.uniform(0, 2, (T, 4)).astype(np.float32)
+    comb = rng.uniform(0, 1, (T, 4, 4)).astype(np.float32)
+    assert np.array_equal(dc.hc_post(y, x, post, comb), ds4_ops.hc_post(y, x, post, comb))
+
+
+def test_hc_pre_refuses_a_table_of_another_shape():
+    rng = np.random.default_rng(1)
+    x, fn, scale, base = _hc_case(rng, 1, H=64)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
+
+
+@pytest.mark.parametrize(
+    "n, Ni, Di, nb, top_k",
+    [
+        (1, 64, 128, 1024, 512),
+        (1, 64, 128, 300, 512),
+        (4, 4, 64, 161, 32),
+        (6, 4, 64, 20, 32),
+        (1, 8, 32, 1, 4),
+    ],
+)
+def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
+    from moe_service.engine.arch.deepseek4 import _top_k
+
+    rng = np.random.default_rng(n + nb + top_k)
+    q = rng.standard_normal((n, Ni, Di)).astype(np.float32)
+    w = (rng.standard_normal((n, Ni)) / np.sqrt(Ni * Di)).astype(np.float32)
+    k = rng.standard_normal((nb, Di)).astype(np.float16)
+    visible = np.ones((n, nb), np.bool_)
+    for t in range(n):  # causal: later tokens see more rows
+        visible[t, max(1, nb - (n - 1 - t) * 3) :] = False
+    want = _top_k(q, w, k.astype(np.float32), visible, top_k) & visible
+    got = dc.indexer_top_k(q, w, k, visible, top_k)
+    assert np.array_equal(got, want)
+    assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
+    assert np.array_equal(dc.indexer_top_k(q, w, k, visible, top_k, pool), got)  # pooled: the same choice
