@@ -22,6 +22,12 @@ exist); a slot's resident prefix (``held``) only ever names rows that were writt
 overwritten since (set at acquire to the reused prefix, at publish to the computed tokens).
 Only the engine thread calls these methods.
 
+With a disk store (engine/prefix_store.py, serve.prefix_cache_dir): a block evicted from
+memory is spilled to disk, a block missing from memory is read back from disk (into memory:
+it is a block like the others), and :meth:`PrefixCache.persist` writes the blocks still in
+memory at shutdown, so a restart finds them. Block keys are prefix_store.block_key digests,
+the same in memory and on disk and across processes.
+
 Counted in /metrics (moe_service.metrics.Metrics.observe_prefix_cache): hits (requests that
 reused > 0 tokens), reused tokens, evictions, bytes held.
 """
@@ -32,6 +38,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from moe_service.engine.prefix_store import block_key
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -66,7 +73,7 @@ class PrefixCache:
     (``KVCache.state``: deepseek4), which blocks of rows cannot restore.
     """
 
-    def __init__(self, kv, budget_bytes: int, *, block_tokens: int = BLOCK_TOKENS, metrics=None):
+    def __init__(self, kv, budget_bytes: int, *, block_tokens: int = BLOCK_TOKENS, metrics=None, store=None):
         if not getattr(kv, "host_rows", False):
             raise ValueError("the prefix cache needs the KV cache in host memory (the CPU path)")
         if getattr(kv, "state", None):
@@ -81,19 +88,23 @@ class PrefixCache:
         self._blocks: OrderedDict = OrderedDict()  # key -> _Block, least recently used first
         self.bytes_held = 0
         self.hits = self.reused_tokens = self.evictions = 0
+        self.store = store  # engine/prefix_store.PrefixStore, or None (memory only)
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def _chain(self, tokens, n_tokens: int) -> list[_Block]:
-        """The held blocks that cover tokens[0 : k * B] for the largest k (k*B <= n_tokens)."""
+    def _chain(self, tokens, n_tokens: int, from_store: bool = False) -> list[_Block]:
+        """The held blocks that cover tokens[0 : k * B] for the largest k (k*B <= n_tokens);
+        ``from_store``: a block missing from memory is read back from the disk store."""
         B = self.block_tokens
         out: list[_Block] = []
         parent = None
         key = None
         for i in range(n_tokens // B):
             blk_tokens = tuple(tokens[i * B:(i + 1) * B])
-            key = hash((key, blk_tokens))
+            key = block_key(key, blk_tokens)
             b = self._blocks.get(key)
+            if b is None and from_store and self.store is not None:
+                b = self._load(key, blk_tokens, parent)
             if b is None or b.parent is not parent or b.tokens != blk_tokens:
                 break
             out.append(b)
@@ -113,7 +124,7 @@ class PrefixCache:
         limit = max(0, len(prompt) - 1)
         slot = self.kv.alloc(prefer=lambda s: _common_prefix(self.held[s], prompt))
         n_slot = min(_common_prefix(self.held[slot], prompt), limit)
-        chain = self._chain(prompt, limit)
+        chain = self._chain(prompt, limit, from_store=True)
         n_host = len(chain) * self.block_tokens
         n = max(n_slot, n_host)
         if n_host > n_slot:
@@ -122,6 +133,8 @@ class PrefixCache:
                 self.kv.import_rows(slot, i * B, (i + 1) * B, chain[i].data)
         if chain:
             self._touch(chain)
+            if self.bytes_held > self.budget_bytes:
+                self._evict()  # blocks read back from disk made room for themselves
         self.held[slot] = list(prompt[:n])
         self.kv.length[slot] = n
         if n:
@@ -152,7 +165,7 @@ class PrefixCache:
         added = []
         for i in range(len(chain), n // B):
             blk_tokens = tuple(tokens[i * B:(i + 1) * B])
-            key = hash((key, blk_tokens))
+            key = block_key(key, blk_tokens)
             stale = self._blocks.pop(key, None)  # another chain's block under this key (hash collision)
             if stale is not None:
                 self.bytes_held -= self.block_bytes
@@ -174,16 +187,59 @@ class PrefixCache:
         n = 0
         while self.bytes_held > self.budget_bytes and self._blocks:
             _, b = self._blocks.popitem(last=False)
+            if self.store is not None and b.data is not None and not self.store.has(b.key):
+                self.store.spill(b.key, b.parent.key if b.parent else None, b.tokens, _arrays(b.data))
             b.data = None
             self.bytes_held -= self.block_bytes
             n += 1
         self.evictions += n
         return n
 
+    # -- disk store ------------------------------------------------------------------------------
+
+    def _load(self, key, blk_tokens, parent):
+        """Block ``key`` read back from the disk store into memory, or None."""
+        arrays = self.store.get(key, blk_tokens)
+        if arrays is None:
+            return None
+        data = _from_arrays(arrays)
+        if isinstance(data, np.ndarray) and data.nbytes != self.block_bytes:
+            log.warning("prefix_store_block_size", key=key.hex(), bytes=data.nbytes, expected=self.block_bytes)
+            return None
+        b = _Block(key, blk_tokens, parent, data)
+        self._blocks[key] = b
+        self.bytes_held += self.block_bytes
+        return b
+
+    def persist(self, deadline_s: float) -> dict:
+        """Write the blocks held in memory that the store lacks, most recently used first (a
+        chain's parents are more recent than its children), while they fit before
+        ``deadline_s`` (time.monotonic()); PrefixStore.save. Call it once the engine thread
+        stopped. {} without a store."""
+        if self.store is None:
+            return {}
+        blocks = [(b.key, b.parent.key if b.parent else None, b.tokens, _arrays(b.data))
+                  for b in reversed(self._blocks.values()) if b.data is not None]
+        return self.store.save(blocks, deadline_s)
+
     @property
     def n_blocks(self) -> int:
         return len(self._blocks)
 
     def stats(self) -> dict:
-        return {"blocks": len(self._blocks), "bytes_held": self.bytes_held, "budget_bytes": self.budget_bytes,
-                "hits": self.hits, "reused_tokens": self.reused_tokens, "evictions": self.evictions}
+        out = {"blocks": len(self._blocks), "bytes_held": self.bytes_held, "budget_bytes": self.budget_bytes,
+               "hits": self.hits, "reused_tokens": self.reused_tokens, "evictions": self.evictions}
+        if self.store is not None:
+            out["disk"] = self.store.stats()
+        return out
+
+
+def _arrays(data) -> dict:
+    """A block's payload as named arrays for the disk store: KV rows alone are ``{"kv": rows}``;
+    a payload that is already a dict of arrays (rows plus per-sequence state) goes as it is."""
+    return dict(data) if isinstance(data, dict) else {"kv": data}
+
+
+def _from_arrays(arrays: dict):
+    """The inverse of :func:`_arrays`."""
+    return arrays["kv"] if list(arrays) == ["kv"] else arrays
