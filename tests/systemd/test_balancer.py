@@ -105,7 +105,7 @@ def test_config_has_one_server_per_instance_of_the_backend(tmp_path):
                  "stats socket /run/haproxy/admin.sock mode 660 level admin", "bind 127.0.0.1:8404",
                  "default-server check inter 2s downinter 5s fastinter 1s fall 2 rise 2"):
         assert line in cfg, line
-    assert "Authorization" not in cfg
+    assert "Authorization" not in cfg and "http-response" not in cfg
     haproxy_check(tmp_path, cfg)
 
 
@@ -151,10 +151,12 @@ def test_config_with_other_keys_and_no_balance_bound(tmp_path):
                             "moe_balancer_affinity_body_fields": ["$.conversation.id"],
                             "moe_balancer_affinity_first_user_message": False,
                             "moe_balancer_affinity_fallback_body_fields": [],
-                            "moe_balancer_hash_balance_factor": 0, "moe_balancer_bufsize_bytes": 262144})
+                            "moe_balancer_hash_balance_factor": 0, "moe_balancer_bufsize_bytes": 262144,
+                            "moe_balancer_server_header": "X-Moe-Server"})
     assert "req.hdr(X-Conversation)" in cfg and "json_query('$.conversation.id')" in cfg
     assert "X-Claude-Code-Session-Id" not in cfg and "messages" not in cfg and "'$.user'" not in cfg
     assert "hash-balance-factor" not in cfg and "tune.bufsize 262144" in cfg
+    assert "http-response set-header X-Moe-Server %s" in cfg
     haproxy_check(tmp_path, cfg)
 
 
