@@ -349,3 +349,21 @@ def test_plan_counts_the_directory_and_refuses_a_disk_too_small(tmp_path, model_
     out = prefix_disk_capacity(huge)
     assert not out["fits"] and "serve.prefix_cache_disk_gib = 1e+09 GiB does not fit in" in out["reasons"][0]
     assert prefix_disk_capacity(load_config(data={"serve": {"prefix_cache_dir": "p", "prefix_cache_gib": 0}})) is None
+
+
+def test_serve_saves_within_the_stop_timeout(tmp_path, model_file):
+    """pipeline.serve.save_prefix_cache: the save ends by stop_timeout_s - stop_margin_s after
+    the stop began; a stop that already used that time writes nothing."""
+    from types import SimpleNamespace
+
+    from pipeline.serve import save_prefix_cache
+
+    cfg = SimpleNamespace(stop_timeout_s=90.0, stop_margin_s=15.0)
+    kv = _KV()
+    for name, stop_t0, written in (("late", time.monotonic() - 76, 0), ("early", time.monotonic(), 5)):
+        pc = PrefixCache(kv, 1 << 20, block_tokens=B,
+                         store=PrefixStore(tmp_path / name, ident(model_file), 1 << 20))
+        _serve(pc, kv, list(range(5 * B + 1)))
+        save_prefix_cache(pc, cfg, stop_t0)
+        assert len(pc.store) == written
+    save_prefix_cache(None, cfg, time.monotonic())  # no cache: nothing to do
