@@ -352,7 +352,7 @@ def sessions_affine() -> dict:
 
 @step("sessions_leastconn")
 def sessions_leastconn() -> dict:
-    run = playbook("ansible-leastconn.log", ["--tags", "moe_balancer", "-e", "moe_balancer_affinity=false"])
+    run = playbook("ansible-leastconn.log", ["--tags", "moe_balancer", "-e", json.dumps({"moe_balancer_affinity": False})])
     sessions = [Session(f"l{k}", "Leastconn " + OPENINGS[-1 - k], key=f"lab-lc-{k}" if k % 2 == 0 else None)
                 for k in range(N_SESSIONS)]
     t0 = time.monotonic()
