@@ -120,7 +120,7 @@ def test_config_is_conversation_affine_by_default(tmp_path):
                  "acl moe_messages_sys req.body,json_query('$.messages[0].role') -m str system developer",
                  "http-request set-var(txn.moe_affinity) req.body,json_query('$.user') if",
                  "http-request set-header X-Moe-Affinity %[var(txn.moe_affinity),xxh64] if { var(txn.moe_affinity) -m len gt 0 }",
-                 "balance hdr(X-Moe-Affinity)", "hash-type consistent", "hash-balance-factor 150"):
+                 "balance hdr(X-Moe-Affinity)", "hash-type consistent", "hash-balance-factor 175"):
         assert line in cfg, line
     assert "balance leastconn" not in cfg
     # The order is the precedence: headers, body fields, the first user message, the fallback.
@@ -487,12 +487,14 @@ def test_key_found_in_a_body_longer_than_the_buffer(affine_haproxy):
 
 
 def test_balance_factor_bounds_one_hot_session(affine_haproxy):
-    """Eight slow requests of one session at once: hash-balance-factor 150 lets its instance
-    take at most 1.5x the average load, the rest go to the other instance."""
+    """Eight slow requests of one session at once: hash-balance-factor 175 lets its instance
+    take at most 1.75x the average load in flight (3 or 7 of 8 with two servers: HAProxy
+    rounds the slots per server down for the first, up for the second), the rest go to the
+    other instance."""
     url = affine_haproxy + "/slow?s=1.5"
     body = agent_body("one hot session", 0)
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: post(url, body), range(8)))
     ports = [r["port"] for r in results]
-    assert len(set(ports)) == 2 and max(ports.count(p) for p in set(ports)) <= 6, ports
+    assert len(set(ports)) == 2 and max(ports.count(p) for p in set(ports)) <= 7, ports
     assert len({r["key"] for r in results}) == 1

@@ -177,7 +177,7 @@ def test_both_instances_serve_behind_haproxy(fleet):
     assert s["health_via_haproxy"] == 200 and s["models_via_haproxy"] == 200
     assert {n: v["status"] for n, v in s["haproxy"].items()} == {srv: "UP" for srv in SERVERS}
     cfg = s["config"]
-    for line in ("balance hdr(X-Moe-Affinity)", "hash-type consistent", "hash-balance-factor 150",
+    for line in ("balance hdr(X-Moe-Affinity)", "hash-type consistent", "hash-balance-factor 175",
                  "tune.bufsize 131072", "option http-buffer-request", "http-response set-header X-Moe-Server %s",
                  "option httpchk GET /health", "http-check expect status 200",
                  "server lab:8001 127.0.0.1:8001", "server lab:8002 127.0.0.1:8002",
@@ -210,10 +210,10 @@ def test_affinity_keeps_each_session_on_the_instance_holding_its_prefix(fleet):
     assert s["body_bytes"][0] > 40_000, s["body_bytes"]
     assert s["reuse_rate"] >= 0.9, _table(s["records"])
     # Every session stays on one instance, and the sessions use both (2 each: see pick_sessions);
-    # the load stays within the balance factor (no instance over 1.5x the mean of 8 turns).
+    # the load stays within the balance factor (no instance over 1.75x the mean of 8 turns).
     assert all(len(v) == 1 for v in s["servers_per_session"].values()), s["servers_per_session"]
     assert sorted(s["turns_per_server"]) == sorted(SERVERS), s["turns_per_server"]
-    assert max(s["turns_per_server"].values()) <= 1.5 * s["turns"] / len(SERVERS)
+    assert max(s["turns_per_server"].values()) <= 1.75 * s["turns"] / len(SERVERS)
     # Both kinds of key were used: an X-Session-Id header and the first user message.
     assert {r["key"] for r in s["records"]} == {"header", "first_user_message"}
 

@@ -39,6 +39,7 @@ import http.client
 import json
 import os
 import pwd
+import random
 import subprocess
 import sys
 import threading
@@ -273,14 +274,18 @@ class Session:
     def cold_twin(self) -> list[dict]:
         """This session's current messages with a nonce before the system prompt: the same
         length, nothing cached anywhere (the empty-cache reference)."""
-        return [{"role": "system", "content": f"[{self.name} {time.monotonic_ns()}] " + AGENT_SYSTEM},
+        return [{"role": "system", "content": f"[{self.name} cold] " + AGENT_SYSTEM},
                 *self.messages[1:]]
 
 
 def run_sessions(sessions: list[Session], turns: int, phase: str) -> list[dict]:
-    """Every session runs ``turns`` turns back to back, all sessions at once."""
+    """Every session runs ``turns`` turns, all sessions at once, each pausing 0.2-2 s before a
+    turn (its tool running; seeded by its name): without the pauses the sessions run in
+    lockstep and leastconn keeps each on one instance by accident."""
     def one(s: Session) -> None:
+        rng = random.Random(s.name)
         for _ in range(turns):
+            time.sleep(rng.uniform(0.2, 2.0))
             s.turn(phase)
 
     threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in sessions]
