@@ -204,11 +204,13 @@ def test_affinity_keeps_each_session_on_the_instance_holding_its_prefix(fleet):
     previous turn's prompt tokens minus one 64-token block), with bodies of agent size."""
     s = step(fleet, "sessions_affine")
     print(f"affine: {s['reused_later_turns']}/{s['later_turns']} later turns reused their prefix "
-          f"({s['reuse_rate']}); turns per instance {s['turns_per_server']}\n{_table(s['records'])}")
+          f"({s['reuse_rate']}), {s['same_instance_turns']} on the previous turn's instance; turns per instance "
+          f"{s['turns_per_server']}\n{_table(s['records'])}")
     assert s["bad"] == [], s["bad"]
     assert s["turns"] == 16 and s["later_turns"] == 12
     assert s["body_bytes"][0] > 40_000, s["body_bytes"]
     assert s["reuse_rate"] >= 0.9, _table(s["records"])
+    assert s["same_instance_turns"] == s["later_turns"], _table(s["records"])
     # Every session stays on one instance, and the sessions use both (2 each: see pick_sessions);
     # the load stays within the balance factor (no instance over 1.75x the mean of 8 turns).
     assert all(len(v) == 1 for v in s["servers_per_session"].values()), s["servers_per_session"]
@@ -222,7 +224,8 @@ def test_leastconn_for_comparison(fleet):
     s = step(fleet, "sessions_leastconn")
     a = step(fleet, "sessions_affine")
     print(f"leastconn: {s['reused_later_turns']}/{s['later_turns']} later turns reused their prefix "
-          f"({s['reuse_rate']}) against {a['reuse_rate']} with affinity; turns per instance "
+          f"({s['reuse_rate']}) against {a['reuse_rate']} with affinity; {s['same_instance_turns']} on the "
+          f"previous turn's instance against {a['same_instance_turns']}; turns per instance "
           f"{s['turns_per_server']}\n{_table(s['records'])}")
     assert s["playbook"]["rc"] == 0, s["playbook"]["stdout_tail"][-3000:]
     assert "balance leastconn" in s["config"] and "X-Moe-Affinity" not in s["config"]

@@ -23,7 +23,8 @@ system Python and the standard library only. Steps, each recorded as it finishes
              sends agent-sized (45 KB) chat requests; the playbook also restores affinity
   sessions_after_restart  the affine sessions' next turn after every instance restarted: its
              instance, cached tokens and TTFT, against the same turn sent with an empty cache
-             (a nonce before the system prompt, same length); the prefix store's files
+             (a nonce before the system prompt, same length), one request at a time; the
+             prefix store's files
              (mode, owner) and the units' prefix_store_saved / prefix_store_indexed log lines
   unmanaged  the same clients while an operator restarts moe-service@a by hand (systemctl,
              no drain): the instance's SIGTERM path (/health 503, listener closed, in-flight
@@ -175,12 +176,12 @@ def stream_once(prompt: str, max_tokens: int) -> dict:
 
 # --- agent-like sessions --------------------------------------------------------------------
 
-# What every session of one agent shares: a system prompt (~600 tokens of the demo model) and a
+# What every session of one agent shares: a system prompt (~1,200 tokens of the demo model) and a
 # tool list (~40 KB of JSON). tool_choice "none" keeps the tools out of the demo model's
 # prompt (its prefill on a shared CI CPU runs at tens of tokens a second): HAProxy still
 # buffers and hashes agent-sized bodies, the engine sees a prompt of agent shape.
 AGENT_SYSTEM = ("You are a careful coding agent working in a large repository. Read files before you change "
-                "them, keep changes small, run the tests after each change and report what you did. ") * 17
+                "them, keep changes small, run the tests after each change and report what you did. ") * 34
 AGENT_TOOLS = [{"type": "function", "function": {
     "name": f"tool_{i}", "description": f"Tool {i}: reads, searches or edits files of the repository. " * 14,
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "query": {"type": "string"}}}}}
@@ -267,8 +268,7 @@ class Session:
         self.turns.append(rec)
         n = len(self.turns)
         self.messages += [{"role": "assistant", "content": rec["text"] or "Looking."},
-                          {"role": "user", "content": f"Tool result {n} of {self.name}: tests/test_x.py:{10 + n}: "
-                                                      f"AssertionError: expected {n} got {n + 1}"}]
+                          {"role": "user", "content": f"Tool result {n}: exit 1, {n} failed."}]
         return rec
 
     def cold_twin(self) -> list[dict]:
@@ -306,9 +306,14 @@ def session_summary(recs: list[dict]) -> dict:
         servers_per_session.setdefault(r["session"], [])
         if r["server"] not in servers_per_session[r["session"]]:
             servers_per_session[r["session"]].append(r["server"])
+    prev_server = {(r["session"], r["turn"]): r["server"] for r in recs}
+    same = [r for r in later if prev_server.get((r["session"], r["turn"] - 1)) == r["server"]]
     return {
         "turns": len(recs),
         "later_turns": len(later),
+        # The turn reached the instance that served the previous one (there its whole
+        # conversation is cached, not only the system prompt every session shares).
+        "same_instance_turns": len(same),
         "reused_later_turns": sum(r["reused"] for r in later),
         "reuse_rate": round(sum(r["reused"] for r in later) / len(later), 3) if later else None,
         "turns_per_server": by_server,
@@ -405,30 +410,16 @@ def sessions_after_restart() -> dict:
     if not AFFINE:
         raise RuntimeError("sessions_affine did not leave sessions to continue")
     before = {s.name: s.turns[-1]["server"] for s in AFFINE}
+    # One at a time, first every session's next turn, then its empty-cache twin: TTFT alone,
+    # not shared with another prefill on the same instance.
     results: dict[str, dict] = {}
-
-    def warm(s: Session) -> None:
+    for s in AFFINE:
         results[s.name] = s.turn("after_restart")
-
-    threads = [threading.Thread(target=warm, args=(s,), daemon=True) for s in AFFINE]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=900)
     cold: dict[str, dict] = {}
-
-    def empty_cache(s: Session) -> None:
+    for s in AFFINE:
         server = results[s.name]["server"] or before[s.name]
-        port = int(str(server).rsplit(":", 1)[1])
         # The turn just sent, again, with a nonce before the system prompt, to the same instance.
-        msgs = s.cold_twin()[:-2]
-        cold[s.name] = chat_turn(msgs, s.headers, port=port)
-
-    threads = [threading.Thread(target=empty_cache, args=(s,), daemon=True) for s in AFFINE]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=900)
+        cold[s.name] = chat_turn(s.cold_twin()[:-2], s.headers, port=int(str(server).rsplit(":", 1)[1]))
     rows = []
     for s in AFFINE:
         w, c = results[s.name], cold[s.name]
