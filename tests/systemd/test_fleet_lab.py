@@ -228,6 +228,7 @@ def test_leastconn_for_comparison(fleet):
           f"previous turn's instance against {a['same_instance_turns']}; turns per instance "
           f"{s['turns_per_server']}\n{_table(s['records'])}")
     assert s["playbook"]["rc"] == 0, s["playbook"]["stdout_tail"][-3000:]
+    assert s["restore"]["rc"] == 0, s["restore"]["stdout_tail"][-3000:]
     assert "balance leastconn" in s["config"] and "X-Moe-Affinity" not in s["config"]
     assert s["bad"] == [], s["bad"]
     assert s["turns"] == 16 and s["reuse_rate"] is not None
