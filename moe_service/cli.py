@@ -63,7 +63,7 @@ def cmd_plan(args) -> int:
     """The placement plan for this host: exit 0 when it fits, 4 when it does not."""
     from moe_service.gguf_model import GGUFModel
     from moe_service.numa import Topology
-    from pipeline.plan import format_plan, kv_capacity, plan_summary
+    from pipeline.plan import format_plan, kv_capacity, plan_summary, prefix_disk_capacity
     from pipeline.prepare import plan_layout
 
     settings = _settings(args)
@@ -72,13 +72,17 @@ def cmd_plan(args) -> int:
     layout = plan_layout(catalog, topology, settings)
     summary = plan_summary(layout, topology, settings)
     kv = summary["kv"] = kv_capacity(catalog, layout, topology, settings)
+    disk = summary["prefix_cache_disk"] = prefix_disk_capacity(settings)
     if args.json:
         print_json(summary)
     else:
         print(format_plan(summary))
         print(f"\n{kv['sentence'] if kv['fits'] else 'KV cache does NOT fit:'}")
         print("\n".join(f"  - {r}" for r in kv["reasons"]))
-    return 0 if summary["fits"] and kv["fits"] else 4
+        if disk is not None:
+            print(f"\n{disk['sentence'] if disk['fits'] else 'prefix cache on disk does NOT fit:'}")
+            print("\n".join(f"  - {r}" for r in disk["reasons"]))
+    return 0 if summary["fits"] and kv["fits"] and (disk is None or disk["fits"]) else 4
 
 
 def cmd_check(args) -> int:

@@ -425,6 +425,23 @@ class ServeConfig(_Table):
         "`previous_response_id`; least recently used ones are evicted, a restart forgets them all. "
         "0: nothing is stored.",
     )
+    prefix_cache_dir: str = Field(
+        "",
+        description="Where the prefix cache keeps blocks on disk: blocks evicted from memory go there "
+        "(up to prefix_cache_disk_gib) and a hit reads them back; at shutdown, after the drain, the "
+        "blocks still in memory are written while stop_timeout_s allows, and at start the stored blocks "
+        "are indexed, so a restart keeps the cache. A relative path is under the service's cache "
+        "directory (the unit's CacheDirectory=, e.g. `prefix` -> /var/cache/moe-service/NAME/prefix); an "
+        "absolute one needs ReadWritePaths= in a drop-in. Blocks are keyed by the model file, "
+        "engine.kv_type, the context and the engine version. Empty: memory only.",
+    )
+    prefix_cache_disk_gib: float = Field(
+        16.0,
+        gt=0,
+        description="Disk space for prefix_cache_dir, in GiB (least recently used blocks removed "
+        "beyond it); counted by `moe-service plan`, refused at preflight when the file system cannot "
+        "hold it.",
+    )
     shutdown_grace_s: float = Field(
         30.0,
         ge=0,

@@ -37,6 +37,7 @@ Config read (:class:`~moe_service.config.Settings`): ``numa.policy``, ``numa.exp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -613,6 +614,40 @@ def kv_capacity(catalog, layout: Layout, topology: Topology, config: Settings) -
                        f"engine.kv_type = q8_0)")
     out.update(node_need_bytes=need, node_available_bytes=avail, fits=not reasons, reasons=reasons)
     return out
+
+
+def prefix_disk_capacity(config: Settings) -> dict | None:
+    """The prefix cache's disk store (serve.prefix_cache_dir, engine/prefix_store.py) and
+    whether its file system can hold serve.prefix_cache_disk_gib: the blocks already stored
+    there count as room (the store reuses it). None when the store is off (no directory, or
+    serve.prefix_cache_gib = 0). Returns dir, budget_bytes, stored_bytes, free_bytes (of the
+    nearest existing folder's file system), fits, reasons and a sentence."""
+    from moe_service.engine.prefix_store import dir_bytes, resolve_store_dir
+
+    serve = config.serve
+    root = resolve_store_dir(serve.prefix_cache_dir)
+    if root is None or serve.prefix_cache_gib <= 0:
+        return None
+    budget = int(serve.prefix_cache_disk_gib * GiB)
+    stored = dir_bytes(root)
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    reasons = []
+    if free is not None and budget > free + stored:
+        reasons.append(f"serve.prefix_cache_disk_gib = {serve.prefix_cache_disk_gib:g} GiB does not fit in {root}: "
+                       f"its file system has {free / GiB:.2f} GiB free + {stored / GiB:.2f} GiB already stored = "
+                       f"{(free + stored) / GiB:.2f} GiB (lower serve.prefix_cache_disk_gib or free space there)")
+    sentence = (f"prefix cache on disk: {root}, up to {budget / GiB:.2f} GiB (serve.prefix_cache_disk_gib), "
+                f"{stored / GiB:.2f} GiB stored now, "
+                + (f"{free / GiB:.2f} GiB free on its file system" if free is not None else "free space unknown"))
+    return {"dir": str(root), "budget_bytes": budget, "stored_bytes": stored, "free_bytes": free,
+            "fits": not reasons, "reasons": reasons, "sentence": sentence}
 
 
 # --- summary -------------------------------------------------------------------------------

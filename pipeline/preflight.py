@@ -44,7 +44,7 @@ from moe_service.layout import Layout
 from moe_service.log import get_logger
 from moe_service.numa import Topology
 from pipeline.checks import Check, PreflightReport, Status, format_report
-from pipeline.plan import kv_capacity, node_capacity
+from pipeline.plan import kv_capacity, node_capacity, prefix_disk_capacity
 
 __all__ = ["CPU_FLAGS", "Check", "PreflightReport", "Status", "catalog_problems", "format_report", "run_preflight"]
 
@@ -88,6 +88,12 @@ def run_preflight(catalog: GGUFModel, topology: Topology, layout: Layout, config
                       capacity=True))
         except ValueError as e:  # a kv_type the model's head dims cannot take
             add(Check("kv_cache", "fail", str(e)))
+
+    # -- the prefix cache's disk store: room on its file system (pipeline.plan.prefix_disk_capacity) --
+    disk = prefix_disk_capacity(config)
+    if disk is not None:
+        add(Check("prefix_cache_disk", "ok" if disk["fits"] else "fail", "; ".join(disk["reasons"]) or disk["sentence"],
+                  {k: disk[k] for k in ("dir", "budget_bytes", "stored_bytes", "free_bytes")}, capacity=True))
 
     # -- THP --
     pages = config.fastload.pages

@@ -9,7 +9,9 @@
       -> ... serve until ctx.shutdown ...
       -> STOPPING=1, /health 503, listening socket closed, in-flight requests finish within
          serve.shutdown_grace_s (then uvicorn cancels them and their sequences are freed)
-      -> engine thread stopped; close() frees the socket, the loop, the service
+      -> engine thread stopped; with serve.prefix_cache_dir the prefix cache's blocks still
+         in memory are written to disk until stop_timeout_s - stop_margin_s (save_prefix_cache)
+      -> close() frees the socket, the loop, the service
 """
 
 from __future__ import annotations
@@ -204,11 +206,13 @@ def _on_sighup(keys):
     return signal.signal(signal.SIGHUP, handler)
 
 
-def make_prefix_cache(engine, cfg, metrics):
+def make_prefix_cache(engine, cfg, metrics, settings=None):
     """The prefix cache (engine/prefix.py) over the engine's KV cache, with
     serve.prefix_cache_gib of host memory; None when that is 0, the KV cache is on a torch
     device or holds per-sequence state that declares no snapshot kind (said in the log; a
-    model whose state declares it, deepseek4, gets a prefix cache that restores it)."""
+    model whose state declares it, deepseek4, gets a prefix cache that restores it). With
+    serve.prefix_cache_dir (and ``settings``, the whole config: the model file and
+    engine.kv_type key the store), a disk store behind it (:func:`make_prefix_store`)."""
     from moe_service.engine.prefix import PrefixCache
 
     if cfg.prefix_cache_gib <= 0:
@@ -223,9 +227,45 @@ def make_prefix_cache(engine, cfg, metrics):
         log.info("prefix_cache_off", reason=why)
         return None
     pc = PrefixCache(kv, int(cfg.prefix_cache_gib * GiB), metrics=metrics)
+    if settings is not None:
+        pc.store = make_prefix_store(settings, engine, pc.block_tokens)
     log.info("prefix_cache_on", budget_bytes=pc.budget_bytes, block_tokens=pc.block_tokens, block_bytes=pc.block_bytes,
-             state=pc.stateful)
+             state=pc.stateful, disk_dir=str(pc.store.dir) if pc.store is not None else None)
     return pc
+
+
+def make_prefix_store(settings, engine, block_tokens: int):
+    """The prefix cache's disk store (engine/prefix_store.py) in serve.prefix_cache_dir, up to
+    serve.prefix_cache_disk_gib; None when the setting is empty, or when the directory cannot
+    be made or the model file read (logged: the cache then stays in memory, the service starts)."""
+    from moe_service.engine.prefix_store import PrefixStore, resolve_store_dir, store_identity
+
+    root = resolve_store_dir(settings.serve.prefix_cache_dir)
+    if root is None:
+        return None
+    kv = engine.model.kv
+    try:
+        identity = store_identity(model_path=settings.model_path(), kv_type=settings.engine.kv_type,
+                                  n_ctx=engine.n_ctx, block_tokens=block_tokens, token_bytes=kv.token_bytes(),
+                                  arch=str(getattr(getattr(engine.model, "params", None), "arch", "") or ""))
+        return PrefixStore(root, identity, int(settings.serve.prefix_cache_disk_gib * GiB))
+    except OSError as e:
+        log.error("prefix_store_off", dir=str(root), error=str(e),
+                  reason="serve.prefix_cache_dir cannot be used: the prefix cache stays in memory only")
+        return None
+
+
+def save_prefix_cache(pc, cfg, stop_t0: float) -> None:
+    """At shutdown, once the engine thread stopped: write the prefix cache's blocks still in
+    memory to its disk store, until serve.stop_timeout_s - serve.stop_margin_s after the stop
+    began at ``stop_t0`` (time.monotonic()); the margin stays for closing the stages."""
+    if pc is None or pc.store is None:
+        return
+    deadline = stop_t0 + cfg.stop_timeout_s - cfg.stop_margin_s
+    try:
+        pc.persist(deadline)
+    except Exception as e:  # the stop goes on: a cache that is not saved is only slower next time
+        log.error("prefix_store_save_failed", error=f"{type(e).__name__}: {e}")
 
 
 @register_stage
@@ -244,6 +284,7 @@ class ServeStage(Stage):
         self.batch: BatchLoop | None = None
         self.service: Service | None = None
         self.url = ""
+        self.stop_t0: float | None = None  # time.monotonic() when the stop began (SIGTERM seen)
 
     def run(self, ctx: PipelineContext) -> None:
         from moe_service.engine.batch import BatchLoop
@@ -267,10 +308,11 @@ class ServeStage(Stage):
         log.info("serve_listening", host=cfg.host, port=port, url=self.url)
         metrics = Metrics()
         metrics.attach_context(ctx)
+        prefix_cache = make_prefix_cache(engine, cfg, metrics, ctx.config)
         batch = self.batch = BatchLoop(engine, parallel=cfg.parallel, queue_size=cfg.queue_size,
                                        retry_after_s=cfg.retry_after_s, liveness=ctx.liveness, metrics=metrics,
                                        max_failed_steps=cfg.max_failed_steps, stall_s=cfg.engine_stall_s,
-                                       prefix_cache=make_prefix_cache(engine, cfg, metrics)).start()
+                                       prefix_cache=prefix_cache).start()
         service = self.service = Service(engine=engine, batch=batch, metrics=metrics,
                                          model_name=engine.model_name, stage=lambda: ctx.current_stage,
                                          keys=keys if keys.enabled else None, metrics_auth=cfg.metrics_auth,
@@ -291,6 +333,8 @@ class ServeStage(Stage):
             if previous is not None:
                 signal.signal(signal.SIGHUP, previous)
         batch.stop()
+        if ctx.shutdown.is_set():  # a stop, drained: the disk store keeps the cache for the next start
+            save_prefix_cache(prefix_cache, cfg, self.stop_t0 or time.monotonic())
 
     async def _serve(self, ctx: PipelineContext, app: FastAPI, addr: tuple[str, int], engine: Engine,
                      batch: BatchLoop, service: Service) -> None:
@@ -325,7 +369,7 @@ class ServeStage(Stage):
             if task.done():
                 task.result()
                 raise StageError(f"the HTTP server on {self.url} stopped on its own")
-            t0 = time.monotonic()
+            t0 = self.stop_t0 = time.monotonic()
             ctx.notifier.stopping(f"stopping: finishing {batch.active + batch.waiting} request(s)")
             log.info("serve_stopping", signal=ctx.shutdown_signal, active=batch.active,
                      queued=batch.waiting, grace_s=cfg.shutdown_grace_s)

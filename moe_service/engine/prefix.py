@@ -42,6 +42,12 @@ A block (:class:`_Block`) is plain data for whoever stores it elsewhere (a spill
 numpy array}, shapes and dtypes from the declarations and the block's span,
 kv.SeqState.block_part), ``nbytes``.
 
+With a disk store (engine/prefix_store.py, serve.prefix_cache_dir): a block evicted from
+memory is spilled to disk (its rows and state as named arrays), a block missing from memory is
+read back from disk (into memory: it is a block like the others), and :meth:`PrefixCache.persist`
+writes the blocks still in memory at shutdown, so a restart finds them. Block keys are
+prefix_store.block_key digests, the same in memory and on disk and across processes.
+
 Memory: blocks and in-flight captures count against ``budget_bytes`` together (a capture that
 does not fit stops capturing that slot's later blocks; eviction makes room first).
 
@@ -55,6 +61,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from moe_service.engine.prefix_store import block_key
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -177,7 +184,7 @@ class PrefixCache:
     holds per-sequence state that declares no snapshot kind (kv.SeqState.kind).
     """
 
-    def __init__(self, kv, budget_bytes: int, *, block_tokens: int | None = None, metrics=None):
+    def __init__(self, kv, budget_bytes: int, *, block_tokens: int | None = None, metrics=None, store=None):
         from moe_service.engine.kv import state_block_tokens
 
         if not getattr(kv, "host_rows", False):
@@ -208,19 +215,23 @@ class PrefixCache:
         self.bytes_held = 0
         self.capture_bytes = 0
         self.hits = self.reused_tokens = self.evictions = 0
+        self.store = store  # engine/prefix_store.PrefixStore, or None (memory only)
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def _chain(self, tokens, n_tokens: int) -> list[_Block]:
-        """The held blocks that cover tokens[0 : k * B] for the largest k (k*B <= n_tokens)."""
+    def _chain(self, tokens, n_tokens: int, from_store: bool = False) -> list[_Block]:
+        """The held blocks that cover tokens[0 : k * B] for the largest k (k*B <= n_tokens);
+        ``from_store``: a block missing from memory is read back from the disk store."""
         B = self.block_tokens
         out: list[_Block] = []
         parent = None
         key = None
         for i in range(n_tokens // B):
             blk_tokens = tuple(tokens[i * B:(i + 1) * B])
-            key = hash((key, blk_tokens))
+            key = block_key(key, blk_tokens)
             b = self._blocks.get(key)
+            if b is None and from_store and self.store is not None:
+                b = self._load(key, blk_tokens, parent)
             if b is None or b.parent is not parent or b.tokens != blk_tokens:
                 break
             out.append(b)
@@ -251,7 +262,7 @@ class PrefixCache:
         B = self.block_tokens
         slot = self.kv.alloc(prefer=lambda s: self._slot_tokens(s, prompt, limit))
         n_slot = self._slot_tokens(slot, prompt, limit)
-        chain = self._chain(prompt, limit)
+        chain = self._chain(prompt, limit, from_store=True)
         n_host = len(chain) * B
         n = max(n_slot, n_host)
         if n_host > n_slot:
@@ -269,6 +280,8 @@ class PrefixCache:
                 self.held[slot] = []
         if chain:
             self._touch(chain)
+            if self.bytes_held + self.capture_bytes > self.budget_bytes:
+                self._evict()  # blocks read back from disk made room for themselves
         if self.stateful:
             self._arm(slot, n, continuing=n == n_slot > 0)
         self.held[slot] = list(prompt[:n])
@@ -350,8 +363,8 @@ class PrefixCache:
                     break
                 state = self.kv.export_state(slot, i * B, (i + 1) * B, rings)
             blk_tokens = tuple(tokens[i * B:(i + 1) * B])
-            key = hash((key, blk_tokens))
-            stale = self._blocks.pop(key, None)  # another chain's block under this key (hash collision)
+            key = block_key(key, blk_tokens)
+            stale = self._blocks.pop(key, None)  # another chain's block under this key (digest collision)
             if stale is not None:
                 self.bytes_held -= stale.nbytes
             data = np.empty(self.row_bytes, np.uint8)
@@ -377,6 +390,8 @@ class PrefixCache:
         n = 0
         while self.bytes_held + self.capture_bytes + extra > self.budget_bytes and self._blocks:
             _, b = self._blocks.popitem(last=False)
+            if self.store is not None and b.data is not None and not self.store.has(b.key):
+                self.store.spill(b.key, b.parent.key if b.parent else None, b.tokens, _arrays(b))
             b.data = b.state = None
             self.bytes_held -= b.nbytes
             n += 1
@@ -395,11 +410,62 @@ class PrefixCache:
         self.capture_bytes += nbytes
         return True
 
+    # -- disk store ------------------------------------------------------------------------------
+
+    def _load(self, key, blk_tokens, parent):
+        """Block ``key`` read back from the disk store into memory, or None (not stored, or a
+        stored block whose rows or state do not fit this cache: logged, computed instead)."""
+        arrays = self.store.get(key, blk_tokens)
+        if arrays is None:
+            return None
+        data, state = _from_arrays(arrays)
+        if data.nbytes != self.row_bytes or bool(state) != self.stateful:
+            log.warning("prefix_store_block_mismatch", key=key.hex(), bytes=int(data.nbytes),
+                        expected=self.row_bytes, state=bool(state))
+            return None
+        b = _Block(key, blk_tokens, parent, data, state)
+        self._blocks[key] = b
+        self.bytes_held += b.nbytes
+        return b
+
+    def persist(self, deadline_s: float) -> dict:
+        """Write the blocks held in memory that the store lacks, most recently used first (a
+        chain's parents are more recent than its children), while they fit before
+        ``deadline_s`` (time.monotonic()); PrefixStore.save. Call it once the engine thread
+        stopped. {} without a store."""
+        if self.store is None:
+            return {}
+        blocks = [(b.key, b.parent.key if b.parent else None, b.tokens, _arrays(b))
+                  for b in reversed(self._blocks.values()) if b.data is not None]
+        return self.store.save(blocks, deadline_s)
+
     @property
     def n_blocks(self) -> int:
         return len(self._blocks)
 
     def stats(self) -> dict:
-        return {"blocks": len(self._blocks), "bytes_held": self.bytes_held, "budget_bytes": self.budget_bytes,
-                "capture_bytes": self.capture_bytes, "hits": self.hits, "reused_tokens": self.reused_tokens,
-                "evictions": self.evictions}
+        out = {"blocks": len(self._blocks), "bytes_held": self.bytes_held, "budget_bytes": self.budget_bytes,
+               "capture_bytes": self.capture_bytes, "hits": self.hits, "reused_tokens": self.reused_tokens,
+               "evictions": self.evictions}
+        if self.store is not None:
+            out["disk"] = self.store.stats()
+        return out
+
+
+_STATE_PREFIX = "state."
+
+
+def _arrays(b: _Block) -> dict:
+    """A block's payload as named arrays for the disk store: its rows as ``kv`` and each
+    per-sequence state snapshot as ``state.<key>`` (``state.blk.3.raw``)."""
+    out = {"kv": b.data}
+    for k, v in (b.state or {}).items():
+        out[_STATE_PREFIX + k] = v
+    return out
+
+
+def _from_arrays(arrays: dict) -> tuple[np.ndarray, dict | None]:
+    """The inverse of :func:`_arrays`: (rows uint8, state dict or None)."""
+    state = {k[len(_STATE_PREFIX):]: v for k, v in arrays.items() if k.startswith(_STATE_PREFIX)}
+    data = np.asarray(arrays.get("kv", np.empty(0, np.uint8)), dtype=np.uint8).reshape(-1)
+    return data, (state or None)

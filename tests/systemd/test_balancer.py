@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -99,26 +100,63 @@ def test_config_has_one_server_per_instance_of_the_backend(tmp_path):
         ["server", "gpu-1.example:8002", "10.0.0.11:8002"],
         ["server", "gpu-2.example:8000", "[fd00::12]:8000"],
     ]
-    for line in ("bind *:8000", "balance leastconn", "option httpchk GET /health", "http-check expect status 200",
+    for line in ("bind *:8000", "option httpchk GET /health", "http-check expect status 200",
                  "option redispatch 1", "retries 3", "retry-on conn-failure empty-response 503", "timeout server 900s", "timeout client 900s",
                  "stats socket /run/haproxy/admin.sock mode 660 level admin", "bind 127.0.0.1:8404",
                  "default-server check inter 2s downinter 5s fastinter 1s fall 2 rise 2"):
         assert line in cfg, line
-    assert "Authorization" not in cfg and "hash-type" not in cfg
+    assert "Authorization" not in cfg and "http-response" not in cfg
     haproxy_check(tmp_path, cfg)
 
 
 @needs_ansible
-def test_config_hashes_on_a_header_and_forwards_a_key(tmp_path):
-    cfg = render(tmp_path, {"moe_balancer_hash_header": "X-Session-Id", "moe_balancer_backend_api_key": "s3cret",
+def test_config_is_conversation_affine_by_default(tmp_path):
+    """Consistent hashing of the session key, bounded load, a buffer that holds agent bodies."""
+    cfg = render(tmp_path)
+    for line in ("tune.bufsize 131072", "option http-buffer-request", "http-request del-header X-Moe-Affinity",
+                 "http-request set-var(txn.moe_affinity) req.hdr(X-Claude-Code-Session-Id) if !{ var(txn.moe_affinity) -m len gt 0 }",
+                 "http-request set-var(txn.moe_affinity) req.body,json_query('$.prompt_cache_key') if",
+                 "http-request set-var(txn.moe_affinity) req.body,json_query('$.metadata.user_id') if",
+                 "acl moe_messages_sys req.body,json_query('$.messages[0].role') -m str system developer",
+                 "http-request set-var(txn.moe_affinity) req.body,json_query('$.user') if",
+                 "http-request set-header X-Moe-Affinity %[var(txn.moe_affinity),xxh64] if { var(txn.moe_affinity) -m len gt 0 }",
+                 "balance hdr(X-Moe-Affinity)", "hash-type consistent", "hash-balance-factor 175"):
+        assert line in cfg, line
+    assert "balance leastconn" not in cfg
+    # The order is the precedence: headers, body fields, the first user message, the fallback.
+    order = [cfg.index(k) for k in ("req.hdr(X-Claude-Code-Session-Id)", "req.hdr(X-Session-Id)",
+                                    "'$.prompt_cache_key'", "'$.messages[1].content'", "'$.input[0].content'",
+                                    "'$.user'", "set-header X-Moe-Affinity")]
+    assert order == sorted(order)
+    haproxy_check(tmp_path, cfg)
+
+
+@needs_ansible
+def test_config_without_affinity_balances_leastconn_and_forwards_a_key(tmp_path):
+    cfg = render(tmp_path, {"moe_balancer_affinity": False, "moe_balancer_backend_api_key": "s3cret",
                             "moe_balancer_server_maxconn": 6, "moe_balancer_slowstart_s": 30,
                             "moe_balancer_stats_http_bind": ""})
-    assert "balance hdr(X-Session-Id)" in cfg and "hash-type consistent" in cfg
-    assert "balance leastconn" not in cfg
+    assert "balance leastconn" in cfg
+    assert "hash-type" not in cfg and "json_query" not in cfg and "http-buffer-request" not in cfg
     assert 'http-request set-header Authorization "Bearer s3cret"' in cfg
     assert 'http-check send hdr Authorization "Bearer s3cret"' in cfg
     assert "slowstart 30s maxconn 6" in cfg
     assert "listen stats" not in cfg
+    haproxy_check(tmp_path, cfg)
+
+
+@needs_ansible
+def test_config_with_other_keys_and_no_balance_bound(tmp_path):
+    cfg = render(tmp_path, {"moe_balancer_affinity_headers": ["X-Conversation"],
+                            "moe_balancer_affinity_body_fields": ["$.conversation.id"],
+                            "moe_balancer_affinity_first_user_message": False,
+                            "moe_balancer_affinity_fallback_body_fields": [],
+                            "moe_balancer_hash_balance_factor": 0, "moe_balancer_bufsize_bytes": 262144,
+                            "moe_balancer_server_header": "X-Moe-Server"})
+    assert "req.hdr(X-Conversation)" in cfg and "json_query('$.conversation.id')" in cfg
+    assert "X-Claude-Code-Session-Id" not in cfg and "messages" not in cfg and "'$.user'" not in cfg
+    assert "hash-balance-factor" not in cfg and "tune.bufsize 262144" in cfg
+    assert "http-response set-header X-Moe-Server %s" in cfg
     haproxy_check(tmp_path, cfg)
 
 
@@ -286,3 +324,177 @@ def test_ctl_errors_name_the_backend_or_server(haproxy, tmp_path):
     assert rc == 1 and "no backend 'nope'" in err
     rc, _, err = ctl(tmp_path / "missing.sock", "status", "moe")
     assert rc == 1 and "missing.sock" in err
+
+
+# --- conversation affinity through a real HAProxy with the role's configuration -----------
+
+
+class _EchoHandler(http.server.BaseHTTPRequestHandler):
+    """Answers a POST with its port, the X-Moe-Affinity header HAProxy set and the body's length;
+    /slow?s=S sleeps first."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self, body_len: int) -> None:
+        if self.path.startswith("/slow"):
+            time.sleep(float(self.path.split("=", 1)[1]))
+        body = json.dumps({"port": self.server.server_address[1], "key": self.headers.get("X-Moe-Affinity"),
+                           "body_bytes": body_len}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self._answer(len(self.rfile.read(int(self.headers.get("Content-Length", "0")))))
+
+    def do_GET(self):
+        self._answer(0)
+
+    def log_message(self, *args):
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # HAProxy's health checks close their connections without a request
+
+
+SYSTEM_PROMPT = ("You are a coding agent. Follow the repository's conventions, run the tests, explain each "
+                 "change briefly. ") * 250  # ~24 KB, the same for every session
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does one thing well. " * 40,
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+         for i in range(20)]  # ~18 KB
+
+
+def agent_body(task: str, turns: int, style: str = "openai") -> dict:
+    """An agent's request after ``turns`` turns: the shared system prompt and tools, the task, then
+    one tool call result and one answer per earlier turn (the body grows every turn)."""
+    history: list[dict] = [{"role": "user", "content": task}]
+    for t in range(turns):
+        history += [{"role": "assistant", "content": f"Turn {t}: reading the file."},
+                    {"role": "user", "content": f"Tool result {t}: " + "line of output\n" * 200}]
+    if style == "anthropic":
+        return {"model": "m", "system": SYSTEM_PROMPT, "tools": TOOLS,
+                "messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in history]}
+    return {"model": "m", "messages": [{"role": "system", "content": SYSTEM_PROMPT}, *history], "tools": TOOLS}
+
+
+@pytest.fixture(scope="module")
+def affine_haproxy(tmp_path_factory):
+    """HAProxy running the role's rendered configuration (affinity on, the defaults) in front of
+    two echo servers; the global section's chroot/user/daemon lines dropped (a test process)."""
+    if HAPROXY is None:
+        pytest.skip("HAProxy is not installed (apt-get install -y haproxy)")
+    if PLAYBOOK_BIN is None:
+        pytest.skip("ansible-core is not installed (pip install -e .[lint])")
+    tmp_path = tmp_path_factory.mktemp("affine")
+    backends = []
+    for _ in range(2):
+        srv = _QuietServer(("127.0.0.1", 0), _EchoHandler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        backends.append(srv)
+    front = free_port()
+    sock = tmp_path / "admin.sock"
+    cfg_text = render(tmp_path, {
+        "moe_balancer_frontend_bind_address": "127.0.0.1", "moe_balancer_frontend_port": front,
+        "moe_balancer_stats_socket": str(sock), "moe_balancer_stats_http_bind": "",
+        "moe_balancer_backend_servers": [{"name": f"lab:{b.server_address[1]}", "address": "127.0.0.1",
+                                          "port": b.server_address[1]} for b in backends]})
+    cfg = tmp_path / "live.cfg"
+    cfg.write_text("\n".join(ln for ln in cfg_text.splitlines()
+                             if ln.split()[:1] not in (["chroot"], ["user"], ["group"], ["daemon"], ["log"])) + "\n")
+    proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if sock.exists():
+                rc, status, _ = ctl(sock, "status", "moe")
+                if rc == 0 and all(v["status"] == "UP" for v in status.values()):
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"HAProxy did not come up: {proc.stderr.read1().decode() if proc.poll() is not None else ''}")
+        yield f"http://127.0.0.1:{front}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for b in backends:
+            b.shutdown()
+            b.server_close()
+
+
+def post(url: str, body: dict | bytes, headers: dict | None = None) -> dict:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    out = json.loads(urllib.request.urlopen(req, timeout=30).read())
+    out["sent_bytes"] = len(data)
+    return out
+
+
+def test_agent_sessions_stay_on_one_instance_and_spread_by_first_user_message(affine_haproxy):
+    """Eight sessions of one agent (same 42 KB system prompt and tools, their own task), five
+    growing turns each (42 -> 56 KB): every turn of a session reaches the same instance with the
+    same key, the sessions spread over both instances, and every body arrives whole."""
+    url = affine_haproxy + "/v1/chat/completions"
+    by_session = {}
+    for s in range(8):
+        seen = []
+        for turn in range(5):
+            r = post(url, agent_body(f"Session {s}: fix the failing test number {s * 7}.", turn))
+            assert r["body_bytes"] == r["sent_bytes"] and r["key"]
+            seen.append((r["port"], r["key"]))
+        assert len(set(seen)) == 1, (s, seen)
+        by_session[s] = seen[0]
+        assert 40_000 < r["sent_bytes"] < 131072
+    assert len({port for port, _ in by_session.values()}) == 2, by_session
+    assert len({key for _, key in by_session.values()}) == 8
+
+
+def test_session_keys_take_precedence_in_order(affine_haproxy):
+    url = affine_haproxy + "/v1/chat/completions"
+    a, b = agent_body("task A", 0), agent_body("task B", 2)
+    # A session header wins over the body: two different conversations, one key.
+    h = {"X-Claude-Code-Session-Id": "0b6f2a9e-session"}
+    assert post(url, a, h)["key"] == post(url, b, h)["key"]
+    # An empty header is no key: the next source (here the first user message) decides.
+    assert post(url, a, {"X-Session-Id": ""})["key"] == post(url, a)["key"]
+    # A body field: Codex's prompt_cache_key.
+    r1 = post(url, dict(a, prompt_cache_key="conv-1"))
+    assert r1["key"] == post(url, dict(b, prompt_cache_key="conv-1"))["key"] != post(url, a)["key"]
+    # A client's own X-Moe-Affinity does not pick the instance: it is replaced.
+    assert post(url, a, {"X-Moe-Affinity": "1"})["key"] == post(url, a)["key"]
+    # Anthropic's shape (system at the top, content blocks): the first user text.
+    k = {post(url, agent_body("task C", t, style="anthropic"))["key"] for t in range(3)}
+    assert len(k) == 1 and k != {post(url, agent_body("task D", 0, style="anthropic"))["key"]}
+    # A chat without a system message: messages[0] is the first user message.
+    plain = [{"role": "user", "content": "hello there"}]
+    assert post(url, {"messages": plain})["key"] == post(
+        url, {"messages": plain + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]})["key"]
+    # Nothing to hash: no key, round-robin.
+    assert post(url, {"prompt": "once upon a time"})["key"] is None
+
+
+def test_key_found_in_a_body_longer_than_the_buffer(affine_haproxy):
+    """A 200 KB conversation: HAProxy buffers its first 128 KiB, the first user message is in
+    them, and the whole body still reaches the instance."""
+    url = affine_haproxy + "/v1/chat/completions"
+    long = agent_body("a long session", 60)
+    r = post(url, long)
+    assert r["sent_bytes"] > 200_000 and r["body_bytes"] == r["sent_bytes"]
+    assert r["key"] == post(url, agent_body("a long session", 0))["key"]
+
+
+def test_balance_factor_bounds_one_hot_session(affine_haproxy):
+    """Eight slow requests of one session at once: hash-balance-factor 175 lets its instance
+    take at most 1.75x the average load in flight (3 or 7 of 8 with two servers: HAProxy
+    rounds the slots per server down for the first, up for the second), the rest go to the
+    other instance."""
+    url = affine_haproxy + "/slow?s=1.5"
+    body = agent_body("one hot session", 0)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: post(url, body), range(8)))
+    ports = [r["port"] for r in results]
+    assert len(set(ports)) == 2 and max(ports.count(p) for p in set(ports)) <= 7, ports
+    assert len({r["key"] for r in results}) == 1

@@ -4,10 +4,15 @@ One boot of the systemd container lab (tests/lab/container.py: this machine's pr
 a real systemd as PID 1, private network, overlay root) runs tests/systemd/lab/fleet_checks.py:
 site.yml with tests/systemd/lab/fleet-inventory.yml installs HAProxy's configuration (role
 moe_balancer, port 8000) and two instances of moe-service@ on the demo model (8001, 8002);
-the same playbook again changes nothing; then clients stream completions through HAProxy
-without pause while the playbook rolls a configuration change over both instances (drain on
-HAProxy, restart, /health 200, back in); last, an operator restarts one instance by hand,
-without the drain. The tests below read its report.json.
+the same playbook again changes nothing; four agent-like sessions (a shared system prompt and
+~40 KB of tools, each conversation growing by an answer and a tool result per turn) run
+through HAProxy's conversation affinity, then four more with leastconn for comparison; then
+clients stream completions (and agent-sized chat requests) through HAProxy without pause while
+the playbook rolls a configuration change over both instances (drain on HAProxy, restart,
+/health 200, back in; each instance saves its prefix cache to disk as it stops and indexes it
+at start); the affine sessions' next turn then measures the reuse after the restart against
+the same turn with an empty cache; last, an operator restarts one instance by hand, without
+the drain. The tests below read its report.json.
 
 Why a container and not the QEMU VM: every service start imports torch and loads numba's
 kernels, minutes per start under emulation, and the rollout starts the service four times;
@@ -83,7 +88,7 @@ def prepare(environ: dict[str, str]) -> dict[str, str]:
                     str(wheelhouse), str(src)], check=True, timeout=600, env=environ, capture_output=True)
     shutil.rmtree(src, ignore_errors=True)
     return {
-        "LAB_REPO": str(REPO),
+        "LAB_REPO": str(lab_harness.checkout_for_units(LAB_WORK)),  # REPO, or a copy the units can see
         "LAB_ANSIBLE_PLAYBOOK": str(Path(sys.executable).parent / "ansible-playbook"),
         "LAB_SHARED_SITE_PACKAGES": sysconfig.get_paths()["purelib"],
         "LAB_MOE_WHEELHOUSE": str(wheelhouse),
@@ -108,8 +113,8 @@ def boot_fleet_lab(environ: dict[str, str]) -> dict:
     out = LAB_WORK / f"out-{time.strftime('%Y%m%d-%H%M%S')}"
     t0 = time.monotonic()
     rc, output, _ = run_in_container("/usr/bin/python3 tests/systemd/lab/fleet_checks.py", out_dir=out, env=env,
-                                     cwd=REPO, binds=binds(), machine="moe-fleet-lab", base_env=environ,
-                                     timeout_s=float(os.environ.get("FLEET_LAB_TIMEOUT_S", "1500")))
+                                     cwd=Path(env["LAB_REPO"]), binds=binds(), machine="moe-fleet-lab", base_env=environ,
+                                     timeout_s=float(os.environ.get("FLEET_LAB_TIMEOUT_S", "2100")))
     return lab_harness.collect_report(out, rc, output, t0, "the fleet lab", "lab_rc")
 
 
@@ -172,7 +177,9 @@ def test_both_instances_serve_behind_haproxy(fleet):
     assert s["health_via_haproxy"] == 200 and s["models_via_haproxy"] == 200
     assert {n: v["status"] for n, v in s["haproxy"].items()} == {srv: "UP" for srv in SERVERS}
     cfg = s["config"]
-    for line in ("balance leastconn", "option httpchk GET /health", "http-check expect status 200",
+    for line in ("balance hdr(X-Moe-Affinity)", "hash-type consistent", "hash-balance-factor 175",
+                 "tune.bufsize 131072", "option http-buffer-request", "http-response set-header X-Moe-Server %s",
+                 "option httpchk GET /health", "http-check expect status 200",
                  "server lab:8001 127.0.0.1:8001", "server lab:8002 127.0.0.1:8002",
                  "stats socket /run/haproxy/admin.sock mode 660 level admin"):
         assert line in cfg, line
@@ -182,6 +189,49 @@ def test_second_run_changes_nothing(fleet):
     run = step(fleet, "ansible_2")
     assert run["rc"] == 0, run["stdout_tail"][-3000:]
     assert run.get("changed") == 0, f"not idempotent: {run['changed_task_names']}"
+
+
+# --- agent sessions: affinity against leastconn ----------------------------------------------
+
+
+def _table(recs: list[dict]) -> str:
+    return "\n".join(f"  {r['session']} turn {r['turn']}: {r['server']} prompt {r['prompt_tokens']} cached "
+                     f"{r['cached_tokens']} ttft {r['ttft_s']} s{' reused' if r['reused'] else ''}" for r in recs)
+
+
+def test_affinity_keeps_each_session_on_the_instance_holding_its_prefix(fleet):
+    """Target: >= 90% of the turns after the first reuse their prefix (cached_tokens >= the
+    previous turn's prompt tokens minus one 64-token block), with bodies of agent size."""
+    s = step(fleet, "sessions_affine")
+    print(f"affine: {s['reused_later_turns']}/{s['later_turns']} later turns reused their prefix "
+          f"({s['reuse_rate']}), {s['same_instance_turns']} on the previous turn's instance; turns per instance "
+          f"{s['turns_per_server']}\n{_table(s['records'])}")
+    assert s["bad"] == [], s["bad"]
+    assert s["turns"] == 16 and s["later_turns"] == 12
+    assert s["body_bytes"][0] > 40_000, s["body_bytes"]
+    assert s["reuse_rate"] >= 0.9, _table(s["records"])
+    assert s["same_instance_turns"] == s["later_turns"], _table(s["records"])
+    # Every session stays on one instance, and the sessions use both (2 each: see pick_sessions);
+    # the load stays within the balance factor (no instance over 1.75x the mean of 8 turns).
+    assert all(len(v) == 1 for v in s["servers_per_session"].values()), s["servers_per_session"]
+    assert sorted(s["turns_per_server"]) == sorted(SERVERS), s["turns_per_server"]
+    assert max(s["turns_per_server"].values()) <= 1.75 * s["turns"] / len(SERVERS)
+    # Both kinds of key were used: an X-Session-Id header and the first user message.
+    assert {r["key"] for r in s["records"]} == {"header", "first_user_message"}
+
+
+def test_leastconn_for_comparison(fleet):
+    s = step(fleet, "sessions_leastconn")
+    a = step(fleet, "sessions_affine")
+    print(f"leastconn: {s['reused_later_turns']}/{s['later_turns']} later turns reused their prefix "
+          f"({s['reuse_rate']}) against {a['reuse_rate']} with affinity; {s['same_instance_turns']} on the "
+          f"previous turn's instance against {a['same_instance_turns']}; turns per instance "
+          f"{s['turns_per_server']}\n{_table(s['records'])}")
+    assert s["playbook"]["rc"] == 0, s["playbook"]["stdout_tail"][-3000:]
+    assert s["restore"]["rc"] == 0, s["restore"]["stdout_tail"][-3000:]
+    assert "balance leastconn" in s["config"] and "X-Moe-Affinity" not in s["config"]
+    assert s["bad"] == [], s["bad"]
+    assert s["turns"] == 16 and s["reuse_rate"] is not None
 
 
 # --- the rolling restart ------------------------------------------------------------------
@@ -242,6 +292,48 @@ def test_haproxy_saw_each_instance_out_and_back_one_at_a_time(fleet):
         serving = [srv for srv, v in c["servers"].items() if v["status"] == "UP" and v["admin_state"] == 0]
         assert serving, f"no instance serving at {c}"
     assert any("lab:8001" in ln for ln in s["haproxy_log"]), s["haproxy_log"]
+
+
+def test_agent_sized_requests_are_not_lost_in_restarts(fleet):
+    """A client of 45 KB chat bodies ran through the rolling restart and the restart by hand:
+    HAProxy buffered each whole (tune.bufsize 128 KiB), so its retries cover them too."""
+    for name in ("rolling", "unmanaged"):
+        s = step(fleet, name)
+        agents = s["agent_requests"]
+        t0, t1 = s["window"]
+        assert any(r["t1"] >= t0 and r["t0"] <= t1 for r in agents), (name, agents)
+        assert all(r["status"] == 200 and r["done"] for r in agents), (name, agents)
+        assert min(r["body_bytes"] for r in agents) > 40_000
+
+
+def test_first_turn_after_the_rolling_restart_reuses_its_prefix_from_disk(fleet):
+    """Targets: after every instance restarted, each session's first turn reuses its prefix
+    (saved to disk at the stop, indexed at start), with a TTFT >= 10x lower than the same turn
+    with an empty cache (median over the sessions; each at least 5x)."""
+    s = step(fleet, "sessions_after_restart")
+    rows = s["rows"]
+    print("after the rolling restart:\n" + "\n".join(
+        f"  {r['session']} ({r['key']}): {r['server']} prompt {r['prompt_tokens']} cached {r['cached_tokens']} "
+        f"ttft {r['ttft_s']} s; empty cache ttft {r['cold_ttft_s']} s (cached {r['cold_cached_tokens']}): "
+        f"{r['ttft_ratio']}x" for r in rows) + f"\n  median {s['median_ttft_ratio']}x")
+    assert len(rows) == 4 and all(r["ok"] for r in rows), rows
+    for r in rows:
+        assert r["server"] == r["server_before"], r  # consistent hashing: the same instance after its restart
+        assert r["reused"], r
+        assert r["cold_cached_tokens"] < 64 and abs(r["cold_prompt_tokens"] - r["prompt_tokens"]) <= 16, r
+        assert r["ttft_ratio"] >= 5, r
+    assert s["median_ttft_ratio"] >= 10, rows
+    # The store: each instance saved at its stop and indexed at start; files 0600 of the service user.
+    for events in s["store_events"].values():
+        saved = [e for e in events if e.get("event") == "prefix_store_saved"]
+        indexed = [e for e in events if e.get("event") == "prefix_store_indexed"]
+        assert saved and saved[-1]["written"] + saved[-1]["already"] > 0 and saved[-1]["left_out"] == 0, events
+        assert indexed and indexed[-1]["blocks"] > 0 and indexed[-1]["skipped"] == 0, events
+        assert not [e for e in events if e.get("event") in ("prefix_store_save_failed", "prefix_store_off")], events
+    for name, f in s["files"].items():
+        assert f["blocks"] > 0 and len(f["namespaces"]) == 1, (name, f)
+        assert f["modes"] == ["0o600"] and f["dir_modes"] == ["0o700"], (name, f)
+        assert f["owners"] == [s["service_user"]], (name, f)
 
 
 def test_restart_by_hand_loses_no_request_either(fleet):

@@ -10,10 +10,22 @@ system Python and the standard library only. Steps, each recorded as it finishes
              the demo model, installed offline from the wheelhouse
   serving    both units active, /health 200 on each port and through HAProxy, HAProxy's view
   ansible_2  the same playbook again: must report changed=0
+  sessions_affine     four agent-like sessions at once through HAProxy's conversation affinity
+             (the default): a shared system prompt and ~40 KB of tools, each conversation
+             growing by an answer and a tool result per turn; per turn the instance that
+             served it (X-Moe-Server), prompt and cached tokens, TTFT
+  sessions_leastconn  the balancer alone re-run with moe_balancer_affinity=false (leastconn),
+             four new sessions the same way, for comparison
   rolling    clients stream completions through HAProxy without pause while the playbook
              runs with a changed configuration (-e moe_lab_generation=2): every request's
              status and completeness, HAProxy's server states sampled every 0.2 s, each
-             unit's InvocationID before and after, HAProxy's own log lines
+             unit's InvocationID before and after, HAProxy's own log lines; one more client
+             sends agent-sized (45 KB) chat requests; the playbook also restores affinity
+  sessions_after_restart  the affine sessions' next turn after every instance restarted: its
+             instance, cached tokens and TTFT, against the same turn sent with an empty cache
+             (a nonce before the system prompt, same length), one request at a time; the
+             prefix store's files
+             (mode, owner) and the units' prefix_store_saved / prefix_store_indexed log lines
   unmanaged  the same clients while an operator restarts moe-service@a by hand (systemctl,
              no drain): the instance's SIGTERM path (/health 503, listener closed, in-flight
              requests finished) plus HAProxy's health checks and retries alone
@@ -27,6 +39,8 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import pwd
+import random
 import subprocess
 import sys
 import threading
@@ -160,14 +174,312 @@ def stream_once(prompt: str, max_tokens: int) -> dict:
     return rec
 
 
+# --- agent-like sessions --------------------------------------------------------------------
+
+# What every session of one agent shares: a system prompt (~1,200 tokens of the demo model) and a
+# tool list (~40 KB of JSON). tool_choice "none" keeps the tools out of the demo model's
+# prompt (its prefill on a shared CI CPU runs at tens of tokens a second): HAProxy still
+# buffers and hashes agent-sized bodies, the engine sees a prompt of agent shape.
+AGENT_SYSTEM = ("You are a careful coding agent working in a large repository. Read files before you change "
+                "them, keep changes small, run the tests after each change and report what you did. ") * 34
+AGENT_TOOLS = [{"type": "function", "function": {
+    "name": f"tool_{i}", "description": f"Tool {i}: reads, searches or edits files of the repository. " * 14,
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "query": {"type": "string"}}}}}
+    for i in range(40)]
+SESSION_TURNS = 4
+N_SESSIONS = 4
+BLOCK_TOKENS = 64
+OPENINGS = [f"Task {k}: the test test_{w} in tests/test_{w}.py fails since the last merge; find out why and fix it."
+            for k, w in enumerate(("parse", "render", "merge", "split", "index", "cache", "route", "stream", "plan",
+                                   "lint", "quote", "sort", "fetch", "store", "build", "probe"))]
+
+
+def chat_turn(messages: list[dict], headers: dict | None = None, port: int = FRONTEND[1], max_tokens: int = 4,
+              tools: list | None = None) -> dict:
+    """One streamed chat completion (stream_options.include_usage): status, the serving instance
+    (HAProxy's X-Moe-Server), TTFT (to the first chunk after the role chunk), prompt and cached
+    tokens, the answer's text, body bytes."""
+    body = json.dumps({"messages": messages, "tools": AGENT_TOOLS if tools is None else tools, "tool_choice": "none",
+                       "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    t0 = time.monotonic()
+    rec: dict = {"t0": round(t0, 3), "status": None, "server": None, "ttft_s": None, "prompt_tokens": None,
+                 "cached_tokens": None, "text": "", "done": False, "body_bytes": len(body), "finish_reason": None}
+    try:
+        conn = http.client.HTTPConnection(FRONTEND[0], port, timeout=600)
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        rec["status"], rec["server"] = resp.status, resp.getheader("X-Moe-Server")
+        if resp.status != 200:
+            rec["body"] = resp.read()[:500].decode(errors="replace")
+        else:
+            n = 0
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    rec["done"] = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec["error"] = chunk["error"]
+                    break
+                n += 1
+                if n == 2:
+                    rec["ttft_s"] = round(time.monotonic() - t0, 3)
+                if chunk.get("usage"):
+                    rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                    rec["cached_tokens"] = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+                for choice in chunk.get("choices", []):
+                    rec["text"] += choice.get("delta", {}).get("content") or ""
+                    if choice.get("finish_reason"):
+                        rec["finish_reason"] = choice["finish_reason"]
+        conn.close()
+    except Exception as exc:
+        rec["exception"] = f"{type(exc).__name__}: {exc}"
+    rec["t1"] = round(time.monotonic(), 3)
+    return rec
+
+
+class Session:
+    """One agent conversation: the shared system prompt, its own opening, then per turn the
+    model's answer and a tool result. ``key``: an X-Session-Id it sends (None: the balancer
+    hashes its first user message)."""
+
+    def __init__(self, name: str, opening: str, key: str | None = None):
+        self.name, self.opening, self.key = name, opening, key
+        self.messages = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": opening}]
+        self.turns: list[dict] = []
+
+    @property
+    def headers(self) -> dict:
+        return {"X-Session-Id": self.key} if self.key else {}
+
+    def turn(self, phase: str) -> dict:
+        rec = chat_turn(self.messages, self.headers)
+        rec.update(session=self.name, turn=len(self.turns), phase=phase, key="header" if self.key else "first_user_message")
+        prev = self.turns[-1] if self.turns else None
+        rec["prev_prompt_tokens"] = prev["prompt_tokens"] if prev else None
+        rec["reused"] = bool(prev and prev["prompt_tokens"] and rec["cached_tokens"] is not None
+                             and rec["cached_tokens"] >= prev["prompt_tokens"] - BLOCK_TOKENS)
+        self.turns.append(rec)
+        n = len(self.turns)
+        self.messages += [{"role": "assistant", "content": rec["text"] or "Looking."},
+                          {"role": "user", "content": f"Tool result {n}: exit 1, {n} failed."}]
+        return rec
+
+    def cold_twin(self) -> list[dict]:
+        """This session's current messages with a nonce before the system prompt: the same
+        length, nothing cached anywhere (the empty-cache reference)."""
+        return [{"role": "system", "content": f"[{self.name} cold] " + AGENT_SYSTEM},
+                *self.messages[1:]]
+
+
+def run_sessions(sessions: list[Session], turns: int, phase: str) -> list[dict]:
+    """Every session runs ``turns`` turns, all sessions at once, each pausing 0.2-2 s before a
+    turn (its tool running; seeded by its name): without the pauses the sessions run in
+    lockstep and leastconn keeps each on one instance by accident."""
+    def one(s: Session) -> None:
+        rng = random.Random(s.name)
+        for _ in range(turns):
+            time.sleep(rng.uniform(0.2, 2.0))
+            s.turn(phase)
+
+    threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=1800)
+    return [r for s in sessions for r in s.turns if r["phase"] == phase]
+
+
+def session_summary(recs: list[dict]) -> dict:
+    later = [r for r in recs if r["turn"] > 0 and r["prev_prompt_tokens"] is not None]
+    by_server: dict[str, int] = {}
+    for r in recs:
+        by_server[str(r["server"])] = by_server.get(str(r["server"]), 0) + 1
+    servers_per_session: dict[str, list] = {}
+    for r in recs:
+        servers_per_session.setdefault(r["session"], [])
+        if r["server"] not in servers_per_session[r["session"]]:
+            servers_per_session[r["session"]].append(r["server"])
+    prev_server = {(r["session"], r["turn"]): r["server"] for r in recs}
+    same = [r for r in later if prev_server.get((r["session"], r["turn"] - 1)) == r["server"]]
+    return {
+        "turns": len(recs),
+        "later_turns": len(later),
+        # The turn reached the instance that served the previous one (there its whole
+        # conversation is cached, not only the system prompt every session shares).
+        "same_instance_turns": len(same),
+        "reused_later_turns": sum(r["reused"] for r in later),
+        "reuse_rate": round(sum(r["reused"] for r in later) / len(later), 3) if later else None,
+        "turns_per_server": by_server,
+        "servers_per_session": servers_per_session,
+        "bad": [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")],
+        "body_bytes": [min(r["body_bytes"] for r in recs), max(r["body_bytes"] for r in recs)] if recs else None,
+    }
+
+
+AFFINE: list[Session] = []
+
+
+def pick_sessions(n: int) -> tuple[list[Session], list[dict]]:
+    """``n`` sessions, half on each instance: candidates alternate between an X-Session-Id and
+    the first user message as their key; a one-token probe with the same key (through HAProxy,
+    nothing else in flight) tells where the hash puts each, and they are taken in order until
+    each instance has n/2. (With four sessions a hash puts all of them on one instance 1 time
+    in 8, and the balance factor then moves turns away: that is what the factor is for, not
+    what this check measures.)"""
+    chosen: list[Session] = []
+    probes = []
+    per: dict[str, int] = {}
+    for k, opening in enumerate(OPENINGS):
+        s = Session(f"s{k}", opening, key=f"lab-session-{k}" if k % 2 == 0 else None)
+        r = chat_turn([{"role": "user", "content": opening}], s.headers, max_tokens=1, tools=[])
+        probes.append({"session": s.name, "server": r["server"], "status": r["status"]})
+        if r["status"] != 200 or r["server"] is None:
+            continue
+        if per.get(r["server"], 0) < n // 2:
+            per[r["server"]] = per.get(r["server"], 0) + 1
+            chosen.append(s)
+        if len(chosen) == n:
+            break
+    return chosen, probes
+
+
+@step("sessions_affine")
+def sessions_affine() -> dict:
+    sessions, probes = pick_sessions(N_SESSIONS)
+    AFFINE[:] = sessions
+    t0 = time.monotonic()
+    recs = run_sessions(sessions, SESSION_TURNS, "affine")
+    return {"config": Path("/etc/haproxy/haproxy.cfg").read_text(), "probes": probes,
+            "seconds": round(time.monotonic() - t0, 1), "records": recs, **session_summary(recs)}
+
+
+@step("sessions_leastconn")
+def sessions_leastconn() -> dict:
+    run = playbook("ansible-leastconn.log", ["--tags", "moe_balancer", "-e", json.dumps({"moe_balancer_affinity": False})])
+    sessions = [Session(f"l{k}", "Leastconn " + OPENINGS[-1 - k], key=f"lab-lc-{k}" if k % 2 == 0 else None)
+                for k in range(N_SESSIONS)]
+    t0 = time.monotonic()
+    recs = run_sessions(sessions, SESSION_TURNS, "leastconn")
+    seconds = round(time.monotonic() - t0, 1)
+    config = Path("/etc/haproxy/haproxy.cfg").read_text()
+    # Back to the inventory's balancer now, while nothing streams: the rolling step's playbook
+    # then changes only the service (a HAProxy reload under load made one health check fail
+    # there, which that step counts as the instance leaving twice).
+    restore = playbook("ansible-affine.log", ["--tags", "moe_balancer"])
+    return {"playbook": run, "restore": restore, "config": config, "seconds": seconds, "records": recs,
+            **session_summary(recs)}
+
+
+def prefix_files(instance: str) -> dict:
+    """The prefix store of an instance (serve.prefix_cache_dir = prefix under its
+    CacheDirectory=): block files, their modes and owners, the namespace folders."""
+    root = Path(f"/var/cache/moe-service/{instance}/prefix")
+    blocks = sorted(root.glob("*/*.blk"))
+    return {"namespaces": sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else [],
+            "blocks": len(blocks), "bytes": sum(p.stat().st_size for p in blocks),
+            "modes": sorted({oct(p.stat().st_mode & 0o777) for p in [*blocks, *root.glob("*/identity.json")]}),
+            "dir_modes": sorted({oct(p.stat().st_mode & 0o777) for p in [root, *root.glob("*")] if p.is_dir()})
+            if root.exists() else [],
+            "owners": sorted({pwd.getpwuid(p.stat().st_uid).pw_name for p in blocks})}
+
+
+def unit_events(unit: str, events: tuple[str, ...]) -> list[dict]:
+    """The unit's journal entries whose EVENT field is one of ``events`` (moe_service.log sends
+    one field per key): {"event": ..., key: value} with lower-case keys, numbers as int."""
+    out = sh(["journalctl", "-u", unit, "-o", "json", "--no-pager"], timeout_s=120)["stdout"]
+    found = []
+    for line in out.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("EVENT") not in events:
+            continue
+        rec = {"event": entry["EVENT"]}
+        for k, v in entry.items():
+            if k.startswith("_") or k in ("EVENT", "MESSAGE", "PRIORITY", "SYSLOG_IDENTIFIER") or not k.isupper():
+                continue
+            rec[k.lower()] = int(v) if isinstance(v, str) and v.lstrip("-").isdigit() else v
+        found.append(rec)
+    return found
+
+
+@step("sessions_after_restart")
+def sessions_after_restart() -> dict:
+    if not AFFINE:
+        raise RuntimeError("sessions_affine did not leave sessions to continue")
+    before = {s.name: s.turns[-1]["server"] for s in AFFINE}
+    # One at a time, first every session's next turn, then its empty-cache twin: TTFT alone,
+    # not shared with another prefill on the same instance.
+    results: dict[str, dict] = {}
+    for s in AFFINE:
+        results[s.name] = s.turn("after_restart")
+    cold: dict[str, dict] = {}
+    for s in AFFINE:
+        server = results[s.name]["server"] or before[s.name]
+        # The turn just sent, again, with a nonce before the system prompt, to the same instance.
+        cold[s.name] = chat_turn(s.cold_twin()[:-2], s.headers, port=int(str(server).rsplit(":", 1)[1]))
+    rows = []
+    for s in AFFINE:
+        w, c = results[s.name], cold[s.name]
+        rows.append({"session": s.name, "key": w["key"], "server_before": before[s.name], "server": w["server"],
+                     "prompt_tokens": w["prompt_tokens"], "prev_prompt_tokens": w["prev_prompt_tokens"],
+                     "cached_tokens": w["cached_tokens"], "reused": w["reused"], "ttft_s": w["ttft_s"],
+                     "cold_prompt_tokens": c["prompt_tokens"], "cold_cached_tokens": c["cached_tokens"],
+                     "cold_ttft_s": c["ttft_s"],
+                     "ttft_ratio": round(c["ttft_s"] / w["ttft_s"], 2) if c["ttft_s"] and w["ttft_s"] else None,
+                     "ok": w["status"] == 200 and w["done"] and c["status"] == 200 and c["done"]})
+    ratios = sorted(r["ttft_ratio"] for r in rows if r["ttft_ratio"])
+    return {
+        "rows": rows,
+        "median_ttft_ratio": ratios[len(ratios) // 2] if ratios else None,
+        "warm": list(results.values()),
+        "cold": list(cold.values()),
+        "files": {name: prefix_files(name) for name in INSTANCES},
+        "service_user": unit_props(UNITS["a"]).get("User") or sh(["systemctl", "show", UNITS["a"], "-p", "User",
+                                                                   "--value"])["stdout"].strip(),
+        "store_events": {name: unit_events(unit, ("prefix_store_saved", "prefix_store_indexed", "prefix_store_skipped",
+                                                   "prefix_store_save_failed", "prefix_store_off"))
+                         for name, unit in UNITS.items()},
+    }
+
+
+def agent_once(k: int) -> dict:
+    """One agent-sized chat request (the ~45 KB body of a session's turn: tools, system prompt,
+    a short conversation) through HAProxy."""
+    rec = chat_turn([{"role": "system", "content": AGENT_SYSTEM},
+                     {"role": "user", "content": f"Agent client, request {k}: list the failing tests."}],
+                    max_tokens=8)
+    rec["kind"] = "agent"
+    return rec
+
+
 class Clients:
     """N threads streaming completions through HAProxy back to back until stopped."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, agent: bool = True):
         self.stop = threading.Event()
         self.records: list[dict] = []
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(n)]
+        if agent:  # and one client of agent-sized bodies (HAProxy buffers and can retry them)
+            self.threads.append(threading.Thread(target=self.run_agent, args=(n,), daemon=True))
+
+    def run_agent(self, i: int) -> None:
+        k = 0
+        while not self.stop.is_set():
+            rec = agent_once(k)
+            rec["client"] = i
+            with self.lock:
+                self.records.append(rec)
+            k += 1
 
     def run(self, i: int) -> None:
         k = 0
@@ -248,6 +560,8 @@ def rolling() -> dict:
         "bad": [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")
                 or not r["finish_reason"]][:20],
         "records": recs[-400:],
+        "agent_requests": [{k: r.get(k) for k in ("t0", "t1", "status", "done", "body_bytes", "server")}
+                           for r in recs if r.get("kind") == "agent"],
         "stats_changes": sampler.changes,
         "stats_errors": sampler.errors[:20],
         "units_before": before,
@@ -281,6 +595,8 @@ def unmanaged() -> dict:
         "bad": [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")
                 or not r["finish_reason"]][:20],
         "stats_changes": sampler.changes,
+        "agent_requests": [{k: r.get(k) for k in ("t0", "t1", "status", "done", "body_bytes", "server")}
+                           for r in recs if r.get("kind") == "agent"],
         "units_before": before,
         "units_after": unit_props(unit),
     }
@@ -293,7 +609,10 @@ def main() -> int:
     if first.get("rc") == 0:
         serving()
         ansible_2()
+        sessions_affine()
+        sessions_leastconn()
         rolling()
+        sessions_after_restart()
         unmanaged()
     report["finished"] = True
     save()
