@@ -426,3 +426,31 @@ def test_gpt_oss_eviction_keeps_results_right(oss):
         q = p[:150] + _prompt(80, 5)
         _, got = oss.cached(pc, q)
         assert np.array_equal(got, oss.fresh(q))
+
+
+def test_ds4_blocks_survive_a_restart_through_the_disk_store(ds4, tmp_path):
+    """DeepSeek V4's blocks (no KV rows, only per-sequence state) go to the disk store
+    (engine/prefix_store.py) as named arrays at shutdown; a new prefix cache over an empty KV
+    cache and a new store over the same folder (a restarted process) finds them, and the
+    reused prefix gives the recomputed logits bit for bit."""
+    from moe_service.engine.prefix_store import PrefixStore, store_identity
+
+    model_path = tmp_path / "model-identity.gguf"
+    model_path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    ident = store_identity(model_path=model_path, kv_type="f16", n_ctx=N_CTX, block_tokens=128,
+                           token_bytes=ds4.m.kv.token_bytes())
+    root = tmp_path / "prefix"
+    pc = PrefixCache(ds4.m.kv, 64 << 20, store=PrefixStore(root, ident, 64 << 20))
+    ds4.cached(pc, BASE)
+    saved = pc.persist(time.monotonic() + 60)
+    assert saved["left_out"] == 0 and pc.store.stats()["blocks"] >= 3
+    pc.store.close(timeout_s=10)
+    # a restarted process: the slots and the memory blocks are gone, the folder stays
+    pc2 = PrefixCache(ds4.m.kv, 64 << 20, store=PrefixStore(root, ident, 64 << 20))
+    pc2.held = [[] for _ in pc2.held]
+    assert pc2.n_blocks == 0
+    p = BASE[:300] + _prompt(40, 11)
+    n, got = ds4.cached(pc2, p)
+    assert n == 256 and pc2.store.stats()["loaded"] >= 2
+    assert np.array_equal(got, ds4.fresh(p))
+    pc2.store.close(timeout_s=10)
