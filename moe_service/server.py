@@ -726,12 +726,7 @@ async def _stream(service: Service, request: Request, greq: GenerationRequest, e
                        "finish_reason": None})
         while True:
             first = await events.get(None)
-            batch = [first]
-            while not batch[-1].final:
-                more = events.get_nowait()
-                if more is None:
-                    break
-                batch.append(more)
+            batch = events.burst(first)
             ev = merge_events(batch)
             if ev.error is not None:
                 done = True

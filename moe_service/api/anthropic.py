@@ -836,12 +836,7 @@ async def _stream(service, greq, events, plan, head: dict[str, Any], endpoint: s
             if first is None:  # a long prefill: keep the connection visibly alive
                 yield _sse("ping", {"type": "ping"})
                 continue
-            batch = [first]
-            while not batch[-1].final:
-                more = events.get_nowait()
-                if more is None:
-                    break
-                batch.append(more)
+            batch = events.burst(first)
             ev = merge_events(batch)
             if ev.error is not None:
                 done = True

@@ -1344,12 +1344,7 @@ async def _stream(service, request: Request, run: _Run):
         yield _sse(b.event("response.created", response=start))
         yield _sse(b.event("response.in_progress", response=start))
         while True:
-            batch = [await events.get(None)]
-            while not batch[-1].final:
-                more = events.get_nowait()
-                if more is None:
-                    break
-                batch.append(more)
+            batch = events.burst(await events.get(None))
             out: list[dict[str, Any]] = []
             for ev in batch:
                 if ev.error is not None:

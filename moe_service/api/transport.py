@@ -143,6 +143,18 @@ class Events:
         if self._pending is not None:
             self._pending.cancel()
 
+    def burst(self, first: Event) -> list[Event]:
+        """``first`` and every event already queued behind it, up to the final one: what a
+        stream sends in one write (a decode step emits one token per sequence at a time, and
+        the loop may wake for several)."""
+        batch = [first]
+        while not batch[-1].final:
+            more = self.get_nowait()
+            if more is None:
+                break
+            batch.append(more)
+        return batch
+
 
 def merge_events(events: list[Event]) -> Event:
     last = events[-1]
