@@ -563,7 +563,8 @@ def kv_budget(layout: Layout, topology: Topology, config: Settings) -> tuple[int
     node (engine.kv_node, -1: the plan's first node): its available memory (MemFree +
     reclaimable, as :func:`node_capacity` counts it) less numa.node_reserve_gib, less the
     weights' share of the node (none with hugetlb pages: those are not in MemAvailable), less
-    serve.prefix_cache_gib (host memory, counted on this node), never below 0. None when
+    serve.prefix_cache_gib (host memory, counted on this node; at most half of what the weights
+    leave, since it grows on demand while the KV cache is allocated at start), never below 0. None when
     engine.kv_cache_gib is a number. The precedents: llama.cpp's ``--fit`` sizes the context
     from free device memory less a margin, vLLM's ``gpu_memory_utilization`` gives its KV
     cache what the weights leave of a fraction of the device."""
@@ -581,9 +582,17 @@ def kv_budget(layout: Layout, topology: Topology, config: Settings) -> tuple[int
         avail, weights = cap.available_bytes, cap.needed_bytes  # available: already less the reserve
     else:  # hugetlb weights (or no weights on the node): the KV cache takes ordinary pages
         avail, weights = max(info.mem_available_bytes - reserve, 0), 0
-    budget = max(avail - weights - prefix, 0)
+    left = max(avail - weights, 0)
+    # The prefix cache grows on demand up to its budget while the KV cache is allocated at start:
+    # where both do not fit, the prefix cache's budget counts for at most half of what is left,
+    # so a small host still starts (with its default 2 GiB prefix cache) and says so.
+    counted = min(prefix, left // 2)
+    budget = left - counted
     words = (f"node {node} has {(avail + reserve) / GiB:.2f} GiB available, less {weights / GiB:.2f} GiB of weights, "
-             f"{reserve / GiB:.2f} GiB numa.node_reserve_gib and {prefix / GiB:.2f} GiB serve.prefix_cache_gib")
+             f"{reserve / GiB:.2f} GiB numa.node_reserve_gib and {counted / GiB:.2f} GiB serve.prefix_cache_gib")
+    if counted < prefix:
+        words += (f" (of its {prefix / GiB:.2f} GiB: counted up to half of what the weights leave, since the "
+                  "prefix cache grows on demand and the KV cache is allocated at start)")
     return budget, words
 
 

@@ -87,10 +87,23 @@ def test_preflight_still_refuses_an_explicit_context_that_auto_cannot_hold(tmp_p
 
 
 def test_a_node_with_nothing_left_is_refused_naming_the_numbers(tmp_path):
-    cat, topo, layout, config = _setup(tmp_path, free_gib=6.0)  # 6 - 1 reserve - 3 weights - 2 prefix = 0
+    cat, topo, layout, config = _setup(tmp_path, free_gib=4.0)  # 4 - 1 reserve - 3+ weights: nothing
     kv = kv_capacity(cat, layout, topo, config)
     assert not kv["fits"] and kv["budget_bytes"] == 0
     assert "holds only 0 tokens" in kv["reasons"][0] and "serve.prefix_cache_gib" in kv["reasons"][0]
+
+
+def test_on_a_small_node_the_prefix_cache_counts_for_half_of_what_is_left(tmp_path):
+    """6 GiB free: 1 reserve and 3+ of weights leave ~2 GiB, less than the 2 GiB prefix cache;
+    it counts for half (it grows on demand, the KV cache is allocated at start), so the KV
+    cache gets the other half and the start is not refused."""
+    cat, topo, layout, config = _setup(tmp_path, free_gib=6.0)
+    cap = next(c for c in node_capacity(layout, topo, config) if c.node == 0)
+    left = 6 * GIB - 1 * GIB - cap.needed_bytes
+    budget, words = kv_budget(layout, topo, config)
+    assert budget == left - left // 2 and "counted up to half" in words
+    kv = kv_capacity(cat, layout, topo, config)
+    assert kv["fits"] and kv["n_ctx"] == budget // (4 * BPT) // CONTEXT_ALIGN * CONTEXT_ALIGN > 0
 
 
 def test_auto_without_the_plan_is_a_problem_not_a_guess():
