@@ -576,12 +576,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
                                              prompt_param="prompt")
         from moe_service.engine.sampler import SamplingParams
 
-        sampling = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=None if body.seed is None else body.seed % (1 << 64),
-        )
+        sampling = SamplingParams.of_request(body.temperature, body.top_k, body.top_p, body.seed)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         events = Events()
         greq = GenerationRequest(prompt_ids, max_tokens, sampling, stop, events.emit, request_id, t_arrival,

@@ -538,12 +538,7 @@ async def messages(service, request) -> Any:
             param="max_tokens",
             prompt_param="messages",
         )
-        sampling = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=None,
-        )
+        sampling = SamplingParams.of_request(body.temperature, body.top_k, body.top_p, None)
         events = Events()
         greq = GenerationRequest(
             plan.prompt_ids,

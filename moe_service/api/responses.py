@@ -1237,12 +1237,7 @@ async def create_response(service, request: Request) -> Response:
             param="max_output_tokens",
             prompt_param="input",
         )
-        sampling = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k or 0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=None if body.seed is None else body.seed % (1 << 64),
-        )
+        sampling = SamplingParams.of_request(body.temperature, body.top_k, body.top_p, body.seed)
         events = Events()
         greq = GenerationRequest(
             p.prompt_ids, max_tokens, sampling, (), events.emit, rid, t_arrival, constraint=p.constraint

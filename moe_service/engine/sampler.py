@@ -39,6 +39,14 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
 
+    @classmethod
+    def of_request(cls, temperature: float | None, top_k: int | None, top_p: float | None,
+                   seed: int | None = None) -> SamplingParams:
+        """From a request's fields as every protocol sends them: an absent field takes the
+        default (temperature 1, no top-k, no top-p), a seed is taken modulo 2**64."""
+        return cls(temperature=1.0 if temperature is None else temperature, top_k=top_k or 0,
+                   top_p=1.0 if top_p is None else top_p, seed=None if seed is None else seed % (1 << 64))
+
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature}).")
