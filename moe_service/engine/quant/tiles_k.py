@@ -325,7 +325,7 @@ def _grid_values(builder, name, ids):
     vty = _vt(_I64 if wide else _I32, step)
     words = [builder.load(builder.gep(table, [_ci(0), i])) for i in ids]
     parts = []
-    for j in range(0, len(ids), step):
+    for j in range(0, len(words), step):
         v = ir.Constant(vty, None)
         for m in range(step):
             v = builder.insert_element(v, words[j + m], ir.Constant(_I32, m))
@@ -337,7 +337,15 @@ def _grid_values(builder, name, ids):
 def _scalar_loads(builder, o, offs, ty):
     """i64 scalars: the unsigned ``ty`` values at byte offsets ``offs`` of i8* o (grid indices
     read straight from the block)."""
+    o = _opaque(builder, o)
     return [builder.zext(_ldv(builder, o, off, ty), _I64) for off in offs]
+
+
+def _opaque(builder, p):
+    """Pointer p through an empty asm: LLVM no longer knows what it points at, so loads through
+    it stay scalar loads (else it merges them with a vector load of the same bytes and reads
+    them back with lane extracts, vpextrb / vpextrd: 2 uops each on Zen)."""
+    return builder.asm(ir.FunctionType(p.type, [p.type]), "", "=r,0", [p], False)
 
 
 def _spilled(builder, v):
@@ -347,18 +355,42 @@ def _spilled(builder, v):
     loads instead of turning them into lane extracts (vpextrd: 2 uops each on Zen)."""
     slot = cgutils.alloca_once(builder, v.type)
     builder.store(v, slot)
-    p = builder.asm(ir.FunctionType(slot.type, [slot.type]), "", "=r,0", [slot], False)
-    ep = builder.bitcast(p, v.type.element.as_pointer())
+    ep = builder.bitcast(_opaque(builder, slot), v.type.element.as_pointer())
     return [builder.zext(builder.load(builder.gep(ep, [_ci(k)])), _I64) for k in range(v.type.count)]
 
 
-def _sign_masks(builder, signs32):
-    """4 x <64 x i1>: element 8 i + j of piece g negative where bit j of byte i of <32 x i8>
-    ``signs32`` is set (KPieces.neg)."""
-    bit = _cvec(_I8, [1 << (j % 8) for j in range(64)])
-    zero = _cvec(_I8, [0] * 64)
-    return [builder.icmp_unsigned("!=", builder.and_(_shuf(builder, signs32, [8 * g + j // 8 for j in range(64)]), bit),
-                                  zero) for g in range(4)]
+def _sign_bits(builder, words):
+    """<64 x i1> of 64 elements from 2 x <8 x i32> ``words``, each holding the 4 sign bytes of
+    32 elements in every lane: element j's sign byte is spread in-lane by vpshufb and tested
+    against its bit (vpand + vpcmpeqb)."""
+    bit = _cvec(_I8, [1 << (j % 8) for j in range(32)])
+    spread = _cvec(_I32, [j // 8 + (16 if j >= 16 else 0) for j in range(32)])  # in-lane: byte j // 8
+    halves = []
+    for w in words:
+        b = builder.bitcast(w, _vt(_I8, 32))
+        b = builder.shuffle_vector(b, b, spread)
+        halves.append(builder.icmp_unsigned("==", builder.and_(b, bit), bit))
+    return _concat(builder, halves[0], halves[1])
+
+
+def _sign_masks(builder, p, off):
+    """4 x <64 x i1>: element 8 i + j of piece g negative where bit j of byte i of the 32 sign
+    bytes at byte ``off`` of i8* p is set (KPieces.neg). Each 32 elements' 4 sign bytes are
+    one 4-byte broadcast load (vpbroadcastd: a load only), then _sign_bits: one shuffle per 32
+    elements, where spreading a vector of the sign bytes took three (vpshufb, vpermq, vpshufd)."""
+    p = _opaque(builder, p)
+    words = [_shuf(builder, builder.insert_element(ir.Constant(_vt(_I32, 8), None),
+                                                   _ldv(builder, p, off + 4 * h, _I32), ir.Constant(_I32, 0)), [0] * 8)
+             for h in range(8)]
+    return [_sign_bits(builder, words[2 * g:2 * g + 2]) for g in range(4)]
+
+
+def _sign_masks_of(builder, signs32):
+    """_sign_masks of the computed sign bytes <32 x i8> ``signs32``: each 32 elements' 4 bytes
+    broadcast by vpermd (a stack slot and broadcast loads measured slower: IQ3_XXS +20%)."""
+    w8 = builder.bitcast(signs32, _vt(_I32, 8))
+    words = [_shuf(builder, w8, [h] * 8) for h in range(8)]
+    return [_sign_bits(builder, words[2 * g:2 * g + 2]) for g in range(4)]
 
 
 def _odd16(builder, s16):
@@ -384,11 +416,22 @@ def _d_times(builder, o, off, factors):
     return builder.fmul(_shuf(builder, d2, [0, 0]), ir.Constant(_vt(_F32, 2), list(factors)))
 
 
-def _aux_fields(builder, aux8):
+def _aux_fields(builder, aux8, by_shift=True):
     """From the 8 sub-block words <8 x i32> of IQ2_XXS / IQ3_XXS: the <32 x i8> ksigns bytes
-    (group 4 ib + k: bits 7k of word ib) and the <16 x i16> odd scales 2 (w >> 28) + 1 per 16."""
-    a32 = _spread(builder, aux8, 32, 4)
-    sidx = builder.trunc(_lshr_and(builder, a32, [7 * (k % 4) for k in range(32)], 127), _vt(_I8, 32))
+    (group 4 ib + k: bits 7k of word ib) and the <16 x i16> odd scales 2 (w >> 28) + 1 per 16.
+    ``by_shift``: the ksigns indices as (w & 0x7f) | (w << 1 & 0x7f00) | (w << 2 & 0x7f0000) |
+    (w << 3 & 0x7f000000) on the 8 words (10 ops), else by spreading each word to 4 lanes and
+    a variable shift (~22 ops). Measured on Zen 3 at T = 1, the shifts took IQ2_XXS from 3.3 to
+    3.0 ns per 32 weights but IQ3_XXS from 3.6 to 4.2 (its loop of 64 lookups is sensitive to
+    the schedule LLVM picks), so IQ3_XXS keeps the spread."""
+    if by_shift:
+        c = lambda v: _cvec(_I32, [v] * 8)  # noqa: E731
+        fields = [builder.and_(builder.shl(aux8, c(k)) if k else aux8, c(0x7F << (8 * k))) for k in range(4)]
+        sidx = builder.bitcast(builder.or_(builder.or_(fields[0], fields[1]), builder.or_(fields[2], fields[3])),
+                               _vt(_I8, 32))
+    else:
+        a32 = _spread(builder, aux8, 32, 4)
+        sidx = builder.trunc(_lshr_and(builder, a32, [7 * (k % 4) for k in range(32)], 127), _vt(_I8, 32))
     s8 = builder.trunc(builder.lshr(aux8, _cvec(_I32, [28] * 8)), _vt(_I16, 8))
     return _ksign_bytes(builder, sidx), _odd16(builder, _spread(builder, s8, 16, 2))
 
@@ -401,16 +444,16 @@ def _iq2_xxs_pieces(builder, f, o):
     idx = _scalar_loads(builder, o, [f.qs + 8 * (k // 4) + k % 4 for k in range(32)], _I8)
     signs, sc16 = _aux_fields(builder, _shuf(builder, q, range(1, 16, 2)))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
-                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks_of(builder, signs))
 
 
 @_weight_side("IQ3_XXS")
 def _iq3_xxs_pieces(builder, f, o):
     """64 grid-index bytes (4 values each) then 8 u32 aux words as IQ2_XXS's; d / 4."""
     idx = _scalar_loads(builder, o, [f.qs + k for k in range(64)], _I8)
-    signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)))
+    signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)), by_shift=False)
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
-                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks(builder, signs))
+                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks_of(builder, signs))
 
 
 @_weight_side("IQ2_XS")
@@ -422,7 +465,7 @@ def _iq2_xs_pieces(builder, f, o):
     signs = _ksign_bytes(builder, builder.trunc(builder.lshr(q, _cvec(_I16, [9] * 32)), _vt(_I8, 32)))
     sc16 = _nibble_scales16(builder, o, f.off("scales"))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
-                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks_of(builder, signs))
 
 
 @_weight_side("IQ2_S")
@@ -435,7 +478,7 @@ def _iq2_s_pieces(builder, f, o):
     sc16 = _nibble_scales16(builder, o, f.off("scales"))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
                    _d_times(builder, o, 0, (0.125, 0.0)),
-                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
+                   _sign_masks(builder, o, f.off("signs")))
 
 
 @_weight_side("IQ3_S")
@@ -450,7 +493,7 @@ def _iq3_s_pieces(builder, f, o):
     sc16 = _odd16(builder, builder.zext(_lshr_and(builder, sb, [0, 0, 4, 4] * 4, 15), _vt(_I16, 16)))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
                    _d_times(builder, o, 0, (1.0, 0.0)),
-                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
+                   _sign_masks(builder, o, f.off("signs")))
 
 
 @_weight_side("IQ1_S")
