@@ -20,6 +20,7 @@ from moe_service.engine.quant.ir import (
     _PF_MIN_K,
     _VI,
     _VNNI,
+    _abs8,
     _call,
     _cat,
     _ci,
@@ -32,6 +33,7 @@ from moe_service.engine.quant.ir import (
     _pf_distance,
     _prefetch,
     _shuf,
+    _sign8,
     _store_rows,
     _tile_args,
     _tree8_many,
@@ -545,7 +547,7 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
     w64 goes in as |w| x (a with w's sign), ggml's sign trick (no int16 pair sum saturates:
     |w|, |a| <= 127)."""
-    if signed:
+    if signed and _VNNI:  # AVX-512 has no vpsignb
         zero = _cvec(_I8, [0] * 64)
         a64 = builder.select(builder.icmp_signed("<", w64, zero), builder.sub(zero, a64),
                              builder.select(builder.icmp_signed("==", w64, zero), zero, a64))
@@ -559,6 +561,8 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     for h in range(2):
         w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
         a = _shuf(builder, a64, range(32 * h, 32 * h + 32))
+        if signed:  # vpsignb + vpabsb (LLVM lowered the select form to vpcmpeqb, vpandn, vpsubb, vpblendvb)
+            a, w = _sign8(builder, a, w), _abs8(builder, w)
         halves.append(_madd(builder, _maddubs(builder, w, a), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
     # AVX2: iacc is the 8 folded lanes (lane k + lane k + 8 of the 16-lane form, exact), so
     # one ymm per (row, item) and tiles of 8 items fit in the 16 registers
