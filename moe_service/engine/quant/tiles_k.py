@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
@@ -279,12 +280,20 @@ if [i | ((bin(i).count("1") & 1) << 7) for i in range(128)] != [int(v) for v in 
     raise AssertionError("ksigns_iq2xs is not the even-parity completion of its index (see _ksign_bytes)")
 
 
-def _grid_global(builder, name):
-    """The grid of i-quant ``name`` as a module constant [entries x i64] (8 values per entry)
-    or [entries x i32] (4 values), value j in byte j (codebooks.grid_words)."""
-    words = codebooks.grid_words(name)
+def _grid_global(builder, name, times=1):
+    """The grid of i-quant ``name`` (its values times ``times``, exact in int8) as a module
+    constant [entries x i64] (8 values per entry) or [entries x i32] (4 values), value j in
+    byte j (codebooks.grid_words)."""
+    if times == 1:
+        words = codebooks.grid_words(name)
+    else:
+        gv = codebooks.grid(name).astype(np.int32) * times
+        if np.abs(gv).max() > 127:
+            raise AssertionError(f"{name} grid times {times} does not fit int8")
+        dt = np.uint64 if gv.shape[1] == 8 else np.uint32
+        words = [int(v) for v in np.ascontiguousarray(gv.astype(np.int8)).view(np.uint8).view(dt).reshape(-1)]
     ty = _I64 if codebooks.grid(name).shape[1] == 8 else _I32
-    gname = f"_moe_grid_{name.lower()}"
+    gname = f"_moe_grid_{name.lower()}" + (f"_x{times}" if times != 1 else "")
     g = builder.module.globals.get(gname)
     if g is None:
         g = cgutils.global_constant(builder, gname, ir.Constant(ir.ArrayType(ty, len(words)), words))
@@ -313,7 +322,7 @@ def _lshr_and(builder, v, shifts, mask):
     return builder.and_(builder.lshr(v, _cvec(ty, shifts)), _cvec(ty, [mask] * n))
 
 
-def _grid_values(builder, name, ids):
+def _grid_values(builder, name, ids, times=1):
     """4 x <64 x i8>: the grid values of the grid indices ``ids`` (a list of i64 scalars, in
     element order: 32 for the 8-wide grids, 64 for the 4-wide IQ3 grids), each entry one
     scalar load from the grid's constant table, 4 (8) of them inserted into a ymm: the form
@@ -321,7 +330,7 @@ def _grid_values(builder, name, ids):
     hardware gathers (vpgatherdq / vpgatherdd) are microcoded on AMD Zen: measured on Zen 3,
     one thread, T = 1 from L2, IQ2_XXS 6.9 -> 4.0 ns per 32 weights and IQ3_XXS 8.3 -> 5.0
     with the scalar loads."""
-    table = _grid_global(builder, name)
+    table = _grid_global(builder, name, times)
     wide = table.type.pointee.element == _I64
     step = 4 if wide else 8
     vty = _vt(_I64 if wide else _I32, step)
@@ -525,12 +534,18 @@ def _iq1_m_pieces(builder, f, o):
     nib = _lshr_and(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 16)), 32, 2), [0, 4] * 16, 15)
     hi = builder.shl(_zext16(builder, builder.and_(nib, _cvec(_I8, [7] * 32))), _cvec(_I16, [8] * 32))
     idx = _spilled(builder, builder.or_(_zext16(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi))
-    dsign = builder.and_(nib, _cvec(_I8, [8] * 32))  # set: delta -1/8
-    pieces = []
-    for g, v in enumerate(_grid_values(builder, f.name, idx)):
-        neg = builder.icmp_unsigned("!=", _shuf(builder, dsign, [8 * g + j // 8 for j in range(64)]), _cvec(_I8, [0] * 64))
-        delta = builder.select(neg, _cvec(_I8, [0xFF] * 64), _cvec(_I8, [1] * 64))
-        pieces.append(builder.add(builder.shl(v, _cvec(_I8, [3] * 64)), delta))
+    # delta of group k: 1 - 2 (bit 3 of its nibble) = +-1, spread to its 8 elements as the sign
+    # bytes are (_sign_masks_of: vpermd broadcast, in-lane vpshufb), added to 8 g from a grid
+    # table stored times 8
+    d8 = builder.sub(_cvec(_I8, [1] * 32), _lshr_and(builder, nib, [2] * 32, 2))
+    w8 = builder.bitcast(d8, _vt(_I32, 8))
+    spread = _cvec(_I32, [j // 8 + (16 if j >= 16 else 0) for j in range(32)])
+    halves = []
+    for h in range(8):
+        b = builder.bitcast(_shuf(builder, w8, [h] * 8), _vt(_I8, 32))
+        halves.append(builder.shuffle_vector(b, b, spread))
+    pieces = [builder.add(v, _concat(builder, halves[2 * g], halves[2 * g + 1]))
+              for g, v in enumerate(_grid_values(builder, f.name, idx, times=8))]
     w = _ldv(builder, o, so, _vt(_I16, 4))
     sc16 = _odd16(builder, _lshr_and(builder, _spread(builder, w, 16, 4), [0, 3, 6, 9] * 4, 7))
     top = builder.shl(builder.lshr(w, _cvec(_I16, [12] * 4)), _cvec(_I16, [0, 4, 8, 12]))
