@@ -16,6 +16,8 @@ sequence decode, 4 sequences decoded together, one 128-token prefill).
     PYTHONPATH=. python bench/kernels.py --no-formats --scenario smollm2-moe --scenario-tokens 1,4
     PYTHONPATH=. python bench/kernels.py --no-formats --no-compile --model ~/.cache/moe-service/models/smollm2-135m-instruct-moe8.gguf
     PYTHONPATH=. python bench/kernels.py --json out.json    # also write the numbers
+    PYTHONPATH=. python bench/kernels.py --formats IQ2_XXS,Q4_K --tokens 1,16 --threads 1 --hot-rows 256
+                                                            # + compute cost, tensor hot in L2
 
 At T=1 tensors are ~256 MiB (well past the L3 cache) of random valid blocks, rows of 2048
 columns; at larger T (compute-bound) the tensor shrinks to max(32 MiB, 256 MiB * 4 / T)
@@ -149,6 +151,28 @@ def ns_per_block_token(gbps: float, tid: int, n_tok: int) -> float:
     """Seconds per 32 weights per token, in ns, from GB/s of weight bytes at n_tok tokens."""
     bytes_per_32 = q.FORMATS[tid].block_bytes * 32 / q.FORMATS[tid].block_elems
     return bytes_per_32 / gbps / n_tok
+
+
+def hot_ns_per_block_token(tid: int, n_rows: int, n_cols: int, n_tok: int, rng, calls: int) -> float:
+    """One thread, ns per 32 weights per token with the tensor hot in the caches: ``n_rows``
+    random rows (keep n_rows x row bytes within L2), best of ``calls`` quant.matmul_rows calls.
+    This is the kernels' compute cost, which the memory traffic and preemption of a busy host
+    blur least (the best of many short calls): on a quiet host it is the T = 1 time of a
+    compute-bound format (the i-quants) from memory too."""
+    arena = make_rows(tid, n_rows, n_cols, rng)
+    rb = q.row_bytes(tid, n_cols)
+    pa = q.quantize_activations(rng.standard_normal((n_tok, n_cols)).astype(np.float32), q.FORMATS[tid].partner)
+    rows = np.arange(n_tok, dtype=np.int64)
+    out = np.empty(n_tok * n_rows, np.float32)
+    args = (arena, 0, tid, n_cols, rb, 0, n_rows, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows, rows, out, n_rows, 0,
+            q.ensure_kernels([tid]))
+    q.matmul_rows(*args)
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        q.matmul_rows(*args)
+        best = min(best, time.perf_counter_ns() - t0)
+    return best / (n_rows * n_cols / 32) / n_tok
 
 
 def pool_gbps(pool: WorkerPool, tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng,
@@ -424,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario-expert-type", default=None, help="override the scenario's expert type")
     ap.add_argument("--scenario-tokens", default="1,4", help="tokens per decode step (one per stream)")
     ap.add_argument("--model", default=None, help="also time Model.step on this GGUF (decode 1 / 4 streams, prefill)")
+    ap.add_argument("--hot-rows", type=int, default=0,
+                    help="also time each format on this many rows hot in L2 (1 thread, ns per 32 weights per "
+                         "token, best of --hot-calls calls; 256 fits a 512 KiB L2 at 2048 columns)")
+    ap.add_argument("--hot-calls", type=int, default=300, help="calls per hot measurement at T=1 (fewer above)")
     ap.add_argument("--asm", action="store_true", help="count vector instructions in each compiled kernel")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -481,6 +509,18 @@ def main(argv: list[str] | None = None) -> int:
             res["kernels_gbps"][name] = row
             res["kernels_ns_per_block_token"][name] = ns_row
             print(line, flush=True)
+        if args.hot_rows and formats:
+            res["kernels_hot_ns_per_block_token"] = {}
+            print(f"\nns per 32 weights per token, {args.hot_rows} rows of {args.cols} columns hot in L2, 1 thread, "
+                  f"best of {args.hot_calls} calls (fewer above T=1)")
+            print("format " + "".join(f"{f'T={t}':>9s}" for t in tokens))
+            for tid in formats:
+                name = q.FORMATS[tid].name
+                hot = {f"T{t}": hot_ns_per_block_token(tid, args.hot_rows, args.cols, t, rng,
+                                                       max(10, args.hot_calls // t * 4) if t > 4 else args.hot_calls)
+                       for t in tokens}
+                res["kernels_hot_ns_per_block_token"][name] = hot
+                print(f"{name:6s} " + "".join(f"{v:9.3f}" for v in hot.values()), flush=True)
         res["scenarios"] = []
         for sc_name in args.scenario:
             for n in threads:
