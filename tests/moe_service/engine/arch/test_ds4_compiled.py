@@ -74,6 +74,80 @@ def test_attend_rows_refuses_shapes_that_do_not_agree():
         dc.attend_rows(q, win, comp, mw[:, :5], mc, sinks, 0.125)
 
 
+@pytest.mark.parametrize(
+    "NH, D, W, n0, Nc, n_sel",
+    [
+        (64, 512, 128, 600, 150, 100),  # V4-Flash shapes: a full ring that has wrapped, some rows chosen
+        (64, 512, 128, 40, 10, None),  # the ring not yet full, every compressed row
+        (8, 128, 8, 3, 0, None),  # no compressed rows
+        (6, 40, 4, 9, 3, 2),  # heads not a multiple of 4, dims not of 16 (the plain loops)
+        (4, 64, 1, 5, 2, 1),  # a window of the token alone
+    ],
+)
+def test_attend_one_is_attend_rows_on_the_window_in_position_order(NH, D, W, n0, Nc, n_sel, pool):
+    """The decode step's attention (the window read from the ring in place) gives the bits
+    of attend_rows on the concatenated window rows and a mask of the chosen compressed rows."""
+    rng = np.random.default_rng(NH + D + W + n0)
+    q = (rng.standard_normal((1, NH, D)) * 0.3).astype(np.float16).astype(np.float32)
+    ring = (rng.standard_normal((W, D)) * 2.0).astype(np.float16)
+    new = (rng.standard_normal(D) * 2.0).astype(np.float16)
+    comp = (rng.standard_normal((Nc, D)) * 2.0).astype(np.float16)
+    sinks = rng.standard_normal(NH).astype(np.float32)
+    sel = None if n_sel is None else np.sort(rng.choice(Nc, n_sel, replace=False))
+    lo = max(0, n0 - W + 1)
+    win = np.concatenate([ring[np.arange(lo, n0) % W], new[None]])
+    mc = np.zeros((1, Nc), np.bool_)
+    mc[0, slice(None) if sel is None else sel] = True
+    scale = 1.0 / np.sqrt(D)
+    want = dc.attend_rows(
+        q, win, comp if Nc else None, np.ones((1, len(win)), np.bool_), mc if Nc else None, sinks, scale
+    )
+    for p in (None, pool):
+        got = dc.attend_one(q, ring, lo, n0, new, comp if Nc else None, sel, sinks, scale, p)
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.attend_one(q, ring, max(0, lo - 1) if lo else n0 + 1, n0, new, None, None, sinks, scale)
+
+
+def test_dot4_and_wsum4x16_are_the_one_at_a_time_sums():
+    """quant.ir.dot4_f32_ggml equals four dot_f32_ggml calls and wsum4x16_f32 the float32
+    running sums acc += p * v, bit for bit (lengths with and without a tail)."""
+    from numba import njit
+
+    from moe_service.engine.quant.ir import dot4_f32_ggml, dot_f32_ggml, wsum4x16_f32
+
+    @njit
+    def dots(w8, wo, ws, x, xo, xs, n):
+        a = np.empty(4, np.float32)
+        b = np.empty(4, np.float32)
+        a[0], a[1], a[2], a[3] = dot4_f32_ggml(w8, wo, ws, x, xo, xs, n)
+        for k in range(4):
+            b[k] = dot_f32_ggml(w8, wo + k * ws, x, xo + k * xs, n)
+        return a, b
+
+    @njit
+    def sums(keys, cols, n, p, out):
+        wsum4x16_f32(keys, cols, 0, n, 48, 16, p, 0, n, out, 0, 16)
+
+    rng = np.random.default_rng(7)
+    for n in (512, 37, 16, 5):
+        w = rng.standard_normal(4 * n + 8).astype(np.float32)
+        x = rng.standard_normal(4 * n + 8).astype(np.float32)
+        for ws, xs in ((0, n), (n * 4, 0), (n * 4 + 4, n + 1)):
+            a, b = dots(w.view(np.uint8), 4, ws, x, 1, xs, n)
+            assert np.array_equal(a, b)
+    keys = rng.standard_normal((10, 48)).astype(np.float32)
+    cols = rng.permutation(10).astype(np.int64)
+    p = rng.random(4 * 10).astype(np.float32)
+    out = np.zeros(64, np.float32)
+    sums(keys.reshape(-1), cols, 10, p, out)
+    want = np.zeros((4, 16), np.float32)
+    for i in range(10):
+        for k in range(4):
+            want[k] = want[k] + p[k * 10 + i] * keys[cols[i], 16:32]
+    assert np.array_equal(out.reshape(4, 16), want)
+
+
 def _hc_case(rng, T, C=4, H=4096):
     M = (2 + C) * C
     x = (rng.standard_normal((T, C, H)) * rng.choice([0.5, 3.0])).astype(np.float32)
