@@ -29,11 +29,12 @@ import numpy as np
 from numba import carray, njit
 
 from moe_service.engine import pool as _pool
-from moe_service.engine.cpu_layers import _f16_bits_to_f32
+from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
 from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
 from moe_service.engine.quant.ir import (
     dot4_f32_ggml,
     dot_f32_ggml,
+    index_scores16_f64,
     mix_rows_f64,
     view_f32,
     view_i64,
@@ -289,6 +290,22 @@ def _attend_keys(q, keys, cols, ncols, sinks, scale, pool):
             T * NH,
         )
     return out.reshape(T, NH, D)
+
+
+@njit(**_JIT)
+def _round_f16_rows(x, out):
+    """out = float32(float16(x)) elementwise (IEEE nearest even, as numpy's astype), flat."""
+    for i in range(x.shape[0]):
+        out[i] = _f16_bits_to_f32(_f32_to_f16_bits(x[i]))
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    """``x.astype(float16).astype(float32)`` compiled (numpy's float16 casts are scalar: 0.16
+    ms for a decode step's 64 x 512 query values). x float32 (any shape) -> float32, same shape."""
+    xc = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(xc)
+    _round_f16_rows(xc.reshape(-1), out.reshape(-1))
+    return out
 
 
 @njit(**_JIT)
@@ -622,3 +639,83 @@ def indexer_top_k(
     sel = np.zeros(visible.shape, np.bool_)
     _index_select(score, np.ascontiguousarray(visible, np.bool_), int(top_k), sel)
     return sel
+
+
+@njit(**_JIT)
+def _index_one_range(q64, w64, k16, n_heads, dim, j0, j1, score):
+    """score[j] for keys j0 <= j < j1 (:func:`index_one`): the keys by 16, transposed to
+    float64 (exact), scored by quant.ir.index_scores16_f64."""
+    kt = np.zeros(dim * 16, np.float64)
+    o16 = np.empty(16, np.float64)
+    for jb in range(j0, j1, 16):
+        nk = min(16, j1 - jb)
+        for u in range(nk):
+            for d in range(dim):
+                kt[d * 16 + u] = np.float64(_f16_bits_to_f32(k16[(jb + u) * dim + d]))
+        for u in range(nk, 16):
+            for d in range(dim):
+                kt[d * 16 + u] = 0.0
+        index_scores16_f64(q64, w64, n_heads, dim, kt, o16)
+        for u in range(nk):
+            score[jb + u] = o16[u]
+
+
+(I_Q, I_W, I_K, I_SCORE, I_NI, I_DI, I_NB, I_LEN) = range(8)
+
+
+def _index_one_item(items_ptr, i, op_ptr):
+    """Keys [it[2], it[3]) of a pooled index_one (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, I_LEN)
+    b = i * _pool.ITEM_W
+    Ni, Di, nb = op[I_NI], op[I_DI], op[I_NB]
+    q64 = view_f32(op[I_Q], 2 * Ni * Di).view(np.float64)
+    w64 = view_f32(op[I_W], 2 * Ni).view(np.float64)
+    k16 = view_u8(op[I_K], 2 * nb * Di).view(np.uint16)
+    score = view_f32(op[I_SCORE], 2 * nb).view(np.float64)
+    _index_one_range(q64, w64, k16, Ni, Di, it[b + 2], it[b + 3], score)
+
+
+_INDEX_ONE_POOL_KEYS = 1024  # below this many keys the scores run on the calling thread
+
+
+def index_one(
+    q: np.ndarray, w: np.ndarray, k: np.ndarray, n_valid: int, top_k: int, pool: Any = None
+) -> np.ndarray:
+    """The lightning indexer's choice for one token (a decode step; llama.cpp
+    src/models/deepseek4.cpp build_lid_top_k): the ascending indices of the ``top_k`` rows
+    among the first ``n_valid`` compressed keys by score = sum over heads (in order) of
+    relu(q_h . k) * w_h, in float64, ties broken as ggml's top-k (ds4_ops.top_k_rows). q
+    float32 [Ni, Di] (roped), w float32 [Ni] (scaled), k float16 [nb, Di] (the indexer's
+    compressed keys), n_valid <= nb. Each key's score is computed by the same code whatever
+    the key range and worker (quant.ir.index_scores16_f64: float64 fma chains in dimension
+    order), so it does not depend on the pool; against deepseek4._top_k's BLAS dgemm it
+    differs in the last bits only (another order of float64 sums: a tie closer than ~1e-15
+    relative may resolve differently). ``pool``: a WorkerPool to spread the keys over when
+    there are enough. ValueError for shapes that do not agree."""
+    Ni, Di = q.shape
+    if w.shape != (Ni,) or k.ndim != 2 or k.shape[1] != Di or not 0 <= n_valid <= k.shape[0] or top_k < 1:
+        raise ValueError(
+            f"index_one: q {q.shape}, w {w.shape}, keys {k.shape}, {n_valid} valid, top_k {top_k} do not agree"
+        )
+    q64 = np.ascontiguousarray(q, dtype=np.float64).reshape(-1)
+    w64 = np.ascontiguousarray(w, dtype=np.float64)
+    k16 = np.ascontiguousarray(k[:n_valid], dtype=np.float16).view(np.uint16).reshape(-1)
+    score = np.empty(max(1, n_valid), np.float64)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and n_valid >= _INDEX_ONE_POOL_KEYS:
+        op = np.array(
+            [q64.ctypes.data, w64.ctypes.data, k16.ctypes.data, score.ctypes.data, Ni, Di, n_valid], np.int64
+        )
+        step = -(-n_valid // (2 * n_workers))
+        step = -(-step // 16) * 16  # whole blocks of 16 keys per item
+        fn = _pool.call_item_address(_index_one_item)
+        items = [(_pool.K_CALL, fn, j, min(n_valid, j + step)) for j in range(0, n_valid, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        _index_one_range(q64, w64, k16, Ni, Di, 0, n_valid, score)
+    from moe_service.engine import ds4_ops
+
+    chosen = ds4_ops.top_k_rows(score[None, :n_valid], np.array([n_valid]), int(top_k))
+    return np.flatnonzero(chosen[0])

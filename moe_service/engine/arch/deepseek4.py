@@ -681,11 +681,10 @@ class Deepseek4(Architecture):
         loop of :meth:`_attention` computes it (the same keys in the same order, the same
         state updates): the raw ring written in place and read from there
         (ds4_compiled.attend_one), every visible compressed row attended on ratio-128 layers,
-        and on ratio-4 layers the indexer's scores computed only when there are more
-        visible rows than its top_k (else top-k keeps them all). q [NH, D], kv [D] float32.
+        and on ratio-4 layers the indexer's scores computed (ds4_compiled.index_one) only when
+        there are more visible rows than its top_k (else top-k keeps them all). q [NH, D], kv [D] float32.
         Returns float32 [NH, D]."""
         from moe_service.engine import ds4_compiled as dc
-        from moe_service.engine import ds4_ops as ops
 
         hp, d, il = self.hp, lw.ds4, lw.index
         kvc = be.m.kv
@@ -704,12 +703,9 @@ class Deepseek4(Architecture):
                                     idx_in[1][a:a + 1], 4, d["indexer_compressor_norm"], cos, sin)
                 kvc.note_ring(s, il, "iring_kv", n0, idx_in[0][a:a + 1])
                 kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:a + 1])
-                if nb > hp.indexer_top_k:
-                    with ops.blas_one_thread():
-                        chosen = _top_k(idx_in[2][a:a + 1], idx_in[3][a:a + 1], ik.astype(np.float32),
-                                        np.ones((1, nb), np.bool_), hp.indexer_top_k)
-                    sel = np.flatnonzero(chosen[0])
-        qh = q[None].astype(np.float16).astype(np.float32)
+                if nb > hp.indexer_top_k:  # compiled, float64 (ds4_compiled.index_one: _top_k's choice)
+                    sel = dc.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
+        qh = dc.round_f16(q[None])  # as q[a:e].astype(float16).astype(float32), compiled
         o = dc.attend_one(qh, ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
         ring[s, n0 % W] = new
         kvc.note_ring(s, il, "raw", n0, new[None])

@@ -717,3 +717,73 @@ def mix_rows_f64(typingctx, xn, xo, table, k_rows, m_cols, acc):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def index_scores16_f64(typingctx, q, w, n_heads, dim, kt, out):
+    """The lightning indexer's scores of 16 keys: out[u] = sum over heads h in order of
+    relu(dot_h,u) * w[h] for u < 16, dot_h,u = sum over d < dim in order of fma(q[h * dim +
+    d], kt[d * 16 + u], .) from 0, in float64. q: float64 [n_heads * dim]; w: float64
+    [n_heads]; kt: float64 [dim * 16], the 16 keys transposed (a key's score depends on its
+    own column only: pad unused columns with anything); out: float64 [16]. Two heads at a
+    time, the 16 keys in four 4-lane vectors: 8 independent fma chains (AVX2's throughput,
+    not its latency)."""
+    sig = types.void(q, w, n_heads, dim, kt, out)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        f64 = ir.DoubleType()
+        v4 = _vt(f64, 4)
+        qp = builder.bitcast(_data(context, builder, ty[0], args[0]), f64.as_pointer())
+        wp = builder.bitcast(_data(context, builder, ty[1], args[1]), f64.as_pointer())
+        nh = context.cast(builder, args[2], ty[2], types.int64)
+        dd = context.cast(builder, args[3], ty[3], types.int64)
+        kp = builder.bitcast(_data(context, builder, ty[4], args[4]), f64.as_pointer())
+        op = builder.bitcast(_data(context, builder, ty[5], args[5]), f64.as_pointer())
+        zero = ir.Constant(v4, [0.0] * 4)
+
+        def splat(x):
+            return builder.shuffle_vector(builder.insert_element(ir.Constant(v4, ir.Undefined), x, ir.Constant(_I32, 0)),
+                                          ir.Constant(v4, ir.Undefined), ir.Constant(_vt(_I32, 4), [0] * 4))
+
+        def ldk(d, g):
+            v = builder.load(builder.bitcast(builder.gep(kp, [builder.add(builder.mul(d, _ci(16)), _ci(4 * g))]),
+                                             v4.as_pointer()))
+            v.align = 8
+            return v
+
+        sacc = [cgutils.alloca_once(builder, v4) for _ in range(4)]
+        for a in sacc:
+            builder.store(zero, a)
+
+        def heads(h0, n):  # n (1 or 2) heads from h0: their dots, then relu * w into the sums in head order
+            acc = [[cgutils.alloca_once(builder, v4) for _ in range(4)] for _ in range(n)]
+            for row in acc:
+                for a in row:
+                    builder.store(zero, a)
+            with cgutils.for_range(builder, dd) as loop:
+                d = loop.index
+                ks = [ldk(d, g) for g in range(4)]
+                for i in range(n):
+                    qv = splat(builder.load(builder.gep(qp, [builder.add(builder.mul(builder.add(h0, _ci(i)), dd), d)])))
+                    for g in range(4):
+                        builder.store(_call(builder, "llvm.fma.v4f64", v4, [qv, ks[g], builder.load(acc[i][g])]),
+                                      acc[i][g])
+            for i in range(n):
+                wv = splat(builder.load(builder.gep(wp, [builder.add(h0, _ci(i))])))
+                for g in range(4):
+                    a = builder.load(acc[i][g])
+                    r = builder.select(builder.fcmp_ordered(">", a, zero), a, zero)
+                    builder.store(builder.fadd(builder.load(sacc[g]), builder.fmul(r, wv, flags=("arcp",)),
+                                               flags=("arcp",)), sacc[g])
+
+        with cgutils.for_range(builder, builder.lshr(nh, _ci(1))) as loop:
+            heads(builder.mul(loop.index, _ci(2)), 2)
+        with builder.if_then(builder.icmp_signed("!=", builder.and_(nh, _ci(1)), _ci(0))):
+            heads(builder.sub(nh, _ci(1)), 1)
+        for g in range(4):
+            stv = builder.store(builder.load(sacc[g]), builder.bitcast(builder.gep(op, [_ci(4 * g)]), v4.as_pointer()))
+            stv.align = 8
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -213,3 +213,48 @@ def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
     assert np.array_equal(got, want)
     assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
     assert np.array_equal(dc.indexer_top_k(q, w, k, visible, top_k, pool), got)  # pooled: the same choice
+
+
+@pytest.mark.parametrize(
+    "Ni, Di, nb, n_valid, top_k", [(64, 128, 1100, 1100, 512), (3, 16, 40, 37, 5), (8, 24, 9, 9, 2)]
+)
+def test_index_one_is_the_reference_choice(Ni, Di, nb, n_valid, top_k, pool):
+    """The decode step's indexer (compiled float64 scores, keys by 16, on the pool or not)
+    chooses the rows deepseek4._top_k (numpy dgemm) chooses, ties at zero included."""
+    from moe_service.engine.arch.deepseek4 import _top_k
+
+    rng = np.random.default_rng(Ni + nb)
+    q = rng.standard_normal((1, Ni, Di)).astype(np.float32)
+    w = rng.standard_normal((1, Ni)).astype(np.float32)
+    k = rng.standard_normal((nb, Di)).astype(np.float16)
+    k[: nb // 4] = -np.abs(k[: nb // 4]) * np.sign(q[0].sum(axis=0))[None, :]  # some rows score exactly 0 ...
+    q[0, :, :] = np.abs(q[0]) * np.sign(q[0].sum(axis=0))[None, :]  # ... every head's dot <= 0 there
+    visible = np.zeros((1, nb), np.bool_)
+    visible[0, :n_valid] = True
+    want = np.flatnonzero(_top_k(q, w, k.astype(np.float32), visible, top_k)[0])
+    for p in (None, pool):
+        assert np.array_equal(dc.index_one(q[0], w[0], k, n_valid, top_k, p), want)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.index_one(q[0], w[0, :-1], k, n_valid, top_k)
+
+
+def test_round_f16_is_numpy_float16_round_trip():
+    """round_f16 gives numpy's astype(float16).astype(float32) bit for bit: ties to even,
+    subnormals, overflow to inf, signed zeros, NaN stays NaN."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate(
+        [rng.standard_normal(20000).astype(np.float32) * s for s in (1e-8, 1e-5, 1.0, 100.0, 7e4)]
+        + [
+            np.array(
+                [np.inf, -np.inf, np.nan, 0.0, -0.0, 65504, 65520, 65519.99, 2.98e-8, 5.96e-8], np.float32
+            )
+        ]
+        + [rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+    ).reshape(2, -1)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    got = dc.round_f16(x)
+    assert got.shape == x.shape and got.dtype == np.float32
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
