@@ -691,6 +691,9 @@ class Deepseek4(Architecture):
         ring, W = state["raw"], hp.window
         new = kv.astype(np.float16)
         lo = max(0, n0 - W + 1)
+        # ring row n0 % W held position n0 - W, outside the window lo .. n0: written first, as the span loop
+        ring[s, n0 % W] = new
+        kvc.note_ring(s, il, "raw", n0, new[None])
         comp = sel = None
         if ratio:
             comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:a + 1],
@@ -707,8 +710,6 @@ class Deepseek4(Architecture):
                     sel = dc.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
         qh = dc.round_f16(q[None])  # as q[a:e].astype(float16).astype(float32), compiled
         o = dc.attend_one(qh, ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
-        ring[s, n0 % W] = new
-        kvc.note_ring(s, il, "raw", n0, new[None])
         return o[0]
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
