@@ -169,8 +169,9 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
     except ImportError:
         ds4_compiled = None
     if ds4_compiled is not None:
-        for name, part in (("attend_rows", "attention"), ("hc_pre", "hc pre"), ("hc_post", "hc post"),
-                           ("indexer_top_k", "indexer top-k")):
+        for name, part in (("attend_rows", "attention"), ("attend_one", "attention"), ("hc_pre", "hc pre"),
+                           ("hc_post", "hc post"), ("indexer_top_k", "indexer top-k"),
+                           ("index_one", "indexer top-k")):
             patch(ds4_compiled, name, outer(part))
     patch(deepseek4, "_top_k", outer("indexer top-k"))
     patch(deepseek4.Deepseek4, "_compress", outer("compressor"))

@@ -29,9 +29,18 @@ import numpy as np
 from numba import carray, njit
 
 from moe_service.engine import pool as _pool
-from moe_service.engine.cpu_layers import _f16_bits_to_f32
+from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
 from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
-from moe_service.engine.quant.ir import dot_f32_ggml, view_f32, view_i64, view_u8
+from moe_service.engine.quant.ir import (
+    dot4_f32_ggml,
+    dot_f32_ggml,
+    index_scores16_f64,
+    mix_rows_f64,
+    view_f32,
+    view_i64,
+    view_u8,
+    wsum4x16_f32,
+)
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 _POOL_MIN_MACS = 1 << 21  # below this an attention step runs on the calling thread
@@ -93,17 +102,43 @@ def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
         m = np.empty(nh, np.float64)
         den = np.empty(nh, np.float64)
         acc = np.zeros((nh, D), np.float32)
+        n1 = max(1, n)
+        pw = np.empty((nh, n1), np.float32)  # the softmax weights as float32, as each value sum uses them
+        pw_flat = pw.reshape(-1)
+        if (
+            D % 16 == 0 and nh >= 4
+        ):  # the token's keys by 16 dims (chunk-major): a chunk's keys are contiguous
+            kc = np.empty(D * n1, np.float32)
+            iota = np.arange(n1)
+            for c in range(D // 16):
+                for i in range(n):
+                    ro = cols[t, i]
+                    for e in range(16):
+                        kc[(c * n1 + i) * 16 + e] = keys[ro, c * 16 + e]
+        else:
+            kc = np.empty(1, np.float32)
+            iota = np.arange(1)
         for k0 in range(0, nh, _HEAD_BLOCK):  # a block's q rows and value sums stay in L1
             k1 = min(nh, k0 + _HEAD_BLOCK)
             for k in range(k0, k1):
                 m[k] = np.float64(sinks[h0 + k])
             for i in range(n):
                 off = cols[t, i] * D * 4
-                for k in range(k0, k1):
+                k = k0
+                while k + 4 <= k1:  # four heads against the key at once: the same dots, interleaved
+                    d0, d1, d2, d3 = dot4_f32_ggml(keys8, off, 0, q, (r + k) * D, D, D)
+                    for u, dv in enumerate((d0, d1, d2, d3)):
+                        v = np.float64(dv) * scale
+                        s[k + u, i] = v
+                        if v > m[k + u]:
+                            m[k + u] = v
+                    k += 4
+                while k < k1:
                     v = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
                     s[k, i] = v
                     if v > m[k]:
                         m[k] = v
+                    k += 1
             for k in range(k0, k1):
                 tot = 0.0
                 for i in range(n):
@@ -111,15 +146,26 @@ def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
                     s[k, i] = e
                     tot += e
                 den[k] = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
+            for k in range(k0, k1):
+                for i in range(n):
+                    pw[k, i] = np.float32(s[k, i] / den[k])
+            k = k0
+            if D % 16 == 0:  # four heads x 16 dims of value sums in registers over the keys
+                while k + 4 <= k1:
+                    for c in range(D // 16):
+                        wsum4x16_f32(
+                            kc, iota, 0, n, 16, c * n1 * 16, pw_flat, k * n1, n1, out, (r + k) * D + c * 16, D
+                        )
+                    k += 4
             for i in range(n):
                 row = cols[t, i]
-                for k in range(k0, k1):
-                    p = np.float32(s[k, i] / den[k])
+                for kk in range(k, k1):
+                    p = pw[kk, i]
                     for d in range(D):
-                        acc[k, d] += p * keys[row, d]
-        for k in range(nh):
-            for d in range(D):
-                out[(r + k) * D + d] = acc[k, d]
+                        acc[kk, d] += p * keys[row, d]
+            for kk in range(k, k1):
+                for d in range(D):
+                    out[(r + kk) * D + d] = acc[kk, d]
         r += nh
 
 
@@ -199,6 +245,15 @@ def attend_rows(
     cols = np.zeros((T, width), np.int64)
     ncols = np.zeros(T, np.int64)
     n_keys = _gather_keys(win16, comp16, mw, mc, keys, cols, ncols)
+    del n_keys
+    return _attend_keys(q, keys, cols, ncols, sinks, scale, pool)
+
+
+def _attend_keys(q, keys, cols, ncols, sinks, scale, pool):
+    """attend_rows' kernel over gathered keys: q [T, NH, D], keys float32 [N, D], per token t
+    its key rows cols[t, :ncols[t]] (int64 [T, W], [T]). On the pool when big enough."""
+    T, NH, D = q.shape
+    width = cols.shape[1]
     qf = np.ascontiguousarray(q, dtype=np.float32).reshape(-1)
     out = np.empty(T * NH * D, np.float32)
     s32 = np.ascontiguousarray(sinks, dtype=np.float32)
@@ -234,8 +289,102 @@ def attend_rows(
             0,
             T * NH,
         )
-    del n_keys
     return out.reshape(T, NH, D)
+
+
+@njit(**_JIT)
+def _round_f16_rows(x, out):
+    """out = float32(float16(x)) elementwise (IEEE nearest even, as numpy's astype), flat."""
+    for i in range(x.shape[0]):
+        out[i] = _f16_bits_to_f32(_f32_to_f16_bits(x[i]))
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    """``x.astype(float16).astype(float32)`` compiled (numpy's float16 casts are scalar: 0.16
+    ms for a decode step's 64 x 512 query values). x float32 (any shape) -> float32, same shape."""
+    xc = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(xc)
+    _round_f16_rows(xc.reshape(-1), out.reshape(-1))
+    return out
+
+
+@njit(**_JIT)
+def _gather_one(ring16, lo, n0, new16, comp16, sel, keys):
+    """One token's keys as float32 rows in attend_rows' column order: the window's ring rows
+    of positions lo .. n0 - 1 (position p at ring row p % W), the token's own row, then the
+    compressed rows ``sel`` (ascending)."""
+    W, D = ring16.shape
+    n = 0
+    for p in range(lo, n0):
+        rr = p % W
+        for d in range(D):
+            keys[n, d] = _f16_bits_to_f32(ring16[rr, d])
+        n += 1
+    for d in range(D):
+        keys[n, d] = _f16_bits_to_f32(new16[d])
+    n += 1
+    for j in range(sel.shape[0]):
+        c = sel[j]
+        for d in range(D):
+            keys[n, d] = _f16_bits_to_f32(comp16[c, d])
+        n += 1
+
+
+def attend_one(
+    q: np.ndarray,
+    ring: np.ndarray,
+    lo: int,
+    n0: int,
+    new: np.ndarray,
+    comp: np.ndarray | None,
+    sel: np.ndarray | None,
+    sinks: np.ndarray,
+    scale: float,
+    pool: Any = None,
+) -> np.ndarray:
+    """:func:`attend_rows` for one token at position n0 (a decode step), reading the window
+    in place: the same keys in the same order, so the same result bit for bit as
+    ``attend_rows(q, concat(ring rows of positions lo .. n0 - 1, new), comp, all-True mask,
+    mask of sel, ...)``. q float32 [1, NH, D] (rounded to float16 values); ring float16
+    [W, D], the slot's ring (position p at row p % W; lo >= n0 - W + 1); new float16 [D],
+    the token's own row; comp float16 [Nc, D] or None; sel int64 ascending indices into
+    comp (None: every row). Returns float32 [1, NH, D]. ValueError for shapes that do not
+    agree."""
+    T, NH, D = q.shape
+    if comp is None:
+        comp = np.zeros((0, D), np.float16)
+    idx = (
+        np.arange(comp.shape[0], dtype=np.int64) if sel is None else np.ascontiguousarray(sel, dtype=np.int64)
+    )
+    W = ring.shape[0]
+    if (
+        T != 1
+        or ring.ndim != 2
+        or ring.shape[1] != D
+        or new.shape != (D,)
+        or comp.shape[1:] != (D,)
+        or sinks.shape != (NH,)
+        or not (max(0, n0 - W + 1) <= lo <= n0)
+    ):
+        raise ValueError(
+            f"attend_one: q {q.shape}, ring {ring.shape}, new {new.shape}, compressed {comp.shape}, "
+            f"window {lo}..{n0}, sinks {sinks.shape} do not agree"
+        )
+    if idx.size and (idx.min() < 0 or idx.max() >= comp.shape[0]):
+        raise ValueError(f"attend_one: selected rows {idx.min()}..{idx.max()} outside {comp.shape[0]}")
+    n = n0 - lo + 1 + idx.shape[0]
+    keys = np.empty((n, D), np.float32)
+    _gather_one(
+        ring.view(np.uint16),
+        lo,
+        n0,
+        np.ascontiguousarray(new, dtype=np.float16).view(np.uint16),
+        np.ascontiguousarray(comp, dtype=np.float16).view(np.uint16),
+        idx,
+        keys,
+    )
+    cols = np.arange(n, dtype=np.int64).reshape(1, n)
+    return _attend_keys(q, keys, cols, np.array([n], np.int64), sinks, scale, pool)
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,23 +409,28 @@ def _sigmoid32(v):
 
 
 @njit(**_JIT)
-def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb):
+def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb, f32_table):
     """:func:`hc_pre` on x float32 [T, C, H] into h [T, H], post [T, C], comb [T, C, C]; xn
-    float32 [T, C*H] scratch."""
+    float32 [T, C*H] scratch; f32_table: fnT is float32."""
     T, C, H = x.shape
     K, M = fnT.shape
     _rms_rows(x.reshape((T, C * H)), eps_rms, xn)
     acc = np.empty(M, np.float64)
     mixes = np.empty(M, np.float32)
+    xn_flat = xn.reshape(-1)
+    fnT_flat = fnT.reshape(-1)
     c = np.empty((1, C, C), np.float64)
     pre = np.empty(C, np.float32)
     for t in range(T):
-        for m in range(M):
-            acc[m] = 0.0
-        for k in range(K):
-            v = np.float64(xn[t, k])
+        if M == 24 and f32_table:  # V4's 4 streams: the 24 sums in registers (the same bits)
+            mix_rows_f64(xn_flat, t * K, fnT_flat, K, 24, acc)
+        else:
             for m in range(M):
-                acc[m] += v * np.float64(fnT[k, m])
+                acc[m] = 0.0
+            for k in range(K):
+                v = np.float64(xn[t, k])
+                for m in range(M):
+                    acc[m] += v * np.float64(fnT[k, m])
         for m in range(M):
             mixes[m] = np.float32(acc[m])
         for i in range(C):
@@ -339,6 +493,7 @@ def hc_pre(
         h,
         post,
         comb,
+        fnT.dtype == np.float32 and fnT.flags.c_contiguous,
     )
     return h, post, comb
 
@@ -484,3 +639,83 @@ def indexer_top_k(
     sel = np.zeros(visible.shape, np.bool_)
     _index_select(score, np.ascontiguousarray(visible, np.bool_), int(top_k), sel)
     return sel
+
+
+@njit(**_JIT)
+def _index_one_range(q64, w64, k16, n_heads, dim, j0, j1, score):
+    """score[j] for keys j0 <= j < j1 (:func:`index_one`): the keys by 16, transposed to
+    float64 (exact), scored by quant.ir.index_scores16_f64."""
+    kt = np.zeros(dim * 16, np.float64)
+    o16 = np.empty(16, np.float64)
+    for jb in range(j0, j1, 16):
+        nk = min(16, j1 - jb)
+        for u in range(nk):
+            for d in range(dim):
+                kt[d * 16 + u] = np.float64(_f16_bits_to_f32(k16[(jb + u) * dim + d]))
+        for u in range(nk, 16):
+            for d in range(dim):
+                kt[d * 16 + u] = 0.0
+        index_scores16_f64(q64, w64, n_heads, dim, kt, o16)
+        for u in range(nk):
+            score[jb + u] = o16[u]
+
+
+(I_Q, I_W, I_K, I_SCORE, I_NI, I_DI, I_NB, I_LEN) = range(8)
+
+
+def _index_one_item(items_ptr, i, op_ptr):
+    """Keys [it[2], it[3]) of a pooled index_one (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, I_LEN)
+    b = i * _pool.ITEM_W
+    Ni, Di, nb = op[I_NI], op[I_DI], op[I_NB]
+    q64 = view_f32(op[I_Q], 2 * Ni * Di).view(np.float64)
+    w64 = view_f32(op[I_W], 2 * Ni).view(np.float64)
+    k16 = view_u8(op[I_K], 2 * nb * Di).view(np.uint16)
+    score = view_f32(op[I_SCORE], 2 * nb).view(np.float64)
+    _index_one_range(q64, w64, k16, Ni, Di, it[b + 2], it[b + 3], score)
+
+
+_INDEX_ONE_POOL_KEYS = 1024  # below this many keys the scores run on the calling thread
+
+
+def index_one(
+    q: np.ndarray, w: np.ndarray, k: np.ndarray, n_valid: int, top_k: int, pool: Any = None
+) -> np.ndarray:
+    """The lightning indexer's choice for one token (a decode step; llama.cpp
+    src/models/deepseek4.cpp build_lid_top_k): the ascending indices of the ``top_k`` rows
+    among the first ``n_valid`` compressed keys by score = sum over heads (in order) of
+    relu(q_h . k) * w_h, in float64, ties broken as ggml's top-k (ds4_ops.top_k_rows). q
+    float32 [Ni, Di] (roped), w float32 [Ni] (scaled), k float16 [nb, Di] (the indexer's
+    compressed keys), n_valid <= nb. Each key's score is computed by the same code whatever
+    the key range and worker (quant.ir.index_scores16_f64: float64 fma chains in dimension
+    order), so it does not depend on the pool; against deepseek4._top_k's BLAS dgemm it
+    differs in the last bits only (another order of float64 sums: a tie closer than ~1e-15
+    relative may resolve differently). ``pool``: a WorkerPool to spread the keys over when
+    there are enough. ValueError for shapes that do not agree."""
+    Ni, Di = q.shape
+    if w.shape != (Ni,) or k.ndim != 2 or k.shape[1] != Di or not 0 <= n_valid <= k.shape[0] or top_k < 1:
+        raise ValueError(
+            f"index_one: q {q.shape}, w {w.shape}, keys {k.shape}, {n_valid} valid, top_k {top_k} do not agree"
+        )
+    q64 = np.ascontiguousarray(q, dtype=np.float64).reshape(-1)
+    w64 = np.ascontiguousarray(w, dtype=np.float64)
+    k16 = np.ascontiguousarray(k[:n_valid], dtype=np.float16).view(np.uint16).reshape(-1)
+    score = np.empty(max(1, n_valid), np.float64)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and n_valid >= _INDEX_ONE_POOL_KEYS:
+        op = np.array(
+            [q64.ctypes.data, w64.ctypes.data, k16.ctypes.data, score.ctypes.data, Ni, Di, n_valid], np.int64
+        )
+        step = -(-n_valid // (2 * n_workers))
+        step = -(-step // 16) * 16  # whole blocks of 16 keys per item
+        fn = _pool.call_item_address(_index_one_item)
+        items = [(_pool.K_CALL, fn, j, min(n_valid, j + step)) for j in range(0, n_valid, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        _index_one_range(q64, w64, k16, Ni, Di, 0, n_valid, score)
+    from moe_service.engine import ds4_ops
+
+    chosen = ds4_ops.top_k_rows(score[None, :n_valid], np.array([n_valid]), int(top_k))
+    return np.flatnonzero(chosen[0])

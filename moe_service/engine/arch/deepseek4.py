@@ -549,6 +549,8 @@ class Deepseek4(Architecture):
     def block(self, be, lw, x, st):
         from moe_service.engine import ds4_ops as ops
 
+        if all(e - a == 1 for _, a, e, _ in st.spans):  # decode: BLAS only in the indexer, limited there
+            return self._block(be, lw, x, st)
         with ops.blas_one_thread():  # numpy's small float64 matmuls beside the worker pool
             return self._block(be, lw, x, st)
 
@@ -624,6 +626,10 @@ class Deepseek4(Architecture):
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
+            if n == 1:  # a decode step: the window read in place, the indexer only when it must choose
+                out[a] = self._attend_one(be, lw, state, q[a], kv[a], comp_in, idx_in, a, s, n0, ratio, cos, sin,
+                                          pool)
+                continue
             new = kv[a:e].astype(np.float16)
             p = pos[a:e]
             lo = max(0, n0 - W + 1)
@@ -669,6 +675,42 @@ class Deepseek4(Architecture):
                             for g in range(G)], axis=1)
         (y,) = be.linear(lw, ("attn_output_b",), oa)
         return y
+
+    def _attend_one(self, be, lw, state, q, kv, comp_in, idx_in, a, s, n0, ratio, cos, sin, pool):
+        """One token of slot ``s`` at position n0 (a span of one: a decode step), as the span
+        loop of :meth:`_attention` computes it (the same keys in the same order, the same
+        state updates): the raw ring written in place and read from there
+        (ds4_compiled.attend_one), every visible compressed row attended on ratio-128 layers,
+        and on ratio-4 layers the indexer's scores computed (ds4_compiled.index_one) only when
+        there are more visible rows than its top_k (else top-k keeps them all). q [NH, D], kv [D] float32.
+        Returns float32 [NH, D]."""
+        from moe_service.engine import ds4_compiled as dc
+
+        hp, d, il = self.hp, lw.ds4, lw.index
+        kvc = be.m.kv
+        ring, W = state["raw"], hp.window
+        new = kv.astype(np.float16)
+        lo = max(0, n0 - W + 1)
+        # ring row n0 % W held position n0 - W, outside the window lo .. n0: written first, as the span loop
+        ring[s, n0 % W] = new
+        kvc.note_ring(s, il, "raw", n0, new[None])
+        comp = sel = None
+        if ratio:
+            comp = self._compress(state, "ring_kv", "ring_sc", "comp", s, n0, comp_in[0][a:a + 1],
+                                  comp_in[1][a:a + 1], ratio, d["attn_compressor_norm"], cos, sin)
+            kvc.note_ring(s, il, "ring_kv", n0, comp_in[0][a:a + 1])
+            kvc.note_ring(s, il, "ring_sc", n0, comp_in[1][a:a + 1])
+            nb = (n0 + 1) // ratio  # every block so far is visible from position n0
+            if ratio == 4:
+                ik = self._compress(state, "iring_kv", "iring_sc", "icomp", s, n0, idx_in[0][a:a + 1],
+                                    idx_in[1][a:a + 1], 4, d["indexer_compressor_norm"], cos, sin)
+                kvc.note_ring(s, il, "iring_kv", n0, idx_in[0][a:a + 1])
+                kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:a + 1])
+                if nb > hp.indexer_top_k:  # compiled, float64 (ds4_compiled.index_one: _top_k's choice)
+                    sel = dc.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
+        qh = dc.round_f16(q[None])  # as q[a:e].astype(float16).astype(float32), compiled
+        o = dc.attend_one(qh, ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
+        return o[0]
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
         """Append a span's compressor inputs for slot ``s`` (positions n0..) and compute the

@@ -573,3 +573,217 @@ def dot_f32_ggml(typingctx, arena, wo, xf, xo, n):
         return builder.load(res)
 
     return sig, codegen
+
+
+@intrinsic
+def dot4_f32_ggml(typingctx, arena, wo, wstride, xf, xo, xstride, n):
+    """Four :func:`dot_f32_ggml` dots computed side by side: dot k (k < 4) of the n float32 at
+    byte ``wo + k * wstride`` of ``arena`` with ``xf[xo + k * xstride :][:n]``, each in exactly
+    dot_f32_ggml's order (16 lanes of in-order fma, the same reduction tree, the same tail),
+    so each equals dot_f32_ggml's result bit for bit. Returns a UniTuple of 4 float32.
+    ``wstride = 0`` dots one row with four vectors (the attention's heads against one key):
+    the row is loaded once and the four fma chains run interleaved (AVX2: 8 independent
+    ymm chains instead of 2, so the loop is bound by fma throughput, not its latency)."""
+    sig = types.UniTuple(types.float32, 4)(arena, wo, wstride, xf, xo, xstride, n)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        base = builder.bitcast(_data(context, builder, ty[0], args[0]), _I8.as_pointer())
+        w0 = context.cast(builder, args[1], ty[1], types.int64)
+        ws = context.cast(builder, args[2], ty[2], types.int64)
+        xp = builder.bitcast(_data(context, builder, ty[3], args[3]), _F32.as_pointer())
+        x0 = context.cast(builder, args[4], ty[4], types.int64)
+        xs = context.cast(builder, args[5], ty[5], types.int64)
+        nn = context.cast(builder, args[6], ty[6], types.int64)
+        v16 = _vt(_F32, 16)
+        wk = [builder.add(w0, builder.mul(ws, _ci(k))) for k in range(4)]
+        xk = [builder.add(x0, builder.mul(xs, _ci(k))) for k in range(4)]
+        accs = [cgutils.alloca_once(builder, v16) for _ in range(4)]
+        for a in accs:
+            builder.store(ir.Constant(v16, [0.0] * 16), a)
+        nv = builder.lshr(nn, _ci(4))
+        with cgutils.for_range(builder, nv) as loop:
+            j = builder.mul(loop.index, _ci(16))
+            jb = builder.mul(j, _ci(4))
+            for k in range(4):
+                w = _ldv(builder, base, builder.add(wk[k], jb), v16)
+                xv = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xk[k], j)]), v16.as_pointer()))
+                xv.align = 4
+                builder.store(_call(builder, "llvm.fma.v16f32", v16, [w, xv, builder.load(accs[k])]), accs[k])
+        tail0 = builder.mul(nv, _ci(16))
+        outs = []
+        for k in range(4):
+            v = builder.load(accs[k])
+            for h in (8, 4, 2, 1):  # 'arcp': see dot_f32_ggml (keeps the adds in the order written)
+                v = builder.fadd(_shuf(builder, v, range(h)), _shuf(builder, v, range(h, 2 * h)), flags=("arcp",))
+            res = cgutils.alloca_once(builder, _F32)
+            builder.store(builder.extract_element(v, ir.Constant(_I32, 0)), res)
+            with cgutils.for_range(builder, builder.sub(nn, tail0)) as loop:
+                j = builder.add(tail0, loop.index)
+                w = _ldv(builder, base, builder.add(wk[k], builder.mul(j, _ci(4))), _F32)
+                xv = builder.load(builder.gep(xp, [builder.add(xk[k], j)]))
+                builder.store(_call(builder, "llvm.fma.f32", _F32, [w, xv, builder.load(res)]), res)
+            outs.append(builder.load(res))
+        return context.make_tuple(builder, signature.return_type, outs)
+
+    return sig, codegen
+
+
+@intrinsic
+def wsum4x16_f32(typingctx, keys, cols, cb, n, kstride, ko, p, po, ps, out, oo, ostride):
+    """Weighted sums of rows for four weight vectors, 16 columns at a time in registers:
+    out[oo + k * ostride + l] = sum over i < n, in order, of p[po + k * ps + i] *
+    keys[cols[cb + i] * kstride + ko + l] (k < 4, l < 16), each product rounded to float32
+    and added in float32 (no fma), starting from 0: the float32 value sums of an attention
+    (``acc += p * v`` key by key) bit for bit, with the 4 x 16 sums held in registers over
+    the keys instead of loaded and stored per key. keys, p, out: float32 arrays; cols: int64."""
+    sig = types.void(keys, cols, cb, n, kstride, ko, p, po, ps, out, oo, ostride)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        kp = builder.bitcast(_data(context, builder, ty[0], args[0]), _F32.as_pointer())
+        cp = builder.bitcast(_data(context, builder, ty[1], args[1]), _I64.as_pointer())
+        cb_, nn, ks_, ko_, po_, ps_, oo_, os_ = (context.cast(builder, args[i], ty[i], types.int64)
+                                                 for i in (2, 3, 4, 5, 7, 8, 10, 11))
+        pp = builder.bitcast(_data(context, builder, ty[6], args[6]), _F32.as_pointer())
+        op = builder.bitcast(_data(context, builder, ty[9], args[9]), _F32.as_pointer())
+        v16 = _vt(_F32, 16)
+        accs = [cgutils.alloca_once(builder, v16) for _ in range(4)]
+        for a in accs:
+            builder.store(ir.Constant(v16, [0.0] * 16), a)
+        pk = [builder.add(po_, builder.mul(ps_, _ci(k))) for k in range(4)]
+        with cgutils.for_range(builder, nn) as loop:
+            i = loop.index
+            row = builder.load(builder.gep(cp, [builder.add(cb_, i)]))
+            kv = builder.load(builder.bitcast(builder.gep(kp, [builder.add(builder.mul(row, ks_), ko_)]),
+                                              v16.as_pointer()))
+            kv.align = 4
+            for k in range(4):
+                pv = builder.load(builder.gep(pp, [builder.add(pk[k], i)]))
+                sp = builder.shuffle_vector(builder.insert_element(ir.Constant(v16, ir.Undefined), pv,
+                                                                   ir.Constant(_I32, 0)),
+                                            ir.Constant(v16, ir.Undefined), ir.Constant(_vt(_I32, 16), [0] * 16))
+                prod = builder.fmul(sp, kv, flags=("arcp",))
+                builder.store(builder.fadd(builder.load(accs[k]), prod, flags=("arcp",)), accs[k])
+        for k in range(4):
+            dst = builder.gep(op, [builder.add(oo_, builder.mul(os_, _ci(k)))])
+            stv = builder.store(builder.load(accs[k]), builder.bitcast(dst, v16.as_pointer()))
+            stv.align = 4
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def mix_rows_f64(typingctx, xn, xo, table, k_rows, m_cols, acc):
+    """acc[m] = sum over k < k_rows, in order, of float64(xn[xo + k]) * float64(table[k *
+    m_cols + m]) for m < m_cols (a literal multiple of 4), each product rounded to float64
+    and added in float64 (no fma), starting from 0: the hyper-connections' mixes as a plain
+    loop ``acc[m] += v * w`` computes them, bit for bit, with the m_cols sums held in
+    registers over the k rows instead of loaded and stored per row. xn, table: float32
+    arrays; acc: float64 array (written)."""
+    if not isinstance(m_cols, types.IntegerLiteral) or m_cols.literal_value % 4:
+        return None
+    M = m_cols.literal_value
+    sig = types.void(xn, xo, table, k_rows, m_cols, acc)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        xp = builder.bitcast(_data(context, builder, ty[0], args[0]), _F32.as_pointer())
+        x0 = context.cast(builder, args[1], ty[1], types.int64)
+        tp = builder.bitcast(_data(context, builder, ty[2], args[2]), _F32.as_pointer())
+        kk = context.cast(builder, args[3], ty[3], types.int64)
+        ap = builder.bitcast(_data(context, builder, ty[5], args[5]), ir.DoubleType().as_pointer())
+        f64 = ir.DoubleType()
+        v4d, v4f = _vt(f64, 4), _vt(_F32, 4)
+        accs = [cgutils.alloca_once(builder, v4d) for _ in range(M // 4)]
+        for a in accs:
+            builder.store(ir.Constant(v4d, [0.0] * 4), a)
+        with cgutils.for_range(builder, kk) as loop:
+            k = loop.index
+            v = builder.fpext(builder.load(builder.gep(xp, [builder.add(x0, k)])), f64)
+            sp = builder.shuffle_vector(builder.insert_element(ir.Constant(v4d, ir.Undefined), v, ir.Constant(_I32, 0)),
+                                        ir.Constant(v4d, ir.Undefined), ir.Constant(_vt(_I32, 4), [0] * 4))
+            row = builder.mul(k, _ci(M))
+            for g in range(M // 4):
+                wv = builder.load(builder.bitcast(builder.gep(tp, [builder.add(row, _ci(4 * g))]), v4f.as_pointer()))
+                wv.align = 4
+                prod = builder.fmul(sp, builder.fpext(wv, v4d), flags=("arcp",))
+                builder.store(builder.fadd(builder.load(accs[g]), prod, flags=("arcp",)), accs[g])
+        for g in range(M // 4):
+            dst = builder.bitcast(builder.gep(ap, [_ci(4 * g)]), v4d.as_pointer())
+            stv = builder.store(builder.load(accs[g]), dst)
+            stv.align = 8
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def index_scores16_f64(typingctx, q, w, n_heads, dim, kt, out):
+    """The lightning indexer's scores of 16 keys: out[u] = sum over heads h in order of
+    relu(dot_h,u) * w[h] for u < 16, dot_h,u = sum over d < dim in order of fma(q[h * dim +
+    d], kt[d * 16 + u], .) from 0, in float64. q: float64 [n_heads * dim]; w: float64
+    [n_heads]; kt: float64 [dim * 16], the 16 keys transposed (a key's score depends on its
+    own column only: pad unused columns with anything); out: float64 [16]. Two heads at a
+    time, the 16 keys in four 4-lane vectors: 8 independent fma chains (AVX2's throughput,
+    not its latency)."""
+    sig = types.void(q, w, n_heads, dim, kt, out)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        f64 = ir.DoubleType()
+        v4 = _vt(f64, 4)
+        qp = builder.bitcast(_data(context, builder, ty[0], args[0]), f64.as_pointer())
+        wp = builder.bitcast(_data(context, builder, ty[1], args[1]), f64.as_pointer())
+        nh = context.cast(builder, args[2], ty[2], types.int64)
+        dd = context.cast(builder, args[3], ty[3], types.int64)
+        kp = builder.bitcast(_data(context, builder, ty[4], args[4]), f64.as_pointer())
+        op = builder.bitcast(_data(context, builder, ty[5], args[5]), f64.as_pointer())
+        zero = ir.Constant(v4, [0.0] * 4)
+
+        def splat(x):
+            return builder.shuffle_vector(builder.insert_element(ir.Constant(v4, ir.Undefined), x, ir.Constant(_I32, 0)),
+                                          ir.Constant(v4, ir.Undefined), ir.Constant(_vt(_I32, 4), [0] * 4))
+
+        def ldk(d, g):
+            v = builder.load(builder.bitcast(builder.gep(kp, [builder.add(builder.mul(d, _ci(16)), _ci(4 * g))]),
+                                             v4.as_pointer()))
+            v.align = 8
+            return v
+
+        sacc = [cgutils.alloca_once(builder, v4) for _ in range(4)]
+        for a in sacc:
+            builder.store(zero, a)
+
+        def heads(h0, n):  # n (1 or 2) heads from h0: their dots, then relu * w into the sums in head order
+            acc = [[cgutils.alloca_once(builder, v4) for _ in range(4)] for _ in range(n)]
+            for row in acc:
+                for a in row:
+                    builder.store(zero, a)
+            with cgutils.for_range(builder, dd) as loop:
+                d = loop.index
+                ks = [ldk(d, g) for g in range(4)]
+                for i in range(n):
+                    qv = splat(builder.load(builder.gep(qp, [builder.add(builder.mul(builder.add(h0, _ci(i)), dd), d)])))
+                    for g in range(4):
+                        builder.store(_call(builder, "llvm.fma.v4f64", v4, [qv, ks[g], builder.load(acc[i][g])]),
+                                      acc[i][g])
+            for i in range(n):
+                wv = splat(builder.load(builder.gep(wp, [builder.add(h0, _ci(i))])))
+                for g in range(4):
+                    a = builder.load(acc[i][g])
+                    r = builder.select(builder.fcmp_ordered(">", a, zero), a, zero)
+                    builder.store(builder.fadd(builder.load(sacc[g]), builder.fmul(r, wv, flags=("arcp",)),
+                                               flags=("arcp",)), sacc[g])
+
+        with cgutils.for_range(builder, builder.lshr(nh, _ci(1))) as loop:
+            heads(builder.mul(loop.index, _ci(2)), 2)
+        with builder.if_then(builder.icmp_signed("!=", builder.and_(nh, _ci(1)), _ci(0))):
+            heads(builder.sub(nh, _ci(1)), 1)
+        for g in range(4):
+            stv = builder.store(builder.load(sacc[g]), builder.bitcast(builder.gep(op, [_ci(4 * g)]), v4.as_pointer()))
+            stv.align = 8
+        return context.get_dummy_value()
+
+    return sig, codegen

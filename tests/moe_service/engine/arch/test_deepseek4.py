@@ -91,3 +91,20 @@ def test_chunked_prefill_and_batched_sequences_equal_one_shot(golden, ops):
     c = model.kv.alloc()
     alone = model.step([(c, other)])[0].numpy()
     assert np.abs(out[0].numpy() - alone).max() < 1e-3
+
+
+def test_decode_steps_equal_one_shot_prefill(golden, ops):
+    """Spans of one token (the decode path: the window read from the ring in place, the
+    indexer's compiled choice among 150+ ratio-4 blocks, ratio-4 and ratio-128 blocks completed
+    during the steps) give the last position's logits of one-shot prefill."""
+    m, path = golden
+    ids = m["prompt_ids"][:645]
+    model = _model(path, ops, "quant")
+    s = model.kv.alloc()
+    ref = model.step([(s, ids)])[0].numpy()
+    model.kv.free(s)
+    s = model.kv.alloc()
+    model.step([(s, ids[:630])])
+    for t in ids[630:]:
+        got = model.step([(s, [t])])[0].numpy()
+    assert np.abs(got - ref).max() < 1e-3, float(np.abs(got - ref).max())

@@ -74,6 +74,80 @@ def test_attend_rows_refuses_shapes_that_do_not_agree():
         dc.attend_rows(q, win, comp, mw[:, :5], mc, sinks, 0.125)
 
 
+@pytest.mark.parametrize(
+    "NH, D, W, n0, Nc, n_sel",
+    [
+        (64, 512, 128, 600, 150, 100),  # V4-Flash shapes: a full ring that has wrapped, some rows chosen
+        (64, 512, 128, 40, 10, None),  # the ring not yet full, every compressed row
+        (8, 128, 8, 3, 0, None),  # no compressed rows
+        (6, 40, 4, 9, 3, 2),  # heads not a multiple of 4, dims not of 16 (the plain loops)
+        (4, 64, 1, 5, 2, 1),  # a window of the token alone
+    ],
+)
+def test_attend_one_is_attend_rows_on_the_window_in_position_order(NH, D, W, n0, Nc, n_sel, pool):
+    """The decode step's attention (the window read from the ring in place) gives the bits
+    of attend_rows on the concatenated window rows and a mask of the chosen compressed rows."""
+    rng = np.random.default_rng(NH + D + W + n0)
+    q = (rng.standard_normal((1, NH, D)) * 0.3).astype(np.float16).astype(np.float32)
+    ring = (rng.standard_normal((W, D)) * 2.0).astype(np.float16)
+    new = (rng.standard_normal(D) * 2.0).astype(np.float16)
+    comp = (rng.standard_normal((Nc, D)) * 2.0).astype(np.float16)
+    sinks = rng.standard_normal(NH).astype(np.float32)
+    sel = None if n_sel is None else np.sort(rng.choice(Nc, n_sel, replace=False))
+    lo = max(0, n0 - W + 1)
+    win = np.concatenate([ring[np.arange(lo, n0) % W], new[None]])
+    mc = np.zeros((1, Nc), np.bool_)
+    mc[0, slice(None) if sel is None else sel] = True
+    scale = 1.0 / np.sqrt(D)
+    want = dc.attend_rows(
+        q, win, comp if Nc else None, np.ones((1, len(win)), np.bool_), mc if Nc else None, sinks, scale
+    )
+    for p in (None, pool):
+        got = dc.attend_one(q, ring, lo, n0, new, comp if Nc else None, sel, sinks, scale, p)
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.attend_one(q, ring, max(0, lo - 1) if lo else n0 + 1, n0, new, None, None, sinks, scale)
+
+
+def test_dot4_and_wsum4x16_are_the_one_at_a_time_sums():
+    """quant.ir.dot4_f32_ggml equals four dot_f32_ggml calls and wsum4x16_f32 the float32
+    running sums acc += p * v, bit for bit (lengths with and without a tail)."""
+    from numba import njit
+
+    from moe_service.engine.quant.ir import dot4_f32_ggml, dot_f32_ggml, wsum4x16_f32
+
+    @njit
+    def dots(w8, wo, ws, x, xo, xs, n):
+        a = np.empty(4, np.float32)
+        b = np.empty(4, np.float32)
+        a[0], a[1], a[2], a[3] = dot4_f32_ggml(w8, wo, ws, x, xo, xs, n)
+        for k in range(4):
+            b[k] = dot_f32_ggml(w8, wo + k * ws, x, xo + k * xs, n)
+        return a, b
+
+    @njit
+    def sums(keys, cols, n, p, out):
+        wsum4x16_f32(keys, cols, 0, n, 48, 16, p, 0, n, out, 0, 16)
+
+    rng = np.random.default_rng(7)
+    for n in (512, 37, 16, 5):
+        w = rng.standard_normal(4 * n + 8).astype(np.float32)
+        x = rng.standard_normal(4 * n + 8).astype(np.float32)
+        for ws, xs in ((0, n), (n * 4, 0), (n * 4 + 4, n + 1)):
+            a, b = dots(w.view(np.uint8), 4, ws, x, 1, xs, n)
+            assert np.array_equal(a, b)
+    keys = rng.standard_normal((10, 48)).astype(np.float32)
+    cols = rng.permutation(10).astype(np.int64)
+    p = rng.random(4 * 10).astype(np.float32)
+    out = np.zeros(64, np.float32)
+    sums(keys.reshape(-1), cols, 10, p, out)
+    want = np.zeros((4, 16), np.float32)
+    for i in range(10):
+        for k in range(4):
+            want[k] = want[k] + p[k * 10 + i] * keys[cols[i], 16:32]
+    assert np.array_equal(out.reshape(4, 16), want)
+
+
 def _hc_case(rng, T, C=4, H=4096):
     M = (2 + C) * C
     x = (rng.standard_normal((T, C, H)) * rng.choice([0.5, 3.0])).astype(np.float32)
@@ -139,3 +213,48 @@ def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
     assert np.array_equal(got, want)
     assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
     assert np.array_equal(dc.indexer_top_k(q, w, k, visible, top_k, pool), got)  # pooled: the same choice
+
+
+@pytest.mark.parametrize(
+    "Ni, Di, nb, n_valid, top_k", [(64, 128, 1100, 1100, 512), (3, 16, 40, 37, 5), (8, 24, 9, 9, 2)]
+)
+def test_index_one_is_the_reference_choice(Ni, Di, nb, n_valid, top_k, pool):
+    """The decode step's indexer (compiled float64 scores, keys by 16, on the pool or not)
+    chooses the rows deepseek4._top_k (numpy dgemm) chooses, ties at zero included."""
+    from moe_service.engine.arch.deepseek4 import _top_k
+
+    rng = np.random.default_rng(Ni + nb)
+    q = rng.standard_normal((1, Ni, Di)).astype(np.float32)
+    w = rng.standard_normal((1, Ni)).astype(np.float32)
+    k = rng.standard_normal((nb, Di)).astype(np.float16)
+    k[: nb // 4] = -np.abs(k[: nb // 4]) * np.sign(q[0].sum(axis=0))[None, :]  # some rows score exactly 0 ...
+    q[0, :, :] = np.abs(q[0]) * np.sign(q[0].sum(axis=0))[None, :]  # ... every head's dot <= 0 there
+    visible = np.zeros((1, nb), np.bool_)
+    visible[0, :n_valid] = True
+    want = np.flatnonzero(_top_k(q, w, k.astype(np.float32), visible, top_k)[0])
+    for p in (None, pool):
+        assert np.array_equal(dc.index_one(q[0], w[0], k, n_valid, top_k, p), want)
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.index_one(q[0], w[0, :-1], k, n_valid, top_k)
+
+
+def test_round_f16_is_numpy_float16_round_trip():
+    """round_f16 gives numpy's astype(float16).astype(float32) bit for bit: ties to even,
+    subnormals, overflow to inf, signed zeros, NaN stays NaN."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate(
+        [rng.standard_normal(20000).astype(np.float32) * s for s in (1e-8, 1e-5, 1.0, 100.0, 7e4)]
+        + [
+            np.array(
+                [np.inf, -np.inf, np.nan, 0.0, -0.0, 65504, 65520, 65519.99, 2.98e-8, 5.96e-8], np.float32
+            )
+        ]
+        + [rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+    ).reshape(2, -1)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    got = dc.round_f16(x)
+    assert got.shape == x.shape and got.dtype == np.float32
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
