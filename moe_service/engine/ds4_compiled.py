@@ -26,12 +26,29 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray, njit
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from moe_service.engine import pool as _pool
 from moe_service.engine.cpu_layers import _f16_bits_to_f32
 from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
-from moe_service.engine.quant.ir import dot_f32_ggml, view_f32, view_i64, view_u8
+from moe_service.engine.quant.ir import (
+    _F32,
+    _I8,
+    _I32,
+    _call,
+    _ci,
+    _data,
+    _ldv,
+    _shuf,
+    _vt,
+    dot_f32_ggml,
+    view_f32,
+    view_i64,
+    view_u8,
+)
 
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 _POOL_MIN_MACS = 1 << 21  # below this an attention step runs on the calling thread
@@ -72,16 +89,74 @@ def _gather_keys(win16, comp16, mask_w, mask_c, keys, cols, ncols):
     return n
 
 
+@intrinsic
+def dot2x2_f32_ggml(typingctx, arena, wo0, wo1, xf, xo0, xo1, n):
+    """The four float32 dots of two rows of ``arena`` (n float32 at bytes ``wo0``, ``wo1``)
+    with two rows of ``xf`` (from ``xo0``, ``xo1``) in one pass: (w0.x0, w1.x0, w0.x1,
+    w1.x1), each bit for bit :func:`~moe_service.engine.quant.ir.dot_f32_ggml` of its pair
+    (16 lanes of fma in element order, the same pairwise tree, the elements past the last
+    multiple of 16 by fma one by one). Four independent accumulator chains (eight on AVX2)
+    keep the FMA units busy where one dot is bound by the fma latency, and each row is
+    loaded once for two dots."""
+    sig = types.UniTuple(types.float32, 4)(arena, wo0, wo1, xf, xo0, xo1, n)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        base = builder.bitcast(_data(context, builder, ty[0], args[0]), _I8.as_pointer())
+        w0 = context.cast(builder, args[1], ty[1], types.int64)
+        w1 = context.cast(builder, args[2], ty[2], types.int64)
+        xp = builder.bitcast(_data(context, builder, ty[3], args[3]), _F32.as_pointer())
+        x0 = context.cast(builder, args[4], ty[4], types.int64)
+        x1 = context.cast(builder, args[5], ty[5], types.int64)
+        nn = context.cast(builder, args[6], ty[6], types.int64)
+        v16 = _vt(_F32, 16)
+        accs = [cgutils.alloca_once(builder, v16) for _ in range(4)]
+        for a in accs:
+            builder.store(ir.Constant(v16, [0.0] * 16), a)
+        nv = builder.lshr(nn, _ci(4))
+        with cgutils.for_range(builder, nv) as loop:
+            j = builder.mul(loop.index, _ci(16))
+            wa = _ldv(builder, base, builder.add(w0, builder.mul(j, _ci(4))), v16)
+            wb = _ldv(builder, base, builder.add(w1, builder.mul(j, _ci(4))), v16)
+            xs = []
+            for xo in (x0, x1):
+                xv = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, j)]), v16.as_pointer()))
+                xv.align = 4
+                xs.append(xv)
+            for a, (w, xv) in zip(accs, ((wa, xs[0]), (wb, xs[0]), (wa, xs[1]), (wb, xs[1])), strict=True):
+                builder.store(_call(builder, "llvm.fma.v16f32", v16, [w, xv, builder.load(a)]), a)
+        tail0 = builder.mul(nv, _ci(16))
+        outs = []
+        for a, (wo, xo) in zip(accs, ((w0, x0), (w1, x0), (w0, x1), (w1, x1)), strict=True):
+            v = builder.load(a)
+            for h in (8, 4, 2, 1):  # dot_f32_ggml's tree ('arcp': see there)
+                v = builder.fadd(
+                    _shuf(builder, v, range(h)), _shuf(builder, v, range(h, 2 * h)), flags=("arcp",)
+                )
+            res = cgutils.alloca_once(builder, _F32)
+            builder.store(builder.extract_element(v, ir.Constant(_I32, 0)), res)
+            with cgutils.for_range(builder, builder.sub(nn, tail0)) as loop:
+                j = builder.add(tail0, loop.index)
+                w = _ldv(builder, base, builder.add(wo, builder.mul(j, _ci(4))), _F32)
+                xv = builder.load(builder.gep(xp, [builder.add(xo, j)]))
+                builder.store(_call(builder, "llvm.fma.f32", _F32, [w, xv, builder.load(res)]), res)
+            outs.append(builder.load(res))
+        return context.make_tuple(builder, signature.return_type, outs)
+
+    return sig, codegen
+
+
 @njit(**_JIT)
 def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
     """Rows r0..r1 of (token t, head h) = (r // NH, r % NH): softmax with a sink logit over
     the query's key rows, the same rows as values. q, out float32 [T * NH * D]; keys float32
-    [N, D] (keys8: its bytes). Per token the heads of the range go in blocks of _HEAD_BLOCK,
-    key by key (a key row is read once per block and pass, not once per head, and the block's
-    q rows and value sums stay in L1); each (t, h) row is computed in the
-    same order whatever the range: score of key i = float32 dot of 16 fixed lanes
-    (dot_f32_ggml) x scale in float64, float64 softmax with the sink, value sum in float32
-    over the keys in order."""
+    [N, D] (keys8: its bytes). Per token the heads of the range go in blocks of _HEAD_BLOCK
+    (the block's q rows and value sums stay in L1); each (t, h) row is computed in the same
+    order whatever the range: score of key i = float32 dot of 16 fixed lanes
+    (dot_f32_ggml; two heads by two keys at a time, dot2x2_f32_ggml, the same bits) x scale
+    in float64, float64 softmax with the sink, value sum in float32 over the keys in order
+    (acc = acc + float32(p_i) k_i, each product and sum rounded; two heads by four keys per
+    pass over the sums, the same roundings)."""
     NH = sinks.shape[0]
     D = keys.shape[1]
     r = r0
@@ -97,13 +172,34 @@ def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
             k1 = min(nh, k0 + _HEAD_BLOCK)
             for k in range(k0, k1):
                 m[k] = np.float64(sinks[h0 + k])
-            for i in range(n):
-                off = cols[t, i] * D * 4
-                for k in range(k0, k1):
-                    v = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
-                    s[k, i] = v
-                    if v > m[k]:
-                        m[k] = v
+            k = k0
+            while k < k1:
+                if k + 1 < k1:  # two heads by two keys per pass
+                    qa, qb = (r + k) * D, (r + k + 1) * D
+                    i = 0
+                    while i + 1 < n:
+                        oa, ob = cols[t, i] * D * 4, cols[t, i + 1] * D * 4
+                        d00, d10, d01, d11 = dot2x2_f32_ggml(keys8, oa, ob, q, qa, qb, D)
+                        s[k, i] = np.float64(d00) * scale
+                        s[k, i + 1] = np.float64(d10) * scale
+                        s[k + 1, i] = np.float64(d01) * scale
+                        s[k + 1, i + 1] = np.float64(d11) * scale
+                        i += 2
+                    if i < n:
+                        off = cols[t, i] * D * 4
+                        s[k, i] = np.float64(dot_f32_ggml(keys8, off, q, qa, D)) * scale
+                        s[k + 1, i] = np.float64(dot_f32_ggml(keys8, off, q, qb, D)) * scale
+                    kk = 2
+                else:
+                    for i in range(n):
+                        off = cols[t, i] * D * 4
+                        s[k, i] = np.float64(dot_f32_ggml(keys8, off, q, (r + k) * D, D)) * scale
+                    kk = 1
+                for k2 in range(k, k + kk):
+                    for i in range(n):
+                        if s[k2, i] > m[k2]:
+                            m[k2] = s[k2, i]
+                k += kk
             for k in range(k0, k1):
                 tot = 0.0
                 for i in range(n):
@@ -111,10 +207,41 @@ def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
                     s[k, i] = e
                     tot += e
                 den[k] = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
-            for i in range(n):
-                row = cols[t, i]
-                for k in range(k0, k1):
-                    p = np.float32(s[k, i] / den[k])
+            for k in range(k0, k1):
+                for i in range(n):
+                    s[k, i] = np.float32(s[k, i] / den[k])  # the probability, rounded as used
+            k = k0
+            while k + 1 < k1:  # two heads by four keys per pass over the value sums
+                i = 0
+                while i + 3 < n:
+                    ra, rb, rc, rd = cols[t, i], cols[t, i + 1], cols[t, i + 2], cols[t, i + 3]
+                    pa, pb = np.float32(s[k, i]), np.float32(s[k, i + 1])
+                    pc, pd = np.float32(s[k, i + 2]), np.float32(s[k, i + 3])
+                    qa, qb = np.float32(s[k + 1, i]), np.float32(s[k + 1, i + 1])
+                    qc, qd = np.float32(s[k + 1, i + 2]), np.float32(s[k + 1, i + 3])
+                    for d in range(D):
+                        ka, kb, kc, kd = keys[ra, d], keys[rb, d], keys[rc, d], keys[rd, d]
+                        a = acc[k, d] + pa * ka
+                        a = a + pb * kb
+                        a = a + pc * kc
+                        acc[k, d] = a + pd * kd
+                        b = acc[k + 1, d] + qa * ka
+                        b = b + qb * kb
+                        b = b + qc * kc
+                        acc[k + 1, d] = b + qd * kd
+                    i += 4
+                while i < n:
+                    row = cols[t, i]
+                    pa, qa = np.float32(s[k, i]), np.float32(s[k + 1, i])
+                    for d in range(D):
+                        acc[k, d] += pa * keys[row, d]
+                        acc[k + 1, d] += qa * keys[row, d]
+                    i += 1
+                k += 2
+            if k < k1:
+                for i in range(n):
+                    row = cols[t, i]
+                    p = np.float32(s[k, i])
                     for d in range(D):
                         acc[k, d] += p * keys[row, d]
         for k in range(nh):
