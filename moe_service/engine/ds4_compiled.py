@@ -386,6 +386,9 @@ def _sigmoid32(v):
     return np.float32(1.0 / (1.0 + np.exp(-np.float64(v))))
 
 
+_MIX_TOKENS = 8  # tokens whose mixes share one pass over the mixing table (1.5 MB for V4-Flash)
+
+
 @njit(**_JIT)
 def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb):
     """:func:`hc_pre` on x float32 [T, C, H] into h [T, H], post [T, C], comb [T, C, C]; xn
@@ -393,19 +396,24 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb)
     T, C, H = x.shape
     K, M = fnT.shape
     _rms_rows(x.reshape((T, C * H)), eps_rms, xn)
-    acc = np.empty(M, np.float64)
+    acc = np.empty((_MIX_TOKENS, M), np.float64)
     mixes = np.empty(M, np.float32)
     c = np.empty((1, C, C), np.float64)
     pre = np.empty(C, np.float32)
     for t in range(T):
+        tb = t % _MIX_TOKENS
+        if tb == 0:  # the mixes of the next _MIX_TOKENS tokens in one pass over fnT
+            nt = min(_MIX_TOKENS, T - t)
+            for u in range(nt):
+                for m in range(M):
+                    acc[u, m] = 0.0
+            for k in range(K):
+                for u in range(nt):  # each token's sums in k order: the same bits as one at a time
+                    v = np.float64(xn[t + u, k])
+                    for m in range(M):
+                        acc[u, m] += v * np.float64(fnT[k, m])
         for m in range(M):
-            acc[m] = 0.0
-        for k in range(K):
-            v = np.float64(xn[t, k])
-            for m in range(M):
-                acc[m] += v * np.float64(fnT[k, m])
-        for m in range(M):
-            mixes[m] = np.float32(acc[m])
+            mixes[m] = np.float32(acc[tb, m])
         for i in range(C):
             pre[i] = _sigmoid32(mixes[i] * scale[0] + base[i]) + np.float32(eps_hc)
             post[t, i] = np.float32(2.0) * _sigmoid32(mixes[C + i] * scale[1] + base[C + i])
@@ -432,6 +440,71 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb)
             h[t, j] = s
 
 
+(P_X, P_FNT, P_F64, P_SCALE, P_BASE, P_EPS, P_ITERS, P_XN, P_H, P_POST, P_COMB, P_T, P_C, P_H_DIM, P_LEN) = (
+    range(15)
+)
+
+
+def _hc_pre_item(items_ptr, i, op_ptr):
+    """Tokens [it[2], it[3]) of a pooled hc_pre (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, P_LEN)
+    b = i * _pool.ITEM_W
+    t0, t1 = it[b + 2], it[b + 3]
+    T, C, H = op[P_T], op[P_C], op[P_H_DIM]
+    M = (2 + C) * C
+    x = view_f32(op[P_X], T * C * H).reshape((T, C, H))
+    xn = view_f32(op[P_XN], T * C * H).reshape((T, C * H))
+    h = view_f32(op[P_H], T * H).reshape((T, H))
+    post = view_f32(op[P_POST], T * C).reshape((T, C))
+    comb = view_f32(op[P_COMB], T * C * C).reshape((T, C, C))
+    scale = view_f32(op[P_SCALE], 3)
+    base = view_f32(op[P_BASE], M)
+    eps = view_f32(op[P_EPS], 4).view(np.float64)
+    if op[P_F64]:
+        fnT64 = view_f32(op[P_FNT], 2 * C * H * M).view(np.float64).reshape((C * H, M))
+        _hc_pre_rows(
+            x[t0:t1],
+            fnT64,
+            scale,
+            base,
+            eps[0],
+            eps[1],
+            op[P_ITERS],
+            xn[t0:t1],
+            h[t0:t1],
+            post[t0:t1],
+            comb[t0:t1],
+        )
+    else:
+        fnT32 = view_f32(op[P_FNT], C * H * M).reshape((C * H, M))
+        _hc_pre_rows(
+            x[t0:t1],
+            fnT32,
+            scale,
+            base,
+            eps[0],
+            eps[1],
+            op[P_ITERS],
+            xn[t0:t1],
+            h[t0:t1],
+            post[t0:t1],
+            comb[t0:t1],
+        )
+
+
+_POOL_MIN_TOKENS = 8  # hc_pre / hc_post steps of fewer tokens run on the calling thread
+
+
+def _run_token_ranges(pool: Any, fn: Any, op: np.ndarray, T: int) -> None:
+    """Run the K_CALL item ``fn`` over tokens 0..T in one range per worker (each token is
+    computed by the same code whichever range it lands in: the same bits as one call)."""
+    step = max(1, -(-T // pool.n_workers))
+    items = [(_pool.K_CALL, _pool.call_item_address(fn), t, min(T, t + step)) for t in range(0, T, step)]
+    job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+    pool.run_arrays(job.items, job.bounds, job.op)
+
+
 def hc_pre(
     x: np.ndarray,
     fnT: np.ndarray,
@@ -440,13 +513,15 @@ def hc_pre(
     eps_rms: float,
     eps_hc: float,
     iters: int,
+    pool: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ds4_ops.hc_pre (build_hc_pre) compiled, one pass per token: x float32 [T, C, H];
     fnT the mixing matrix as :func:`mix_table` gives it ([C*H, M] float32 or float64); scale [3]; base
     [M]. Returns (h [T, H], post [T, C], comb [T, C, C]) float32. The mixes sum in float64
     over the C*H terms in order (the reference: BLAS's order, both rounded to float32), the
     rest in the reference's arithmetic. Streams C < 8 (the Sinkhorn loops' exact-copy range;
-    V4 has 4). ValueError for shapes that do not agree."""
+    V4 has 4). ``pool``: a WorkerPool to spread the tokens over when there are at least
+    _POOL_MIN_TOKENS (the same bits). ValueError for shapes that do not agree."""
     T, C, H = x.shape
     if fnT.shape != (C * H, (2 + C) * C) or base.shape[0] != (2 + C) * C or C >= 8:
         raise ValueError(f"hc_pre: x {x.shape}, mixing table {fnT.shape}, base {base.shape} do not agree")
@@ -454,15 +529,40 @@ def hc_pre(
     h = np.empty((T, H), np.float32)
     post = np.empty((T, C), np.float32)
     comb = np.empty((T, C, C), np.float32)
+    sc = np.ascontiguousarray(scale, dtype=np.float32)
+    bs = np.ascontiguousarray(base, dtype=np.float32)
+    xn = np.empty((T, C * H), np.float32)
+    if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
+        fn = np.ascontiguousarray(fnT)
+        if fn.dtype not in (np.float32, np.float64):
+            fn = fn.astype(np.float64)
+        eps = np.array([eps_rms, eps_hc], np.float64)
+        op = np.zeros(P_LEN, np.int64)
+        op[P_X], op[P_FNT], op[P_F64] = xc.ctypes.data, fn.ctypes.data, int(fn.dtype == np.float64)
+        op[P_SCALE], op[P_BASE], op[P_EPS], op[P_ITERS] = (
+            sc.ctypes.data,
+            bs.ctypes.data,
+            eps.ctypes.data,
+            iters,
+        )
+        op[P_XN], op[P_H], op[P_POST], op[P_COMB] = (
+            xn.ctypes.data,
+            h.ctypes.data,
+            post.ctypes.data,
+            comb.ctypes.data,
+        )
+        op[P_T], op[P_C], op[P_H_DIM] = T, C, H
+        _run_token_ranges(pool, _hc_pre_item, op, T)
+        return h, post, comb
     _hc_pre_rows(
         xc,
         fnT,
-        np.ascontiguousarray(scale, dtype=np.float32),
-        np.ascontiguousarray(base, dtype=np.float32),
+        sc,
+        bs,
         np.float64(eps_rms),
         np.float64(eps_hc),
         int(iters),
-        np.empty((T, C * H), np.float32),
+        xn,
         h,
         post,
         comb,
@@ -487,19 +587,42 @@ def _hc_post_rows(y, x, post, comb, out):
                 out[t, dst, j] = p * y[t, j] + out[t, dst, j]
 
 
-def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+(Q_Y, Q_X, Q_POST, Q_COMB, Q_OUT, Q_T, Q_C, Q_H, Q_LEN) = range(9)
+
+
+def _hc_post_item(items_ptr, i, op_ptr):
+    """Tokens [it[2], it[3]) of a pooled hc_post (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, Q_LEN)
+    b = i * _pool.ITEM_W
+    t0, t1 = it[b + 2], it[b + 3]
+    T, C, H = op[Q_T], op[Q_C], op[Q_H]
+    y = view_f32(op[Q_Y], T * H).reshape((T, H))
+    x = view_f32(op[Q_X], T * C * H).reshape((T, C, H))
+    post = view_f32(op[Q_POST], T * C).reshape((T, C))
+    comb = view_f32(op[Q_COMB], T * C * C).reshape((T, C, C))
+    out = view_f32(op[Q_OUT], T * C * H).reshape((T, C, H))
+    _hc_post_rows(y[t0:t1], x[t0:t1], post[t0:t1], comb[t0:t1], out[t0:t1])
+
+
+def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray, pool: Any = None) -> np.ndarray:
     """ds4_ops.hc_post (build_hc_post) compiled: x'[dst] = post[dst] y + sum_src comb[src, dst]
     x[src] in float32, the sum over src in order. y [T, H], x [T, C, H], post [T, C], comb
-    [T, C, C] -> float32 [T, C, H]."""
+    [T, C, C] -> float32 [T, C, H]. ``pool``: as :func:`hc_pre`'s (the same bits)."""
     T, C, H = x.shape
     out = np.empty((T, C, H), np.float32)
-    _hc_post_rows(
-        np.ascontiguousarray(y, dtype=np.float32),
-        np.ascontiguousarray(x, dtype=np.float32),
-        np.ascontiguousarray(post, dtype=np.float32),
-        np.ascontiguousarray(comb, dtype=np.float32),
-        out,
-    )
+    yc = np.ascontiguousarray(y, dtype=np.float32)
+    xc = np.ascontiguousarray(x, dtype=np.float32)
+    pc = np.ascontiguousarray(post, dtype=np.float32)
+    cc = np.ascontiguousarray(comb, dtype=np.float32)
+    if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
+        op = np.array(
+            [yc.ctypes.data, xc.ctypes.data, pc.ctypes.data, cc.ctypes.data, out.ctypes.data, T, C, H],
+            np.int64,
+        )
+        _run_token_ranges(pool, _hc_post_item, op, T)
+        return out
+    _hc_post_rows(yc, xc, pc, cc, out)
     return out
 
 

@@ -563,14 +563,16 @@ class Deepseek4(Architecture):
         if "hc_attn_fnT" not in d:  # the mixing matrices as the compiled hc_pre reads them
             d["hc_attn_fnT"], d["hc_ffn_fnT"] = dc.mix_table(d["hc_attn_fn"]), dc.mix_table(d["hc_ffn_fn"])
         # compiled ds4_ops.hc_pre / hc_post (ds4_compiled; the same formulas)
+        # multi-token steps spread the tokens over the worker pool (the same bits)
+        pool = getattr(getattr(be.m, "ops", None), "pool", None) if T > 1 else None
         h, post, comb = dc.hc_pre(xs, d["hc_attn_fnT"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters)
+                                  hp.hc_eps, hp.hc_iters, pool)
         h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
-        xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
+        xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb, pool)
         h, post, comb = dc.hc_pre(xs, d["hc_ffn_fnT"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters)
+                                  hp.hc_eps, hp.hc_iters, pool)
         h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
-        xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
+        xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb, pool)
         return _back(be, xs.reshape(T, C * H))
 
     def final_norm(self, be, x, w):
@@ -650,8 +652,11 @@ class Deepseek4(Architecture):
                     # numpy + BLAS dgemm: ds4_compiled.indexer_top_k makes the same choice but took
                     # 3x the CPU time on a quiet AVX2 host (0.67 vs 0.21 ms at 128 rows, 6.3 vs 2.2
                     # at 1024; 64 heads of 128)
-                    visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
-                                      hp.indexer_top_k)
+                    # a query with at most top_k visible rows keeps them all (ds4_ops.top_k_rows):
+                    # the scores are needed only when some query of the span sees more
+                    if nb > hp.indexer_top_k and int(visible.sum(axis=1).max()) > hp.indexer_top_k:
+                        visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
+                                          hp.indexer_top_k)
                 comp_rows, comp_mask = comp, visible
             else:
                 comp_rows = comp_mask = None
