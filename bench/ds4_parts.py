@@ -22,7 +22,8 @@ prompt token. Parts:
     attention        softmax attention over the window and the selected compressed rows
     hc pre / post    the hyper-connection mixes (pre: rms + mix + h; post: stream update)
     sinkhorn         the mixing matrix's normalisations (inside hc pre)
-    norms            rmsnorms outside the above (attn/ffn/q_a/kv norms, per-head q)
+    norms            rmsnorms outside the above (attn/ffn/q_a/kv norms, per-head q; in a
+                     multi-token step q's rope and float16 rounding too: one fused pass)
     rope             q / kv rope, inverse rope of the output
     router           router logits, sqrt-softplus, top-k routing
     moe              the routed experts (fused MoE step)
@@ -182,6 +183,13 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
             ("indexer_top_k", "indexer top-k"),
         ):
             patch(ds4_compiled, name, outer(part))
+        # multi-token steps: q's per-head rms + rope + float16 rounding in one pass (norms),
+        # the output's inverse rope (rope)
+        patch(
+            ds4_compiled,
+            "heads_inplace",
+            lambda a: None if len(timer.stack) != 1 else "norms" if a[5] else "rope",
+        )
     patch(deepseek4, "_top_k", outer("indexer top-k"))
     patch(deepseek4.Deepseek4, "_compress", outer("compressor"))
     orig_block = deepseek4.Deepseek4._block

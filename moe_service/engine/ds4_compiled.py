@@ -32,8 +32,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from moe_service.engine import pool as _pool
-from moe_service.engine.cpu_layers import _f16_bits_to_f32
-from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
+from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
+from moe_service.engine.ds4_ops import _rms_rows, _rope_last_rows, _sinkhorn_iters
 from moe_service.engine.quant.ir import (
     _F32,
     _I8,
@@ -363,6 +363,94 @@ def attend_rows(
         )
     del n_keys
     return out.reshape(T, NH, D)
+
+
+# ---------------------------------------------------------------------------------------
+# the query heads and the output's inverse rope, multi-token steps
+
+
+@njit(**_JIT)
+def _heads_rows(x, pos, cos, sin, eps, mode, t0, t1):
+    """Tokens t0..t1 of x float32 [T, NH, D] in place. mode 0 (the queries): per head
+    ds4_ops.rms (no weight), then ds4_ops.rope_last on the last dims, then rounded to float16
+    and back (as attention's caller rounds q); mode 1 (the output): the inverse rope only.
+    The same functions as the references (_rms_rows, _rope_last_rows), row by row."""
+    T, NH, D = x.shape
+    xs = x[t0:t1]
+    if mode == 0:
+        flat = xs.reshape(((t1 - t0) * NH, D))
+        _rms_rows(flat, eps, flat)  # a row's sum of squares is taken before it is written
+        _rope_last_rows(xs, pos[t0:t1], cos, sin, False)
+        for r in range(flat.shape[0]):
+            for d in range(D):
+                flat[r, d] = _f16_bits_to_f32(_f32_to_f16_bits(flat[r, d]))
+    else:
+        _rope_last_rows(xs, pos[t0:t1], cos, sin, True)
+
+
+(E_X, E_POS, E_COS, E_SIN, E_EPS, E_MODE, E_T, E_NH, E_D, E_NCTX, E_HALF, E_LEN) = range(12)
+
+
+def _heads_item(items_ptr, i, op_ptr):
+    """Tokens [it[2], it[3]) of a pooled :func:`heads_inplace` (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, E_LEN)
+    b = i * _pool.ITEM_W
+    T, NH, D, n_ctx, half = op[E_T], op[E_NH], op[E_D], op[E_NCTX], op[E_HALF]
+    x = view_f32(op[E_X], T * NH * D).reshape((T, NH, D))
+    pos = view_i64(op[E_POS], T)
+    cos = view_f32(op[E_COS], n_ctx * half).reshape((n_ctx, half))
+    sin = view_f32(op[E_SIN], n_ctx * half).reshape((n_ctx, half))
+    eps = view_f32(op[E_EPS], 2).view(np.float64)[0]
+    _heads_rows(x, pos, cos, sin, eps, op[E_MODE], it[b + 2], it[b + 3])
+
+
+def heads_inplace(
+    x: np.ndarray,
+    pos: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    eps: float,
+    queries: bool,
+    pool: Any = None,
+) -> np.ndarray:
+    """In place on x float32 [T, NH, D] (C-contiguous): ``queries``: ds4_ops.rms per head,
+    ds4_ops.rope_last, then rounded to float16 and back (deepseek4's q as attend_rows takes
+    it); else ds4_ops.rope_last(..., inverse=True) (the output). pos int64 [T]; cos / sin
+    float32 [n_ctx, R/2]. Bit for bit those references; ``pool``: a WorkerPool to spread the
+    tokens over when there are at least _POOL_MIN_TOKENS. Returns x. ValueError for arrays
+    this does not take, IndexError for a position outside the tables."""
+    if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
+        raise ValueError(f"heads_inplace: x must be C-contiguous float32 [T, NH, D], got {x.dtype} {x.shape}")
+    T, NH, D = x.shape
+    c32 = np.ascontiguousarray(cos, dtype=np.float32)
+    s32 = np.ascontiguousarray(sin, dtype=np.float32)
+    half = c32.shape[1]
+    if s32.shape != c32.shape or not 0 < 2 * half <= D or cos.dtype != np.float32 or sin.dtype != np.float32:
+        raise ValueError(f"heads_inplace: x {x.shape} and tables {cos.shape} {cos.dtype} do not agree")
+    p = np.ascontiguousarray(pos, dtype=np.int64).reshape(-1)
+    if p.shape[0] != T:
+        raise ValueError(f"heads_inplace: {p.shape[0]} positions for {T} rows")
+    if p.size and (p.min() < 0 or p.max() >= c32.shape[0]):
+        raise IndexError(
+            f"heads_inplace: positions {p.min()}..{p.max()} outside the tables' {c32.shape[0]} rows"
+        )
+    mode = 0 if queries else 1
+    if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
+        eps_w = np.array([eps], np.float64)
+        op = np.zeros(E_LEN, np.int64)
+        op[E_X], op[E_POS], op[E_COS], op[E_SIN] = (
+            x.ctypes.data,
+            p.ctypes.data,
+            c32.ctypes.data,
+            s32.ctypes.data,
+        )
+        op[E_EPS], op[E_MODE], op[E_T], op[E_NH], op[E_D] = eps_w.ctypes.data, mode, T, NH, D
+        op[E_NCTX], op[E_HALF] = c32.shape[0], half
+        _run_token_ranges(pool, _heads_item, op, T)
+    else:
+        _heads_rows(x, p, c32, s32, np.float64(eps), mode, 0, T)
+    return x
 
 
 # ---------------------------------------------------------------------------------------

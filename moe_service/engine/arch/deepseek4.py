@@ -606,7 +606,12 @@ class Deepseek4(Architecture):
         qr = be.rmsnorm(proj["attn_q_a"], lw.vecs["attn_q_a_norm"], hp.rms_eps)
         qr_names = ("attn_q_b", "indexer.attn_q_b") if ratio == 4 else ("attn_q_b",)
         proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
-        q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
+        pool = getattr(getattr(be.m, "ops", None), "pool", None)
+        if T > 1:  # multi-token steps: per-head rms, rope and float16 rounding in place, pooled (the same bits)
+            q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # a fresh array
+            q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool)
+        else:
+            q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
         kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
@@ -622,7 +627,6 @@ class Deepseek4(Architecture):
         state = self._state(be, il)
         kvc = be.m.kv
         ring, W = state["raw"], hp.window
-        pool = getattr(getattr(be.m, "ops", None), "pool", None)
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
@@ -660,11 +664,14 @@ class Deepseek4(Architecture):
                 comp_rows, comp_mask = comp, visible
             else:
                 comp_rows = comp_mask = None
-            qh = q[a:e].astype(np.float16).astype(np.float32)
+            qh = q[a:e] if T > 1 else q[a:e].astype(np.float16).astype(np.float32)  # (T > 1: rounded above)
             # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows
             out[a:e] = dc.attend_rows(qh, win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
                                       pool)
-        o = ops.rope_last(out, pos, cos, sin, inverse=True)
+        if T > 1:
+            o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool)
+        else:
+            o = ops.rope_last(out, pos, cos, sin, inverse=True)
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
         if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch

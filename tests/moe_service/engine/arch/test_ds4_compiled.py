@@ -107,6 +107,62 @@ def test_hc_post_is_numpy_bit_for_bit(T, H):
     assert np.array_equal(dc.hc_post(y, x, post, comb), ds4_ops.hc_post(y, x, post, comb))
 
 
+@pytest.mark.parametrize("T, H", [(8, 256), (21, 4096)])
+def test_hc_pre_post_pooled_are_the_same_bits(T, H, pool):
+    """A prefill step's tokens spread over the pool, 8 mixes per pass over the table: each
+    token's bits as computed alone (the prefix cache's chunking does not move them)."""
+    rng = np.random.default_rng(T * 3 + H)
+    x, fn, scale, base = _hc_case(rng, T, H=H)
+    for table in (dc.mix_table(fn), dc.mix_table(fn + 1e-9)):  # float32 and float64 tables
+        one = dc.hc_pre(x, table, scale, base, 1e-6, 1e-6, 20)
+        pooled = dc.hc_pre(x, table, scale, base, 1e-6, 1e-6, 20, pool)
+        assert all(np.array_equal(a, b) for a, b in zip(one, pooled, strict=True))
+        for t in (0, 7, T - 1):
+            alone = dc.hc_pre(x[t : t + 1], table, scale, base, 1e-6, 1e-6, 20)
+            assert all(np.array_equal(a[0], b[t]) for a, b in zip(alone, one, strict=True))
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    _, post, comb = one
+    want = ds4_ops.hc_post(y, x, post, comb)
+    assert np.array_equal(dc.hc_post(y, x, post, comb, pool), want)
+
+
+@pytest.mark.parametrize("T, NH, D, R", [(9, 64, 512, 64), (3, 4, 64, 16), (16, 5, 48, 8)])
+def test_heads_inplace_is_rms_rope_and_float16_rounding(T, NH, D, R, pool):
+    rng = np.random.default_rng(T + NH + D)
+    x = (rng.standard_normal((T, NH, D)) * 3).astype(np.float32)
+    x[0, 0, :3] = [0.0, 7e4, -1e-30]  # float16 overflow and underflow round as numpy's cast
+    pos = rng.integers(0, 300, T)
+    ang = rng.random((300, R // 2)).astype(np.float32) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want_q = ds4_ops.rope_last(ds4_ops.rms(x, 1e-6), pos, cos, sin).astype(np.float16).astype(np.float32)
+    want_o = ds4_ops.rope_last(x, pos, cos, sin, inverse=True)
+    for p in (None, pool):
+        assert np.array_equal(dc.heads_inplace(x.copy(), pos, cos, sin, 1e-6, True, p), want_q)
+        assert np.array_equal(dc.heads_inplace(x.copy(), pos, cos, sin, 1e-6, False, p), want_o)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dc.heads_inplace(x[:, :, ::2], pos, cos, sin, 1e-6, True)
+    with pytest.raises(IndexError, match="outside"):
+        dc.heads_inplace(x.copy(), pos + 300, cos, sin, 1e-6, True)
+
+
+def test_attend_rows_multi_token_step_rows_as_alone(pool):
+    """A prefill-sized step (odd key counts, an odd head count at the pool's split): every
+    (token, head) row the same bits as that token alone, pooled or not."""
+    rng = np.random.default_rng(5)
+    T, NH, D, Nw, Nc = 12, 7, 64, 37, 23
+    q, win, comp, mw, mc, sinks = _attn_case(rng, T, NH, D, Nw, Nc)
+    got = dc.attend_rows(q, win, comp, mw, mc, sinks, 0.125)
+    assert np.array_equal(dc.attend_rows(q, win, comp, mw, mc, sinks, 0.125, pool), got)
+    want = ds4_ops.attend_sinks(
+        q, np.concatenate([win, comp]).astype(np.float32), np.concatenate([mw, mc], axis=1), sinks, 0.125
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    for t in range(T):
+        alone = dc.attend_rows(q[t : t + 1], win, comp, mw[t : t + 1], mc[t : t + 1], sinks, 0.125)
+        assert np.array_equal(alone[0], got[t])
+
+
 def test_hc_pre_refuses_a_table_of_another_shape():
     rng = np.random.default_rng(1)
     x, fn, scale, base = _hc_case(rng, 1, H=64)
