@@ -181,6 +181,7 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
             ("hc_pre", "hc pre"),
             ("hc_post", "hc post"),
             ("indexer_top_k", "indexer top-k"),
+            ("lid_top_k", "indexer top-k"),
         ):
             patch(ds4_compiled, name, outer(part))
         # multi-token steps: q's per-head rms + rope + float16 rounding in one pass (norms),

@@ -195,3 +195,30 @@ def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
     assert np.array_equal(got, want)
     assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
     assert np.array_equal(dc.indexer_top_k(q, w, k, visible, top_k, pool), got)  # pooled: the same choice
+
+
+@pytest.mark.parametrize(
+    "n, Ni, Di, nb, top_k",
+    [(6, 64, 128, 700, 512), (9, 5, 30, 23, 4), (4, 3, 16, 9, 2), (3, 4, 64, 40, 64)],
+)
+def test_lid_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
+    """The layer's indexer (blocked float64 dots, pooled over the queries) chooses as
+    deepseek4._top_k on prefix-visible rows; a query alone chooses as in its step."""
+    from moe_service.engine.arch.deepseek4 import _top_k
+
+    rng = np.random.default_rng(n * 100 + nb)
+    q = rng.standard_normal((n, Ni, Di)).astype(np.float32)
+    w = rng.standard_normal((n, Ni)).astype(np.float32)
+    k = rng.standard_normal((nb, Di)).astype(np.float16)
+    k[3] = 0  # exact zero scores: ties broken in ggml's order
+    n_vis = rng.integers(1, nb + 1, n)
+    n_vis[0] = nb
+    visible = np.arange(nb)[None, :] < n_vis[:, None]
+    want = _top_k(q, w, k.astype(np.float32), visible, top_k) & visible
+    got = dc.lid_top_k(q, w, k, n_vis, top_k)
+    assert got.dtype == np.bool_ and np.array_equal(got, want)
+    assert np.array_equal(dc.lid_top_k(q, w, k, n_vis, top_k, pool), got)
+    for t in (0, n - 1):
+        assert np.array_equal(dc.lid_top_k(q[t : t + 1], w[t : t + 1], k, n_vis[t : t + 1], top_k)[0], got[t])
+    with pytest.raises(ValueError, match="do not agree"):
+        dc.lid_top_k(q, w[:, :1], k, n_vis, top_k)
