@@ -605,7 +605,11 @@ class Deepseek4(Architecture):
         proj = dict(zip(h_names, be.linear(lw, h_names, h), strict=True))
         qr = be.rmsnorm(proj["attn_q_a"], lw.vecs["attn_q_a_norm"], hp.rms_eps)
         qr_names = ("attn_q_b", "indexer.attn_q_b") if ratio == 4 else ("attn_q_b",)
-        proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
+        if T > 1 and ratio == 4:  # apart: q's own [T, NH*D] buffer, no strided 16 MB copy (the same results)
+            for name in qr_names:
+                proj.update(zip((name,), be.linear(lw, (name,), qr), strict=True))
+        else:
+            proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
         pool = getattr(getattr(be.m, "ops", None), "pool", None)
         if T > 1:  # multi-token steps: per-head rms, rope and float16 rounding in place, pooled (the same bits)
             q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # a fresh array
