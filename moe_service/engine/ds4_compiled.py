@@ -345,6 +345,8 @@ def attend_rows(
         )
         rows = T * NH
         step = max(1, -(-rows // n_workers))  # one range of heads per worker: each reads the keys once
+        if T > 1:  # whole tokens, ~4 items per worker: the pool balances a worker that is held up
+            step = NH * max(1, -(-T // (4 * n_workers)))
         fn = _attend_address()
         items = [(_pool.K_CALL, fn, r, min(rows, r + step)) for r in range(0, rows, step)]
         job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
@@ -586,9 +588,11 @@ _POOL_MIN_TOKENS = 8  # hc_pre / hc_post steps of fewer tokens run on the callin
 
 
 def _run_token_ranges(pool: Any, fn: Any, op: np.ndarray, T: int) -> None:
-    """Run the K_CALL item ``fn`` over tokens 0..T in one range per worker (each token is
-    computed by the same code whichever range it lands in: the same bits as one call)."""
-    step = max(1, -(-T // pool.n_workers))
+    """Run the K_CALL item ``fn`` over tokens 0..T in ranges (each token is computed by the
+    same code whichever range it lands in: the same bits as one call)."""
+    # ~4 ranges per worker, of at least _MIX_TOKENS: the pool's workers claim them as they go,
+    # so one held up by another process does not hold the step
+    step = max(_MIX_TOKENS, -(-T // (4 * pool.n_workers)))
     items = [(_pool.K_CALL, _pool.call_item_address(fn), t, min(T, t + step)) for t in range(0, T, step)]
     job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
     pool.run_arrays(job.items, job.bounds, job.op)
