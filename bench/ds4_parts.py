@@ -1,10 +1,15 @@
-"""Where a DeepSeek V4 (``deepseek4``) decode step spends its time, per part of the layer.
+"""Where a DeepSeek V4 (``deepseek4``) decode step or prefill spends its time, per part of the layer.
 
-Prefills ``--depth`` tokens of ordinary text (bench.decode.depth_ids), then times ``--decode``
-single-token steps with each part of the layer wrapped by a timer (exclusive times: a part
-called inside another is subtracted from it; a part's own helpers, e.g. the rms inside
-hc_pre, stay in it). Reports milliseconds per layer per decoded token, per compress ratio
-and the mean over the trunk layers:
+Decode (the default): prefills ``--depth`` tokens of ordinary text (bench.decode.depth_ids),
+then times ``--decode`` single-token steps with each part of the layer wrapped by a timer
+(exclusive times: a part called inside another is subtracted from it; a part's own helpers,
+e.g. the rms inside hc_pre, stay in it). Reports milliseconds per layer per decoded token,
+per compress ratio and the mean over the trunk layers.
+
+Prefill (``--prefill``): times the ``--depth``-token prefill itself (``--ubatch``-token steps
+from an empty slot, after an untimed warm-up prefill of one step on another slot), with the
+same parts: milliseconds per layer for the whole prefill, and microseconds per layer per
+prompt token. Parts:
 
     attn proj        q_a/kv, q_b, output a/b matmuls (be.linear, be.head_linear; where one
                      dispatch computes every projection of h, the compressor's and the
@@ -17,7 +22,8 @@ and the mean over the trunk layers:
     attention        softmax attention over the window and the selected compressed rows
     hc pre / post    the hyper-connection mixes (pre: rms + mix + h; post: stream update)
     sinkhorn         the mixing matrix's normalisations (inside hc pre)
-    norms            rmsnorms outside the above (attn/ffn/q_a/kv norms, per-head q)
+    norms            rmsnorms outside the above (attn/ffn/q_a/kv norms, per-head q; in a
+                     multi-token step q's rope and float16 rounding too: one fused pass)
     rope             q / kv rope, inverse rope of the output
     router           router logits, sqrt-softplus, top-k routing
     moe              the routed experts (fused MoE step)
@@ -27,6 +33,7 @@ and the mean over the trunk layers:
 Command (the numbers depend on the machine's load: compare runs made back to back)::
 
     PYTHONPATH=. python -m bench.ds4_parts --model V4.gguf --depth 512 --decode 16 --threads 2 [--json OUT]
+    PYTHONPATH=. python -m bench.ds4_parts --model V4.gguf --prefill --depth 2048 --threads 2 [--ubatch 128]
 """
 
 from __future__ import annotations
@@ -169,10 +176,27 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
     except ImportError:
         ds4_compiled = None
     if ds4_compiled is not None:
-        for name, part in (("attend_rows", "attention"), ("attend_one", "attention"), ("hc_pre", "hc pre"),
-                           ("hc_post", "hc post"), ("indexer_top_k", "indexer top-k"),
-                           ("index_one", "indexer top-k")):
+        for name, part in (
+            ("attend_rows", "attention"),
+            ("attend_one", "attention"),
+            ("hc_pre", "hc pre"),
+            ("hc_post", "hc post"),
+        ):
             patch(ds4_compiled, name, outer(part))
+        # multi-token steps: q's per-head rms + rope + float16 rounding in one pass (norms),
+        # the output's inverse rope (rope)
+        patch(
+            ds4_compiled,
+            "heads_inplace",
+            lambda a: None if len(timer.stack) != 1 else "norms" if a[5] else "rope",
+        )
+    try:  # the compiled indexer (moe_service.engine.ds4_indexer), where this tree has it
+        from moe_service.engine import ds4_indexer
+    except ImportError:
+        ds4_indexer = None
+    if ds4_indexer is not None:
+        for name in ("index_one", "lid_top_k"):
+            patch(ds4_indexer, name, outer("indexer top-k"))
     patch(deepseek4, "_top_k", outer("indexer top-k"))
     patch(deepseek4.Deepseek4, "_compress", outer("compressor"))
     orig_block = deepseek4.Deepseek4._block
@@ -186,8 +210,11 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
     return restore
 
 
-def profile(path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 128) -> dict:
-    """Per-part ms per layer per decoded token at ``depth`` (see the module docstring)."""
+def profile(
+    path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 128, prefill: bool = False
+) -> dict:
+    """Per-part ms per layer per decoded token at ``depth``, or (``prefill``) per-part ms per
+    layer of the ``depth``-token prefill (see the module docstring)."""
     import torch
 
     torch.set_num_threads(1)
@@ -203,46 +230,58 @@ def profile(path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 1
     weights = WeightStore.load_simple(catalog)
     ops = CpuOps(threads=threads)
     try:
-        model = Model(catalog, weights, ops, n_seq=1, n_ctx=depth + n_decode + 8)
+        model = Model(catalog, weights, ops, n_seq=2 if prefill else 1, n_ctx=depth + n_decode + 8)
         ratios = list(model.arch.hp.compress_ratios[: model.arch.hp.n_layer])
         timer = PartTimer(ratios)
         restore = instrument(timer)
         try:
             ids = depth_ids(catalog, depth + 1)
+            if prefill:  # warm-up: one step's shapes compiled and the weights touched, untimed
+                w = model.kv.alloc()
+                model.step([(w, ids[: min(depth, ubatch)])], want_logits=[True])
+                model.kv.free(w)
+                timer.on = True
             s = model.kv.alloc()
+            t0 = time.perf_counter()
             for a in range(0, depth, ubatch):
                 model.step([(s, ids[a : min(depth, a + ubatch)])], want_logits=[a + ubatch >= depth])
-            tok = ids[depth]
-            for _ in range(2):  # warm-up: the decode shapes compiled, the caches touched
-                tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
-            timer.on = True
-            t0 = time.perf_counter()
-            for _ in range(n_decode):
-                tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
-            step_s = (time.perf_counter() - t0) / n_decode
+            prefill_s = time.perf_counter() - t0
             timer.on = False
+            step_s = prefill_s
+            if not prefill:
+                tok = ids[depth]
+                for _ in range(2):  # warm-up: the decode shapes compiled, the caches touched
+                    tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
+                timer.on = True
+                t0 = time.perf_counter()
+                for _ in range(n_decode):
+                    tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
+                step_s = (time.perf_counter() - t0) / n_decode
+                timer.on = False
         finally:
             restore()
     finally:
         ops.close()
     kinds = sorted(set(ratios))
+    n_steps = sum(timer.layer_calls.values()) // max(1, len(ratios))  # steps timed (per layer)
+    per = {r: (timer.layer_calls[r] / max(1, n_steps) if prefill else timer.layer_calls[r]) for r in kinds}
+    n_all = sum(per.values())  # decode: layer calls; prefill: layers (each over the whole prefill)
     table: dict[str, dict[str, float]] = {}
     for part in PARTS:
         row = {}
         for r in kinds:
-            calls = timer.layer_calls[r]
-            row[f"ratio_{r}"] = timer.excl[(r, part)] / calls * 1e3 if calls else 0.0
-        row["mean"] = (
-            sum(timer.excl[(r, part)] for r in kinds) / max(1, sum(timer.layer_calls.values())) * 1e3
-        )
+            row[f"ratio_{r}"] = timer.excl[(r, part)] / per[r] * 1e3 if per[r] else 0.0
+        row["mean"] = sum(timer.excl[(r, part)] for r in kinds) / max(1, n_all) * 1e3
         table[part] = row
-    total = {f"ratio_{r}": timer.layer_s[r] / max(1, timer.layer_calls[r]) * 1e3 for r in kinds}
-    total["mean"] = sum(timer.layer_s.values()) / max(1, sum(timer.layer_calls.values())) * 1e3
+    total = {f"ratio_{r}": timer.layer_s[r] / max(1, per[r]) * 1e3 for r in kinds}
+    total["mean"] = sum(timer.layer_s.values()) / max(1, n_all) * 1e3
     return {
         "model": str(path),
+        "mode": "prefill" if prefill else "decode",
         "threads": threads,
         "depth": depth,
-        "n_decode": n_decode,
+        "ubatch": ubatch,
+        "n_decode": 0 if prefill else n_decode,
         "ratios": ratios,
         "step_ms": step_s * 1e3,
         "parts_ms_per_layer": table,
@@ -253,15 +292,28 @@ def profile(path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 1
 
 def format_table(r: dict) -> str:
     cols = [k for k in next(iter(r["parts_ms_per_layer"].values()))]
-    lines = [
-        f"deepseek4 decode step by part: {Path(r['model']).name}, depth {r['depth']}, {r['n_decode']} steps, "
-        f"{r['threads']} thread(s), step {r['step_ms']:.1f} ms, load average {r['load_average'][0]:.2f}",
-        "ms per layer per decoded token",
-        f"{'part':18s}" + "".join(f"{c:>10s}" for c in cols),
-    ]
-    for part, row in r["parts_ms_per_layer"].items():
-        lines.append(f"{part:18s}" + "".join(f"{row[c]:10.3f}" for c in cols))
-    lines.append(f"{'layer total':18s}" + "".join(f"{r['layer_ms'][c]:10.3f}" for c in cols))
+    prefill = r.get("mode") == "prefill"
+    if prefill:
+        d = max(1, r["depth"])
+        head = [
+            f"deepseek4 prefill by part: {Path(r['model']).name}, {r['depth']} tokens in {r['ubatch']}-token steps, "
+            f"{r['threads']} thread(s), prefill {r['step_ms'] / 1e3:.2f} s, load average {r['load_average'][0]:.2f}",
+            "ms per layer for the whole prefill (and the mean in us per layer per token)",
+            f"{'part':18s}" + "".join(f"{c:>10s}" for c in cols) + f"{'us/token':>10s}",
+        ]
+    else:
+        head = [
+            f"deepseek4 decode step by part: {Path(r['model']).name}, depth {r['depth']}, {r['n_decode']} steps, "
+            f"{r['threads']} thread(s), step {r['step_ms']:.1f} ms, load average {r['load_average'][0]:.2f}",
+            "ms per layer per decoded token",
+            f"{'part':18s}" + "".join(f"{c:>10s}" for c in cols),
+        ]
+    lines = head
+    for part, row in list(r["parts_ms_per_layer"].items()) + [("layer total", r["layer_ms"])]:
+        line = f"{part:18s}" + "".join(f"{row[c]:10.3f}" for c in cols)
+        if prefill:
+            line += f"{row['mean'] * 1e3 / d:10.1f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -271,12 +323,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="worker threads (default: usable CPUs)")
     ap.add_argument("--depth", type=int, default=512, help="tokens prefilled before the timed steps")
     ap.add_argument("--decode", type=int, default=16, help="decode steps timed")
+    ap.add_argument(
+        "--prefill", action="store_true", help="time the --depth-token prefill instead of decode steps"
+    )
+    ap.add_argument("--ubatch", type=int, default=128, help="prefill step size in tokens (default 128)")
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     a = ap.parse_args(argv)
     if not a.model.is_file():
         print(f"bench.ds4_parts: {a.model} does not exist", file=sys.stderr)
         return 2
-    r = profile(a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode)
+    r = profile(a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill)
     print(format_table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))

@@ -4,9 +4,8 @@ formula of its numpy reference in :mod:`moe_service.engine.ds4_ops` /
 compares them): the attention over the raw window plus the selected compressed rows
 (:func:`attend_rows`, reference ``ds4_ops.attend_sinks`` on the concatenated keys), the
 hyper-connection pre / post mixes (:func:`hc_pre`, :func:`hc_post`; references
-``ds4_ops.hc_pre`` / ``ds4_ops.hc_post``) and the lightning indexer's scores and top-k
-(:func:`indexer_top_k`, reference ``deepseek4._top_k``; not used by the layer: on a quiet
-AVX2 host it took 3x the CPU time of numpy's BLAS dgemm, 6.3 vs 2.2 ms at 1024 rows).
+``ds4_ops.hc_pre`` / ``ds4_ops.hc_post``) and q's per-head rms, rope and float16 rounding
+(:func:`heads_inplace`). The lightning indexer is in :mod:`moe_service.engine.ds4_indexer`.
 
 Every kernel computes a row (a token, a (token, head) pair) by the same code and in the same
 order whatever the number of rows in the step and whichever worker runs it, so a prompt's
@@ -26,15 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, njit
 
 from moe_service.engine import pool as _pool
 from moe_service.engine.cpu_layers import _f16_bits_to_f32, _f32_to_f16_bits
-from moe_service.engine.ds4_ops import _rms_rows, _sinkhorn_iters
+from moe_service.engine.ds4_ops import _rms_rows, _rope_last_rows, _sinkhorn_iters
 from moe_service.engine.quant.ir import (
     dot4_f32_ggml,
     dot_f32_ggml,
-    index_scores16_f64,
     mix_rows_f64,
     view_f32,
     view_i64,
@@ -42,6 +41,7 @@ from moe_service.engine.quant.ir import (
     wsum4x16_f32,
 )
 
+_F64 = ir.DoubleType()
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 _POOL_MIN_MACS = 1 << 21  # below this an attention step runs on the calling thread
 
@@ -272,6 +272,8 @@ def _attend_keys(q, keys, cols, ncols, sinks, scale, pool):
         )
         rows = T * NH
         step = max(1, -(-rows // n_workers))  # one range of heads per worker: each reads the keys once
+        if T > 1:  # whole tokens, ~4 items per worker: the pool balances a worker that is held up
+            step = NH * max(1, -(-T // (4 * n_workers)))
         fn = _attend_address()
         items = [(_pool.K_CALL, fn, r, min(rows, r + step)) for r in range(0, rows, step)]
         job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
@@ -388,6 +390,94 @@ def attend_one(
 
 
 # ---------------------------------------------------------------------------------------
+# the query heads and the output's inverse rope, multi-token steps
+
+
+@njit(**_JIT)
+def _heads_rows(x, pos, cos, sin, eps, mode, t0, t1):
+    """Tokens t0..t1 of x float32 [T, NH, D] in place. mode 0 (the queries): per head
+    ds4_ops.rms (no weight), then ds4_ops.rope_last on the last dims, then rounded to float16
+    and back (as attention's caller rounds q); mode 1 (the output): the inverse rope only.
+    The same functions as the references (_rms_rows, _rope_last_rows), row by row."""
+    T, NH, D = x.shape
+    xs = x[t0:t1]
+    if mode == 0:
+        flat = xs.reshape(((t1 - t0) * NH, D))
+        _rms_rows(flat, eps, flat)  # a row's sum of squares is taken before it is written
+        _rope_last_rows(xs, pos[t0:t1], cos, sin, False)
+        for r in range(flat.shape[0]):
+            for d in range(D):
+                flat[r, d] = _f16_bits_to_f32(_f32_to_f16_bits(flat[r, d]))
+    else:
+        _rope_last_rows(xs, pos[t0:t1], cos, sin, True)
+
+
+(E_X, E_POS, E_COS, E_SIN, E_EPS, E_MODE, E_T, E_NH, E_D, E_NCTX, E_HALF, E_LEN) = range(12)
+
+
+def _heads_item(items_ptr, i, op_ptr):
+    """Tokens [it[2], it[3]) of a pooled :func:`heads_inplace` (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, E_LEN)
+    b = i * _pool.ITEM_W
+    T, NH, D, n_ctx, half = op[E_T], op[E_NH], op[E_D], op[E_NCTX], op[E_HALF]
+    x = view_f32(op[E_X], T * NH * D).reshape((T, NH, D))
+    pos = view_i64(op[E_POS], T)
+    cos = view_f32(op[E_COS], n_ctx * half).reshape((n_ctx, half))
+    sin = view_f32(op[E_SIN], n_ctx * half).reshape((n_ctx, half))
+    eps = view_f32(op[E_EPS], 2).view(np.float64)[0]
+    _heads_rows(x, pos, cos, sin, eps, op[E_MODE], it[b + 2], it[b + 3])
+
+
+def heads_inplace(
+    x: np.ndarray,
+    pos: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    eps: float,
+    queries: bool,
+    pool: Any = None,
+) -> np.ndarray:
+    """In place on x float32 [T, NH, D] (C-contiguous): ``queries``: ds4_ops.rms per head,
+    ds4_ops.rope_last, then rounded to float16 and back (deepseek4's q as attend_rows takes
+    it); else ds4_ops.rope_last(..., inverse=True) (the output). pos int64 [T]; cos / sin
+    float32 [n_ctx, R/2]. Bit for bit those references; ``pool``: a WorkerPool to spread the
+    tokens over when there are at least _POOL_MIN_TOKENS. Returns x. ValueError for arrays
+    this does not take, IndexError for a position outside the tables."""
+    if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
+        raise ValueError(f"heads_inplace: x must be C-contiguous float32 [T, NH, D], got {x.dtype} {x.shape}")
+    T, NH, D = x.shape
+    c32 = np.ascontiguousarray(cos, dtype=np.float32)
+    s32 = np.ascontiguousarray(sin, dtype=np.float32)
+    half = c32.shape[1]
+    if s32.shape != c32.shape or not 0 < 2 * half <= D or cos.dtype != np.float32 or sin.dtype != np.float32:
+        raise ValueError(f"heads_inplace: x {x.shape} and tables {cos.shape} {cos.dtype} do not agree")
+    p = np.ascontiguousarray(pos, dtype=np.int64).reshape(-1)
+    if p.shape[0] != T:
+        raise ValueError(f"heads_inplace: {p.shape[0]} positions for {T} rows")
+    if p.size and (p.min() < 0 or p.max() >= c32.shape[0]):
+        raise IndexError(
+            f"heads_inplace: positions {p.min()}..{p.max()} outside the tables' {c32.shape[0]} rows"
+        )
+    mode = 0 if queries else 1
+    if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
+        eps_w = np.array([eps], np.float64)
+        op = np.zeros(E_LEN, np.int64)
+        op[E_X], op[E_POS], op[E_COS], op[E_SIN] = (
+            x.ctypes.data,
+            p.ctypes.data,
+            c32.ctypes.data,
+            s32.ctypes.data,
+        )
+        op[E_EPS], op[E_MODE], op[E_T], op[E_NH], op[E_D] = eps_w.ctypes.data, mode, T, NH, D
+        op[E_NCTX], op[E_HALF] = c32.shape[0], half
+        _run_token_ranges(pool, _heads_item, op, T)
+    else:
+        _heads_rows(x, p, c32, s32, np.float64(eps), mode, 0, T)
+    return x
+
+
+# ---------------------------------------------------------------------------------------
 # hyper-connections
 
 
@@ -408,6 +498,9 @@ def _sigmoid32(v):
     return np.float32(1.0 / (1.0 + np.exp(-np.float64(v))))
 
 
+_MIX_TOKENS = 8  # tokens whose mixes share one pass over the mixing table (1.5 MB for V4-Flash)
+
+
 @njit(**_JIT)
 def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb, f32_table):
     """:func:`hc_pre` on x float32 [T, C, H] into h [T, H], post [T, C], comb [T, C, C]; xn
@@ -415,24 +508,28 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
     T, C, H = x.shape
     K, M = fnT.shape
     _rms_rows(x.reshape((T, C * H)), eps_rms, xn)
-    acc = np.empty(M, np.float64)
+    acc = np.empty((_MIX_TOKENS, M), np.float64)
     mixes = np.empty(M, np.float32)
     xn_flat = xn.reshape(-1)
     fnT_flat = fnT.reshape(-1)
     c = np.empty((1, C, C), np.float64)
     pre = np.empty(C, np.float32)
     for t in range(T):
-        if M == 24 and f32_table:  # V4's 4 streams: the 24 sums in registers (the same bits)
+        tb = t % _MIX_TOKENS
+        if T == 1 and M == 24 and f32_table:  # one token, V4's 4 streams: the 24 sums in registers (the same bits)
             mix_rows_f64(xn_flat, t * K, fnT_flat, K, 24, acc)
-        else:
-            for m in range(M):
-                acc[m] = 0.0
-            for k in range(K):
-                v = np.float64(xn[t, k])
+        elif tb == 0:  # the mixes of the next _MIX_TOKENS tokens in one pass over fnT
+            nt = min(_MIX_TOKENS, T - t)
+            for u in range(nt):
                 for m in range(M):
-                    acc[m] += v * np.float64(fnT[k, m])
+                    acc[u, m] = 0.0
+            for k in range(K):
+                for u in range(nt):  # each token's sums in k order: the same bits as one at a time
+                    v = np.float64(xn[t + u, k])
+                    for m in range(M):
+                        acc[u, m] += v * np.float64(fnT[k, m])
         for m in range(M):
-            mixes[m] = np.float32(acc[m])
+            mixes[m] = np.float32(acc[tb, m])
         for i in range(C):
             pre[i] = _sigmoid32(mixes[i] * scale[0] + base[i]) + np.float32(eps_hc)
             post[t, i] = np.float32(2.0) * _sigmoid32(mixes[C + i] * scale[1] + base[C + i])
@@ -459,6 +556,75 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
             h[t, j] = s
 
 
+(P_X, P_FNT, P_F64, P_SCALE, P_BASE, P_EPS, P_ITERS, P_XN, P_H, P_POST, P_COMB, P_T, P_C, P_H_DIM, P_LEN) = (
+    range(15)
+)
+
+
+def _hc_pre_item(items_ptr, i, op_ptr):
+    """Tokens [it[2], it[3]) of a pooled hc_pre (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, P_LEN)
+    b = i * _pool.ITEM_W
+    t0, t1 = it[b + 2], it[b + 3]
+    T, C, H = op[P_T], op[P_C], op[P_H_DIM]
+    M = (2 + C) * C
+    x = view_f32(op[P_X], T * C * H).reshape((T, C, H))
+    xn = view_f32(op[P_XN], T * C * H).reshape((T, C * H))
+    h = view_f32(op[P_H], T * H).reshape((T, H))
+    post = view_f32(op[P_POST], T * C).reshape((T, C))
+    comb = view_f32(op[P_COMB], T * C * C).reshape((T, C, C))
+    scale = view_f32(op[P_SCALE], 3)
+    base = view_f32(op[P_BASE], M)
+    eps = view_f32(op[P_EPS], 4).view(np.float64)
+    if op[P_F64]:
+        fnT64 = view_f32(op[P_FNT], 2 * C * H * M).view(np.float64).reshape((C * H, M))
+        _hc_pre_rows(
+            x[t0:t1],
+            fnT64,
+            scale,
+            base,
+            eps[0],
+            eps[1],
+            op[P_ITERS],
+            xn[t0:t1],
+            h[t0:t1],
+            post[t0:t1],
+            comb[t0:t1],
+            False,
+        )
+    else:
+        fnT32 = view_f32(op[P_FNT], C * H * M).reshape((C * H, M))
+        _hc_pre_rows(
+            x[t0:t1],
+            fnT32,
+            scale,
+            base,
+            eps[0],
+            eps[1],
+            op[P_ITERS],
+            xn[t0:t1],
+            h[t0:t1],
+            post[t0:t1],
+            comb[t0:t1],
+            True,
+        )
+
+
+_POOL_MIN_TOKENS = 8  # hc_pre / hc_post steps of fewer tokens run on the calling thread
+
+
+def _run_token_ranges(pool: Any, fn: Any, op: np.ndarray, T: int) -> None:
+    """Run the K_CALL item ``fn`` over tokens 0..T in ranges (each token is computed by the
+    same code whichever range it lands in: the same bits as one call)."""
+    # ~4 ranges per worker, of at least _MIX_TOKENS: the pool's workers claim them as they go,
+    # so one held up by another process does not hold the step
+    step = max(_MIX_TOKENS, -(-T // (4 * pool.n_workers)))
+    items = [(_pool.K_CALL, _pool.call_item_address(fn), t, min(T, t + step)) for t in range(0, T, step)]
+    job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+    pool.run_arrays(job.items, job.bounds, job.op)
+
+
 def hc_pre(
     x: np.ndarray,
     fnT: np.ndarray,
@@ -467,13 +633,15 @@ def hc_pre(
     eps_rms: float,
     eps_hc: float,
     iters: int,
+    pool: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ds4_ops.hc_pre (build_hc_pre) compiled, one pass per token: x float32 [T, C, H];
     fnT the mixing matrix as :func:`mix_table` gives it ([C*H, M] float32 or float64); scale [3]; base
     [M]. Returns (h [T, H], post [T, C], comb [T, C, C]) float32. The mixes sum in float64
     over the C*H terms in order (the reference: BLAS's order, both rounded to float32), the
     rest in the reference's arithmetic. Streams C < 8 (the Sinkhorn loops' exact-copy range;
-    V4 has 4). ValueError for shapes that do not agree."""
+    V4 has 4). ``pool``: a WorkerPool to spread the tokens over when there are at least
+    _POOL_MIN_TOKENS (the same bits). ValueError for shapes that do not agree."""
     T, C, H = x.shape
     if fnT.shape != (C * H, (2 + C) * C) or base.shape[0] != (2 + C) * C or C >= 8:
         raise ValueError(f"hc_pre: x {x.shape}, mixing table {fnT.shape}, base {base.shape} do not agree")
@@ -481,15 +649,40 @@ def hc_pre(
     h = np.empty((T, H), np.float32)
     post = np.empty((T, C), np.float32)
     comb = np.empty((T, C, C), np.float32)
+    sc = np.ascontiguousarray(scale, dtype=np.float32)
+    bs = np.ascontiguousarray(base, dtype=np.float32)
+    xn = np.empty((T, C * H), np.float32)
+    if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
+        fn = np.ascontiguousarray(fnT)
+        if fn.dtype not in (np.float32, np.float64):
+            fn = fn.astype(np.float64)
+        eps = np.array([eps_rms, eps_hc], np.float64)
+        op = np.zeros(P_LEN, np.int64)
+        op[P_X], op[P_FNT], op[P_F64] = xc.ctypes.data, fn.ctypes.data, int(fn.dtype == np.float64)
+        op[P_SCALE], op[P_BASE], op[P_EPS], op[P_ITERS] = (
+            sc.ctypes.data,
+            bs.ctypes.data,
+            eps.ctypes.data,
+            iters,
+        )
+        op[P_XN], op[P_H], op[P_POST], op[P_COMB] = (
+            xn.ctypes.data,
+            h.ctypes.data,
+            post.ctypes.data,
+            comb.ctypes.data,
+        )
+        op[P_T], op[P_C], op[P_H_DIM] = T, C, H
+        _run_token_ranges(pool, _hc_pre_item, op, T)
+        return h, post, comb
     _hc_pre_rows(
         xc,
         fnT,
-        np.ascontiguousarray(scale, dtype=np.float32),
-        np.ascontiguousarray(base, dtype=np.float32),
+        sc,
+        bs,
         np.float64(eps_rms),
         np.float64(eps_hc),
         int(iters),
-        np.empty((T, C * H), np.float32),
+        xn,
         h,
         post,
         comb,
@@ -515,207 +708,40 @@ def _hc_post_rows(y, x, post, comb, out):
                 out[t, dst, j] = p * y[t, j] + out[t, dst, j]
 
 
-def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+(Q_Y, Q_X, Q_POST, Q_COMB, Q_OUT, Q_T, Q_C, Q_H, Q_LEN) = range(9)
+
+
+def _hc_post_item(items_ptr, i, op_ptr):
+    """Tokens [it[2], it[3]) of a pooled hc_post (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, Q_LEN)
+    b = i * _pool.ITEM_W
+    t0, t1 = it[b + 2], it[b + 3]
+    T, C, H = op[Q_T], op[Q_C], op[Q_H]
+    y = view_f32(op[Q_Y], T * H).reshape((T, H))
+    x = view_f32(op[Q_X], T * C * H).reshape((T, C, H))
+    post = view_f32(op[Q_POST], T * C).reshape((T, C))
+    comb = view_f32(op[Q_COMB], T * C * C).reshape((T, C, C))
+    out = view_f32(op[Q_OUT], T * C * H).reshape((T, C, H))
+    _hc_post_rows(y[t0:t1], x[t0:t1], post[t0:t1], comb[t0:t1], out[t0:t1])
+
+
+def hc_post(y: np.ndarray, x: np.ndarray, post: np.ndarray, comb: np.ndarray, pool: Any = None) -> np.ndarray:
     """ds4_ops.hc_post (build_hc_post) compiled: x'[dst] = post[dst] y + sum_src comb[src, dst]
     x[src] in float32, the sum over src in order. y [T, H], x [T, C, H], post [T, C], comb
-    [T, C, C] -> float32 [T, C, H]."""
+    [T, C, C] -> float32 [T, C, H]. ``pool``: as :func:`hc_pre`'s (the same bits)."""
     T, C, H = x.shape
     out = np.empty((T, C, H), np.float32)
-    _hc_post_rows(
-        np.ascontiguousarray(y, dtype=np.float32),
-        np.ascontiguousarray(x, dtype=np.float32),
-        np.ascontiguousarray(post, dtype=np.float32),
-        np.ascontiguousarray(comb, dtype=np.float32),
-        out,
-    )
+    yc = np.ascontiguousarray(y, dtype=np.float32)
+    xc = np.ascontiguousarray(x, dtype=np.float32)
+    pc = np.ascontiguousarray(post, dtype=np.float32)
+    cc = np.ascontiguousarray(comb, dtype=np.float32)
+    if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
+        op = np.array(
+            [yc.ctypes.data, xc.ctypes.data, pc.ctypes.data, cc.ctypes.data, out.ctypes.data, T, C, H],
+            np.int64,
+        )
+        _run_token_ranges(pool, _hc_post_item, op, T)
+        return out
+    _hc_post_rows(yc, xc, pc, cc, out)
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# the lightning indexer
-
-
-@njit(**_JIT)
-def _index_keys(k16, kT):
-    """The indexer's float16 keys [nb, Di] (as bits) as float64 columns kT [Di, nb]."""
-    nb, Di = k16.shape
-    for j in range(nb):
-        for d in range(Di):
-            kT[d, j] = np.float64(_f16_bits_to_f32(k16[j, d]))
-
-
-@njit(**_JIT)
-def _index_scores(q, w, kT, score, t, j0, j1):
-    """score[t, j0:j1] = sum over heads in order of relu(q[t, h] . k_j) * w[t, h], float64;
-    per head the dots run across the keys (vectorised), each summed over the Di dims in order
-    (the same bits whatever the key range)."""
-    n, Ni, Di = q.shape
-    nbj = j1 - j0
-    dots = np.empty(max(1, nbj), np.float64)
-    for hh in range(Ni):
-        for j in range(nbj):
-            dots[j] = 0.0
-        for d in range(Di):
-            qd = np.float64(q[t, hh, d])
-            for j in range(nbj):
-                dots[j] += qd * kT[d, j0 + j]
-        wh = np.float64(w[t, hh])
-        for j in range(nbj):
-            r = dots[j] if dots[j] > 0.0 else 0.0
-            if hh == 0:
-                score[t, j0 + j] = r * wh
-            else:
-                score[t, j0 + j] += r * wh
-
-
-@njit(**_JIT)
-def _index_select(score, visible, top_k, sel):
-    """sel[t] = the top_k rows by score among the visible (stable: ties to the lower row)."""
-    n, nb = score.shape
-    for t in range(n):
-        for j in range(nb):
-            if not visible[t, j]:
-                score[t, j] = -np.inf
-        order = np.argsort(-score[t], kind="mergesort")
-        for i in range(min(nb, top_k)):
-            j = order[i]
-            sel[t, j] = visible[t, j]
-
-
-(X_Q, X_W, X_KT, X_SCORE, X_N, X_NI, X_DI, X_NB, X_LEN) = range(9)
-
-
-def _index_item(items_ptr, i, op_ptr):
-    """Scores of token it[2], keys [it[3], it[4]) (a K_CALL item, pool.CALL_ITEM_SIG)."""
-    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
-    op = carray(op_ptr, X_LEN)
-    b = i * _pool.ITEM_W
-    n, Ni, Di, nb = op[X_N], op[X_NI], op[X_DI], op[X_NB]
-    q = view_f32(op[X_Q], n * Ni * Di).reshape((n, Ni, Di))
-    w = view_f32(op[X_W], n * Ni).reshape((n, Ni))
-    kT = view_f32(op[X_KT], 2 * Di * nb).view(np.float64).reshape((Di, nb))
-    score = view_f32(op[X_SCORE], 2 * n * nb).view(np.float64).reshape((n, nb))
-    _index_scores(q, w, kT, score, it[b + 2], it[b + 3], it[b + 4])
-
-
-_INDEX_MIN_KEYS = 64  # keys per pooled indexer item, at least
-
-
-def indexer_top_k(
-    q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int, pool: Any = None
-) -> np.ndarray:
-    """The lightning indexer's choice (llama.cpp src/models/deepseek4.cpp, the indexer of a
-    ratio-4 layer) compiled: bool [n, nb], the ``top_k`` highest-scoring compressed rows among
-    the visible ones, score = sum over heads (in order) of relu(q . k) * w, in float64.
-    q float32 [n, Ni, Di] (roped), w float32 [n, Ni] (scaled), k float16 [nb, Di] (the
-    indexer's compressed keys), visible bool [n, nb]. Equals ``deepseek4._top_k(q, w,
-    k.astype(float32), visible, top_k) & visible`` (its dots through BLAS: another order of
-    float64 sums, so a tie closer than ~1e-15 relative may resolve differently). ``pool``: a
-    WorkerPool to spread the scores over by ranges of keys when big enough (the same bits).
-    ValueError for shapes that do not agree."""
-    n, Ni, Di = q.shape
-    if w.shape != (n, Ni) or k.ndim != 2 or k.shape[1] != Di or visible.shape != (n, k.shape[0]):
-        raise ValueError(
-            f"indexer_top_k: q {q.shape}, w {w.shape}, keys {k.shape}, visible {visible.shape} do not agree"
-        )
-    nb = k.shape[0]
-    qc, wc = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32)
-    kT = np.empty((Di, nb), np.float64)
-    _index_keys(np.ascontiguousarray(k, dtype=np.float16).view(np.uint16), kT)
-    score = np.empty((n, nb), np.float64)
-    n_workers = pool.n_workers if pool is not None else 1
-    if n_workers > 1 and nb >= 2 * _INDEX_MIN_KEYS and n * Ni * Di * nb >= _POOL_MIN_MACS:
-        op = np.array(
-            [qc.ctypes.data, wc.ctypes.data, kT.ctypes.data, score.ctypes.data, n, Ni, Di, nb], np.int64
-        )
-        step = max(_INDEX_MIN_KEYS, -(-nb // n_workers))
-        fn = _pool.call_item_address(_index_item)
-        items = [(_pool.K_CALL, fn, t, j, min(nb, j + step)) for t in range(n) for j in range(0, nb, step)]
-        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
-        pool.run_arrays(job.items, job.bounds, job.op)
-    else:
-        for t in range(n):
-            _index_scores(qc, wc, kT, score, t, 0, nb)
-    sel = np.zeros(visible.shape, np.bool_)
-    _index_select(score, np.ascontiguousarray(visible, np.bool_), int(top_k), sel)
-    return sel
-
-
-@njit(**_JIT)
-def _index_one_range(q64, w64, k16, n_heads, dim, j0, j1, score):
-    """score[j] for keys j0 <= j < j1 (:func:`index_one`): the keys by 16, transposed to
-    float64 (exact), scored by quant.ir.index_scores16_f64."""
-    kt = np.zeros(dim * 16, np.float64)
-    o16 = np.empty(16, np.float64)
-    for jb in range(j0, j1, 16):
-        nk = min(16, j1 - jb)
-        for u in range(nk):
-            for d in range(dim):
-                kt[d * 16 + u] = np.float64(_f16_bits_to_f32(k16[(jb + u) * dim + d]))
-        for u in range(nk, 16):
-            for d in range(dim):
-                kt[d * 16 + u] = 0.0
-        index_scores16_f64(q64, w64, n_heads, dim, kt, o16)
-        for u in range(nk):
-            score[jb + u] = o16[u]
-
-
-(I_Q, I_W, I_K, I_SCORE, I_NI, I_DI, I_NB, I_LEN) = range(8)
-
-
-def _index_one_item(items_ptr, i, op_ptr):
-    """Keys [it[2], it[3]) of a pooled index_one (a K_CALL item, pool.CALL_ITEM_SIG)."""
-    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
-    op = carray(op_ptr, I_LEN)
-    b = i * _pool.ITEM_W
-    Ni, Di, nb = op[I_NI], op[I_DI], op[I_NB]
-    q64 = view_f32(op[I_Q], 2 * Ni * Di).view(np.float64)
-    w64 = view_f32(op[I_W], 2 * Ni).view(np.float64)
-    k16 = view_u8(op[I_K], 2 * nb * Di).view(np.uint16)
-    score = view_f32(op[I_SCORE], 2 * nb).view(np.float64)
-    _index_one_range(q64, w64, k16, Ni, Di, it[b + 2], it[b + 3], score)
-
-
-_INDEX_ONE_POOL_KEYS = 1024  # below this many keys the scores run on the calling thread
-
-
-def index_one(
-    q: np.ndarray, w: np.ndarray, k: np.ndarray, n_valid: int, top_k: int, pool: Any = None
-) -> np.ndarray:
-    """The lightning indexer's choice for one token (a decode step; llama.cpp
-    src/models/deepseek4.cpp build_lid_top_k): the ascending indices of the ``top_k`` rows
-    among the first ``n_valid`` compressed keys by score = sum over heads (in order) of
-    relu(q_h . k) * w_h, in float64, ties broken as ggml's top-k (ds4_ops.top_k_rows). q
-    float32 [Ni, Di] (roped), w float32 [Ni] (scaled), k float16 [nb, Di] (the indexer's
-    compressed keys), n_valid <= nb. Each key's score is computed by the same code whatever
-    the key range and worker (quant.ir.index_scores16_f64: float64 fma chains in dimension
-    order), so it does not depend on the pool; against deepseek4._top_k's BLAS dgemm it
-    differs in the last bits only (another order of float64 sums: a tie closer than ~1e-15
-    relative may resolve differently). ``pool``: a WorkerPool to spread the keys over when
-    there are enough. ValueError for shapes that do not agree."""
-    Ni, Di = q.shape
-    if w.shape != (Ni,) or k.ndim != 2 or k.shape[1] != Di or not 0 <= n_valid <= k.shape[0] or top_k < 1:
-        raise ValueError(
-            f"index_one: q {q.shape}, w {w.shape}, keys {k.shape}, {n_valid} valid, top_k {top_k} do not agree"
-        )
-    q64 = np.ascontiguousarray(q, dtype=np.float64).reshape(-1)
-    w64 = np.ascontiguousarray(w, dtype=np.float64)
-    k16 = np.ascontiguousarray(k[:n_valid], dtype=np.float16).view(np.uint16).reshape(-1)
-    score = np.empty(max(1, n_valid), np.float64)
-    n_workers = pool.n_workers if pool is not None else 1
-    if n_workers > 1 and n_valid >= _INDEX_ONE_POOL_KEYS:
-        op = np.array(
-            [q64.ctypes.data, w64.ctypes.data, k16.ctypes.data, score.ctypes.data, Ni, Di, n_valid], np.int64
-        )
-        step = -(-n_valid // (2 * n_workers))
-        step = -(-step // 16) * 16  # whole blocks of 16 keys per item
-        fn = _pool.call_item_address(_index_one_item)
-        items = [(_pool.K_CALL, fn, j, min(n_valid, j + step)) for j in range(0, n_valid, step)]
-        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
-        pool.run_arrays(job.items, job.bounds, job.op)
-    else:
-        _index_one_range(q64, w64, k16, Ni, Di, 0, n_valid, score)
-    from moe_service.engine import ds4_ops
-
-    chosen = ds4_ops.top_k_rows(score[None, :n_valid], np.array([n_valid]), int(top_k))
-    return np.flatnonzero(chosen[0])

@@ -565,14 +565,16 @@ class Deepseek4(Architecture):
         if "hc_attn_fnT" not in d:  # the mixing matrices as the compiled hc_pre reads them
             d["hc_attn_fnT"], d["hc_ffn_fnT"] = dc.mix_table(d["hc_attn_fn"]), dc.mix_table(d["hc_ffn_fn"])
         # compiled ds4_ops.hc_pre / hc_post (ds4_compiled; the same formulas)
+        # multi-token steps spread the tokens over the worker pool (the same bits)
+        pool = getattr(getattr(be.m, "ops", None), "pool", None) if T > 1 else None
         h, post, comb = dc.hc_pre(xs, d["hc_attn_fnT"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters)
+                                  hp.hc_eps, hp.hc_iters, pool)
         h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
-        xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb)
+        xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb, pool)
         h, post, comb = dc.hc_pre(xs, d["hc_ffn_fnT"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters)
+                                  hp.hc_eps, hp.hc_iters, pool)
         h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
-        xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb)
+        xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb, pool)
         return _back(be, xs.reshape(T, C * H))
 
     def final_norm(self, be, x, w):
@@ -591,6 +593,7 @@ class Deepseek4(Architecture):
 
     def _attention(self, be, lw, h, st):
         from moe_service.engine import ds4_compiled as dc
+        from moe_service.engine import ds4_indexer
         from moe_service.engine import ds4_ops as ops
 
         hp, d, il = self.hp, lw.ds4, lw.index
@@ -605,8 +608,17 @@ class Deepseek4(Architecture):
         proj = dict(zip(h_names, be.linear(lw, h_names, h), strict=True))
         qr = be.rmsnorm(proj["attn_q_a"], lw.vecs["attn_q_a_norm"], hp.rms_eps)
         qr_names = ("attn_q_b", "indexer.attn_q_b") if ratio == 4 else ("attn_q_b",)
-        proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
-        q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
+        if T > 1 and ratio == 4:  # apart: q's own [T, NH*D] buffer, no strided 16 MB copy (the same results)
+            for name in qr_names:
+                proj.update(zip((name,), be.linear(lw, (name,), qr), strict=True))
+        else:
+            proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
+        pool = getattr(getattr(be.m, "ops", None), "pool", None)
+        if T > 1:  # multi-token steps: per-head rms, rope and float16 rounding in place, pooled (the same bits)
+            q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # a fresh array
+            q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool)
+        else:
+            q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
         kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
@@ -622,7 +634,6 @@ class Deepseek4(Architecture):
         state = self._state(be, il)
         kvc = be.m.kv
         ring, W = state["raw"], hp.window
-        pool = getattr(getattr(be.m, "ops", None), "pool", None)
         out = np.empty((T, NH, D), np.float32)
         for s, a, e, n0 in st.spans:
             n = e - a
@@ -653,19 +664,25 @@ class Deepseek4(Architecture):
                                         idx_in[1][a:e], 4, d["indexer_compressor_norm"], cos, sin)
                     kvc.note_ring(s, il, "iring_kv", n0, idx_in[0][a:e])
                     kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:e])
-                    # numpy + BLAS dgemm: ds4_compiled.indexer_top_k makes the same choice but took
-                    # 3x the CPU time on a quiet AVX2 host (0.67 vs 0.21 ms at 128 rows, 6.3 vs 2.2
-                    # at 1024; 64 heads of 128)
-                    visible &= _top_k(idx_in[2][a:e], idx_in[3][a:e], ik.astype(np.float32), visible,
-                                      hp.indexer_top_k)
+                    # a query with at most top_k visible rows keeps them all (ds4_ops.top_k_rows):
+                    # the scores are needed only when some query of the span sees more. The
+                    # choice of _top_k (its float64 scores in a fixed order of blocked dots,
+                    # pooled over the queries: 2.5x less CPU than its BLAS dgemm on one core at
+                    # 128 queries x 1024 rows, 64 heads of 128); visible is a prefix of each row
+                    n_vis = visible.sum(axis=1)
+                    if nb > hp.indexer_top_k and int(n_vis.max()) > hp.indexer_top_k:
+                        visible = ds4_indexer.lid_top_k(idx_in[2][a:e], idx_in[3][a:e], ik, n_vis, hp.indexer_top_k, pool)
                 comp_rows, comp_mask = comp, visible
             else:
                 comp_rows = comp_mask = None
-            qh = q[a:e].astype(np.float16).astype(np.float32)
+            qh = q[a:e] if T > 1 else q[a:e].astype(np.float16).astype(np.float32)  # (T > 1: rounded above)
             # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows
             out[a:e] = dc.attend_rows(qh, win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
                                       pool)
-        o = ops.rope_last(out, pos, cos, sin, inverse=True)
+        if T > 1:
+            o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool)
+        else:
+            o = ops.rope_last(out, pos, cos, sin, inverse=True)
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
         if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
@@ -681,10 +698,11 @@ class Deepseek4(Architecture):
         loop of :meth:`_attention` computes it (the same keys in the same order, the same
         state updates): the raw ring written in place and read from there
         (ds4_compiled.attend_one), every visible compressed row attended on ratio-128 layers,
-        and on ratio-4 layers the indexer's scores computed (ds4_compiled.index_one) only when
+        and on ratio-4 layers the indexer's scores computed (ds4_indexer.index_one) only when
         there are more visible rows than its top_k (else top-k keeps them all). q [NH, D], kv [D] float32.
         Returns float32 [NH, D]."""
         from moe_service.engine import ds4_compiled as dc
+        from moe_service.engine import ds4_indexer
 
         hp, d, il = self.hp, lw.ds4, lw.index
         kvc = be.m.kv
@@ -706,8 +724,8 @@ class Deepseek4(Architecture):
                                     idx_in[1][a:a + 1], 4, d["indexer_compressor_norm"], cos, sin)
                 kvc.note_ring(s, il, "iring_kv", n0, idx_in[0][a:a + 1])
                 kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:a + 1])
-                if nb > hp.indexer_top_k:  # compiled, float64 (ds4_compiled.index_one: _top_k's choice)
-                    sel = dc.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
+                if nb > hp.indexer_top_k:  # compiled, float64 (ds4_indexer.index_one: _top_k's choice)
+                    sel = ds4_indexer.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
         qh = dc.round_f16(q[None])  # as q[a:e].astype(float16).astype(float32), compiled
         o = dc.attend_one(qh, ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
         return o[0]
@@ -797,7 +815,8 @@ def _back(be, a: np.ndarray):
 
 
 def _top_k(q: np.ndarray, w: np.ndarray, k: np.ndarray, visible: np.ndarray, top_k: int) -> np.ndarray:
-    """The lightning indexer's choice: bool [n, nb], the ``top_k`` visible compressed rows by
+    """The lightning indexer's choice (the reference of ds4_indexer.lid_top_k, which the layer
+    runs): bool [n, nb], the ``top_k`` visible compressed rows by
     sum_heads relu(q . k) * w (q [n, Ni, Di] roped, w [n, Ni] scaled, k [nb, Di]), ties broken as
     llama.cpp's ggml_top_k (models/deepseek4.cpp build_lid_top_k, ggml-cpu ops.cpp top_k)."""
     # float64 (BLAS dgemm): the selection is discrete, so the score must not depend on how

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moe_service.engine import ds4_compiled as dc
+from moe_service.engine import ds4_indexer as di
 from moe_service.engine import ds4_ops
 from moe_service.engine.pool import WorkerPool
 
@@ -181,38 +182,67 @@ def test_hc_post_is_numpy_bit_for_bit(T, H):
     assert np.array_equal(dc.hc_post(y, x, post, comb), ds4_ops.hc_post(y, x, post, comb))
 
 
+@pytest.mark.parametrize("T, H", [(8, 256), (21, 4096)])
+def test_hc_pre_post_pooled_are_the_same_bits(T, H, pool):
+    """A prefill step's tokens spread over the pool, 8 mixes per pass over the table: each
+    token's bits as computed alone (the prefix cache's chunking does not move them)."""
+    rng = np.random.default_rng(T * 3 + H)
+    x, fn, scale, base = _hc_case(rng, T, H=H)
+    for table in (dc.mix_table(fn), dc.mix_table(fn + 1e-9)):  # float32 and float64 tables
+        one = dc.hc_pre(x, table, scale, base, 1e-6, 1e-6, 20)
+        pooled = dc.hc_pre(x, table, scale, base, 1e-6, 1e-6, 20, pool)
+        assert all(np.array_equal(a, b) for a, b in zip(one, pooled, strict=True))
+        for t in (0, 7, T - 1):
+            alone = dc.hc_pre(x[t : t + 1], table, scale, base, 1e-6, 1e-6, 20)
+            assert all(np.array_equal(a[0], b[t]) for a, b in zip(alone, one, strict=True))
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    _, post, comb = one
+    want = ds4_ops.hc_post(y, x, post, comb)
+    assert np.array_equal(dc.hc_post(y, x, post, comb, pool), want)
+
+
+@pytest.mark.parametrize("T, NH, D, R", [(9, 64, 512, 64), (3, 4, 64, 16), (16, 5, 48, 8)])
+def test_heads_inplace_is_rms_rope_and_float16_rounding(T, NH, D, R, pool):
+    rng = np.random.default_rng(T + NH + D)
+    x = (rng.standard_normal((T, NH, D)) * 3).astype(np.float32)
+    x[0, 0, :3] = [0.0, 7e4, -1e-30]  # float16 overflow and underflow round as numpy's cast
+    pos = rng.integers(0, 300, T)
+    ang = rng.random((300, R // 2)).astype(np.float32) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want_q = ds4_ops.rope_last(ds4_ops.rms(x, 1e-6), pos, cos, sin).astype(np.float16).astype(np.float32)
+    want_o = ds4_ops.rope_last(x, pos, cos, sin, inverse=True)
+    for p in (None, pool):
+        assert np.array_equal(dc.heads_inplace(x.copy(), pos, cos, sin, 1e-6, True, p), want_q)
+        assert np.array_equal(dc.heads_inplace(x.copy(), pos, cos, sin, 1e-6, False, p), want_o)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dc.heads_inplace(x[:, :, ::2], pos, cos, sin, 1e-6, True)
+    with pytest.raises(IndexError, match="outside"):
+        dc.heads_inplace(x.copy(), pos + 300, cos, sin, 1e-6, True)
+
+
+def test_attend_rows_multi_token_step_rows_as_alone(pool):
+    """A prefill-sized step (odd key counts, an odd head count at the pool's split): every
+    (token, head) row the same bits as that token alone, pooled or not."""
+    rng = np.random.default_rng(5)
+    T, NH, D, Nw, Nc = 12, 7, 64, 37, 23
+    q, win, comp, mw, mc, sinks = _attn_case(rng, T, NH, D, Nw, Nc)
+    got = dc.attend_rows(q, win, comp, mw, mc, sinks, 0.125)
+    assert np.array_equal(dc.attend_rows(q, win, comp, mw, mc, sinks, 0.125, pool), got)
+    want = ds4_ops.attend_sinks(
+        q, np.concatenate([win, comp]).astype(np.float32), np.concatenate([mw, mc], axis=1), sinks, 0.125
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    for t in range(T):
+        alone = dc.attend_rows(q[t : t + 1], win, comp, mw[t : t + 1], mc[t : t + 1], sinks, 0.125)
+        assert np.array_equal(alone[0], got[t])
+
+
 def test_hc_pre_refuses_a_table_of_another_shape():
     rng = np.random.default_rng(1)
     x, fn, scale, base = _hc_case(rng, 1, H=64)
     with pytest.raises(ValueError, match="do not agree"):
         dc.hc_pre(x, fn, scale, base, 1e-6, 1e-6, 20)
-
-
-@pytest.mark.parametrize(
-    "n, Ni, Di, nb, top_k",
-    [
-        (1, 64, 128, 1024, 512),
-        (1, 64, 128, 300, 512),
-        (4, 4, 64, 161, 32),
-        (6, 4, 64, 20, 32),
-        (1, 8, 32, 1, 4),
-    ],
-)
-def test_indexer_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
-    from moe_service.engine.arch.deepseek4 import _top_k
-
-    rng = np.random.default_rng(n + nb + top_k)
-    q = rng.standard_normal((n, Ni, Di)).astype(np.float32)
-    w = (rng.standard_normal((n, Ni)) / np.sqrt(Ni * Di)).astype(np.float32)
-    k = rng.standard_normal((nb, Di)).astype(np.float16)
-    visible = np.ones((n, nb), np.bool_)
-    for t in range(n):  # causal: later tokens see more rows
-        visible[t, max(1, nb - (n - 1 - t) * 3) :] = False
-    want = _top_k(q, w, k.astype(np.float32), visible, top_k) & visible
-    got = dc.indexer_top_k(q, w, k, visible, top_k)
-    assert np.array_equal(got, want)
-    assert np.array_equal(dc.indexer_top_k(q[-1:], w[-1:], k, visible[-1:], top_k)[0], got[-1])
-    assert np.array_equal(dc.indexer_top_k(q, w, k, visible, top_k, pool), got)  # pooled: the same choice
 
 
 @pytest.mark.parametrize(
@@ -233,9 +263,37 @@ def test_index_one_is_the_reference_choice(Ni, Di, nb, n_valid, top_k, pool):
     visible[0, :n_valid] = True
     want = np.flatnonzero(_top_k(q, w, k.astype(np.float32), visible, top_k)[0])
     for p in (None, pool):
-        assert np.array_equal(dc.index_one(q[0], w[0], k, n_valid, top_k, p), want)
+        assert np.array_equal(di.index_one(q[0], w[0], k, n_valid, top_k, p), want)
     with pytest.raises(ValueError, match="do not agree"):
-        dc.index_one(q[0], w[0, :-1], k, n_valid, top_k)
+        di.index_one(q[0], w[0, :-1], k, n_valid, top_k)
+
+
+
+@pytest.mark.parametrize(
+    "n, Ni, Di, nb, top_k",
+    [(6, 64, 128, 700, 512), (9, 5, 30, 23, 4), (4, 3, 16, 9, 2), (3, 4, 64, 40, 64)],
+)
+def test_lid_top_k_is_the_reference_choice(n, Ni, Di, nb, top_k, pool):
+    """The layer's indexer (blocked float64 dots, pooled over the queries) chooses as
+    deepseek4._top_k on prefix-visible rows; a query alone chooses as in its step."""
+    from moe_service.engine.arch.deepseek4 import _top_k
+
+    rng = np.random.default_rng(n * 100 + nb)
+    q = rng.standard_normal((n, Ni, Di)).astype(np.float32)
+    w = rng.standard_normal((n, Ni)).astype(np.float32)
+    k = rng.standard_normal((nb, Di)).astype(np.float16)
+    k[3] = 0  # exact zero scores: ties broken in ggml's order
+    n_vis = rng.integers(1, nb + 1, n)
+    n_vis[0] = nb
+    visible = np.arange(nb)[None, :] < n_vis[:, None]
+    want = _top_k(q, w, k.astype(np.float32), visible, top_k) & visible
+    got = di.lid_top_k(q, w, k, n_vis, top_k)
+    assert got.dtype == np.bool_ and np.array_equal(got, want)
+    assert np.array_equal(di.lid_top_k(q, w, k, n_vis, top_k, pool), got)
+    for t in (0, n - 1):
+        assert np.array_equal(di.lid_top_k(q[t : t + 1], w[t : t + 1], k, n_vis[t : t + 1], top_k)[0], got[t])
+    with pytest.raises(ValueError, match="do not agree"):
+        di.lid_top_k(q, w[:, :1], k, n_vis, top_k)
 
 
 def test_round_f16_is_numpy_float16_round_trip():
