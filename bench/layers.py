@@ -28,7 +28,14 @@ Families (the preset name says which writer):
 ``--set FIELD=VALUE`` replaces a preset field in both files (e.g. ``n_expert=32`` to keep a
 real-shape V4 layer's file small: a decoded token still reads K experts per layer). The files
 are written once into ``--pair-dir`` (default ``cache_dir()/bench-layers``) under a name that
-carries the preset, the layer count and a digest of every field, and reused afterwards.
+carries the preset, the recipe, the layer count and a digest of every field, and reused
+afterwards.
+
+``--tensor-types RECIPE`` (moe_service/synth/recipe.py: rules ``ROLE[@N[-M]]=TYPE`` or a named
+recipe such as ``ud-iq1_s``) types both files' tensors per role and layer, as the low-bit
+files people download (i-quant experts, attention at Q8_0 / Q6_K). Rules with layer ranges
+should name layers below the small file's count: then the added layers are the recipe's
+plain layers and the per-layer figure is theirs.
 
     moe-service bench decode --per-layer deepseek-v4-flash --pattern 4,128 --layers 2,4 \\
         --set n_expert=32 --depths 512,2048,4096 --decode 16 --threads 2 --depth-repeats 2
@@ -189,12 +196,37 @@ class LayerPair:
         """The validated preset dataclass of the file with ``n_layer`` layers."""
         return family_module(self.family).resolve_preset(self.preset, **self.changes(n_layer))
 
+    @property
+    def tensor_types(self) -> str:
+        """The per-tensor type recipe of both files ("" : the preset's types)."""
+        return str(dict(self.overrides).get("tensor_types", ""))
+
     def file_name(self, n_layer: int) -> str:
-        """``PRESET-L{n}-{digest}.gguf``: the digest covers every field of the resolved preset
-        and the seed, so a changed field never reuses a stale file."""
+        """``PRESET[-RECIPE]-L{n}-{digest}.gguf``: RECIPE is :func:`recipe_tag` of the recipe
+        (none without one); the digest covers every field of the resolved preset, the seed and
+        the recipe with named recipes written out, so a changed field or recipe definition
+        never reuses a stale file."""
+        from moe_service.synth.recipe import expand_tensor_types, recipe_tag
+
         p = self.resolved(n_layer)
-        digest = hashlib.sha256(repr((dataclasses.asdict(p), self.seed)).encode()).hexdigest()[:10]
-        return f"{self.preset}-L{n_layer}-{digest}.gguf"
+        key: tuple[Any, ...] = (dataclasses.asdict(p), self.seed)
+        if self.tensor_types:
+            key += (expand_tensor_types(self.tensor_types),)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:10]
+        tag = recipe_tag(self.tensor_types)
+        return f"{self.preset}{'-' + tag if tag else ''}-L{n_layer}-{digest}.gguf"
+
+    def check_recipe(self) -> None:
+        """Apply the recipe to both files' tensor plans without writing (ConfigError naming a
+        rule that matches no tensor, or a tensor whose row the rule's type does not fit)."""
+        from moe_service.synth.recipe import apply_tensor_types
+
+        if not self.tensor_types:
+            return
+        mod = family_module(self.family)
+        for n in (self.small, self.big):
+            p = self.resolved(n)
+            apply_tensor_types(mod.tensor_plan(p), self.tensor_types, f"--per-layer {self.preset} ({n} layers)")
 
     def write(self, pair_dir: Path, progress: Callable[[str], None] | None = None) -> tuple[Path, Path]:
         """Both files in ``pair_dir`` (written if absent, atomically by the writers); returns
@@ -220,13 +252,15 @@ class LayerPair:
                     "compress_ratios", family_module("deepseek4").PRESETS[self.preset].compress_ratios
                 )
             )
-            return (
+            text = (
                 f"ratios {','.join(map(str, pat))} repeated, {p.hash_layers} hash-routed layer(s) in both, "
                 f"{p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
             )
-        if self.family == "deepseek2":
-            return f"{p.n_dense_lead} dense layer(s) in both, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
-        return f"{p.arch}, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
+        elif self.family == "deepseek2":
+            text = f"{p.n_dense_lead} dense layer(s) in both, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
+        else:
+            text = f"{p.arch}, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
+        return f"{text}, tensor types {self.tensor_types}" if self.tensor_types else text
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,6 +401,7 @@ def run_per_layer(
         "preset": pair.preset,
         "family": pair.family,
         "describe": pair.describe(),
+        "tensor_types": pair.tensor_types,
         "small_layers": pair.small,
         "big_layers": pair.big,
         "files": [str(small_path), str(big_path)],
