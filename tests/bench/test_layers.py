@@ -148,6 +148,11 @@ def test_per_layer_row_from_matched_rounds():
     assert row["ours_decode_ms_per_layer_runs"] == pytest.approx([10.0, 20.0])
     assert row["llamacpp_decode_ms_per_layer_runs"] == pytest.approx([15.0, 30.0])
     assert row["decode_ratio_runs"] == pytest.approx([1.5, 1.5])
+    # best of rounds: ours 50 and 25 tok/s (20 ms -> 40 ms: 10 ms/layer); llama.cpp 40 tok/s
+    # and 1/0.055 (25 ms -> 55 ms: 15 ms/layer)
+    assert row["ours_decode_ms_per_layer_best"] == pytest.approx(10.0)
+    assert row["llamacpp_decode_ms_per_layer_best"] == pytest.approx(15.0)
+    assert row["decode_ratio_best"] == pytest.approx(1.5)
     assert row["decode_ratio"] == pytest.approx(1.5)
     assert row["ours_prefill_ms_per_layer"] == pytest.approx(2000.0)
     assert row["llamacpp_prefill_ms_per_layer"] == pytest.approx(3000.0)
@@ -189,8 +194,12 @@ def test_cli_refuses_a_bad_pair(capsys):
     assert "matches no tensor" in capsys.readouterr().err  # checked before any file is written
     assert main(["--per-layer", "qwen3-30b-a3b", "--tensor-types", "ud-iq1_x"]) == 2
     assert "nor a named recipe" in capsys.readouterr().err
-    assert main(["--per-layer", "qwen3-30b-a3b", "--tensor-types", "ud-iq1_s", "--set",
-                 "tensor_types=down=Q4_K"]) == 2
+    assert (
+        main(
+            ["--per-layer", "qwen3-30b-a3b", "--tensor-types", "ud-iq1_s", "--set", "tensor_types=down=Q4_K"]
+        )
+        == 2
+    )
     assert "give the recipe once" in capsys.readouterr().err
 
 
@@ -200,7 +209,9 @@ def test_cli_refuses_a_bad_pair(capsys):
 def test_recipe_is_in_the_file_names_and_digests():
     plain = LayerPair("qwen3-30b-a3b", 2, 4)
     named = LayerPair("qwen3-30b-a3b", 2, 4, overrides=(("tensor_types", "ud-iq1_s"),))
-    rules = LayerPair("qwen3-30b-a3b", 2, 4, overrides=(("tensor_types", "gate=IQ1_S,up=IQ1_S,down=IQ2_XXS"),))
+    rules = LayerPair(
+        "qwen3-30b-a3b", 2, 4, overrides=(("tensor_types", "gate=IQ1_S,up=IQ1_S,down=IQ2_XXS"),)
+    )
     assert named.file_name(2).startswith("qwen3-30b-a3b-ud-iq1_s-L2-")
     assert rules.file_name(4).startswith("qwen3-30b-a3b-gate-iq1_s+up-iq1_s+down-iq2_xxs-L4-")
     assert len({plain.file_name(2), named.file_name(2), rules.file_name(2)}) == 3
