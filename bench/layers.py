@@ -44,6 +44,7 @@ plain layers and the per-layer figure is theirs.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import statistics
 import sys
@@ -401,6 +402,10 @@ def run_per_layer(
             )
             for row in r["rows"]:
                 per_file[tag][row["depth"]].append(row)
+            # the engine's model sits in reference cycles, and its weight arena (an mmap) is
+            # invisible to the collector's thresholds: without this each round's arenas stayed
+            # mapped (a 9-round qwen3moe pair reached 8 GB resident)
+            gc.collect()
     rows = []
     for d in depths:
         if any("decode_tok_s" not in x for x in per_file["small"][d] + per_file["big"][d]):
