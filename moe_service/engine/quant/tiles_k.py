@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
@@ -20,6 +21,7 @@ from moe_service.engine.quant.ir import (
     _PF_MIN_K,
     _VI,
     _VNNI,
+    _abs8,
     _call,
     _cat,
     _ci,
@@ -32,6 +34,7 @@ from moe_service.engine.quant.ir import (
     _pf_distance,
     _prefetch,
     _shuf,
+    _sign8,
     _store_rows,
     _tile_args,
     _tree8_many,
@@ -277,16 +280,29 @@ if [i | ((bin(i).count("1") & 1) << 7) for i in range(128)] != [int(v) for v in 
     raise AssertionError("ksigns_iq2xs is not the even-parity completion of its index (see _ksign_bytes)")
 
 
-def _grid_global(builder, name):
-    """The grid of i-quant ``name`` as a module constant [entries x i64] (8 values per entry)
-    or [entries x i32] (4 values), value j in byte j (codebooks.grid_words)."""
-    words = codebooks.grid_words(name)
+def _grid_global(builder, name, times=1):
+    """The grid of i-quant ``name`` (its values times ``times``, exact in int8) as a module
+    constant [entries x i64] (8 values per entry) or [entries x i32] (4 values), value j in
+    byte j (codebooks.grid_words)."""
+    if times == 1:
+        words = codebooks.grid_words(name)
+    else:
+        gv = codebooks.grid(name).astype(np.int32) * times
+        if np.abs(gv).max() > 127:
+            raise AssertionError(f"{name} grid times {times} does not fit int8")
+        dt = np.uint64 if gv.shape[1] == 8 else np.uint32
+        words = [int(v) for v in np.ascontiguousarray(gv.astype(np.int8)).view(np.uint8).view(dt).reshape(-1)]
     ty = _I64 if codebooks.grid(name).shape[1] == 8 else _I32
-    gname = f"_moe_grid_{name.lower()}"
+    gname = f"_moe_grid_{name.lower()}" + (f"_x{times}" if times != 1 else "")
     g = builder.module.globals.get(gname)
     if g is None:
         g = cgutils.global_constant(builder, gname, ir.Constant(ir.ArrayType(ty, len(words)), words))
     return g
+
+
+def _zext16(builder, v):
+    """<n x i8> zero-extended to <n x i16>."""
+    return builder.zext(v, _vt(_I16, v.type.count))
 
 
 def _zext32(builder, v):
@@ -306,32 +322,109 @@ def _lshr_and(builder, v, shifts, mask):
     return builder.and_(builder.lshr(v, _cvec(ty, shifts)), _cvec(ty, [mask] * n))
 
 
-def _grid_values(builder, name, idx):
-    """4 x <64 x i8>: the grid values of the <32 x i32> (8-wide grids) or <64 x i32> (4-wide)
-    indices ``idx`` (element order), by AVX2 gathers from the grid's constant table
-    (vpgatherdq, 4 entries of 8 bytes; vpgatherdd, 8 entries of 4 bytes)."""
-    table = _grid_global(builder, name)
-    base = builder.bitcast(table, _I8.as_pointer())
+def _grid_values(builder, name, ids, times=1):
+    """4 x <64 x i8>: the grid values of the grid indices ``ids`` (a list of i64 scalars, in
+    element order: 32 for the 8-wide grids, 64 for the 4-wide IQ3 grids), each entry one
+    scalar load from the grid's constant table, 4 (8) of them inserted into a ymm: the form
+    of ggml's AVX2 kernels (_mm256_set_epi64x / _mm256_set_epi32 of table words). The AVX2
+    hardware gathers (vpgatherdq / vpgatherdd) are microcoded on AMD Zen: measured on Zen 3,
+    one thread, T = 1 from L2, IQ2_XXS 6.9 -> 4.0 ns per 32 weights and IQ3_XXS 8.3 -> 5.0
+    with the scalar loads."""
+    table = _grid_global(builder, name, times)
     wide = table.type.pointee.element == _I64
     step = 4 if wide else 8
-    ety = _I64 if wide else _I32
-    vty = _vt(ety, step)
-    name_ = "llvm.x86.avx2.gather.d.q.256" if wide else "llvm.x86.avx2.gather.d.d.256"
-    zero, ones = ir.Constant(vty, [0] * step), ir.Constant(vty, [-1] * step)
-    parts = [_call(builder, name_, vty, [zero, base, _shuf(builder, idx, range(j, j + step)), ones,
-                                         ir.Constant(_I8, 8 if wide else 4)])
-             for j in range(0, idx.type.count, step)]
+    vty = _vt(_I64 if wide else _I32, step)
+    words = [builder.load(builder.gep(table, [_ci(0), i])) for i in ids]
+    parts = []
+    for j in range(0, len(words), step):
+        v = ir.Constant(vty, None)
+        for m in range(step):
+            v = builder.insert_element(v, words[j + m], ir.Constant(_I32, m))
+        parts.append(v)
     per = len(parts) // 4
     return [builder.bitcast(_cat(builder, parts[per * g:per * g + per]), _vt(_I8, 64)) for g in range(4)]
 
 
-def _sign_masks(builder, signs32):
-    """4 x <64 x i1>: element 8 i + j of piece g negative where bit j of byte i of <32 x i8>
-    ``signs32`` is set (KPieces.neg)."""
-    bit = _cvec(_I8, [1 << (j % 8) for j in range(64)])
-    zero = _cvec(_I8, [0] * 64)
-    return [builder.icmp_unsigned("!=", builder.and_(_shuf(builder, signs32, [8 * g + j // 8 for j in range(64)]), bit),
-                                  zero) for g in range(4)]
+def _block_fields(builder, o, word_offs, width, per):
+    """i64 scalars: the first ``per`` unsigned ``width``-bit fields of each little-endian
+    64-bit word at byte offsets ``word_offs`` of i8* o (grid indices read straight from the
+    block): one load per word, the fields split by shifts and masks in general registers (one
+    load per index measured slower, the loop being bound by the load ports: see _spilled)."""
+    o = _opaque(builder, o)
+    mask = _ci((1 << width) - 1)
+    out = []
+    for off in word_offs:
+        w = _ldv(builder, o, off, _I64)
+        out += [builder.and_(builder.lshr(w, _ci(width * m)) if m else w, mask) for m in range(per)]
+    return out
+
+
+def _scalar_loads(builder, o, offs, ty):
+    """i64 scalars: the unsigned ``ty`` values at byte offsets ``offs`` of i8* o, one load each
+    (IQ3_XXS's index bytes, see there)."""
+    o = _opaque(builder, o)
+    return [builder.zext(_ldv(builder, o, off, ty), _I64) for off in offs]
+
+
+def _opaque(builder, p):
+    """Pointer p through an empty asm: LLVM no longer knows what it points at, so loads through
+    it stay scalar loads (else it merges them with a vector load of the same bytes and reads
+    them back with lane extracts, vpextrb / vpextrd: 2 uops each on Zen)."""
+    return builder.asm(ir.FunctionType(p.type, [p.type]), "", "=r,0", [p], False)
+
+
+def _spilled(builder, v):
+    """i64 scalars: the lanes of the integer vector v (zero-extended), through a stack slot:
+    one vector store, then the lanes read back 64 bits at a time and split by shifts and masks
+    in general registers (the slot's address through _opaque, so LLVM keeps the store and the
+    loads instead of lane extracts). One load per lane, as ggml's IQ3_S kernel reads its computed
+    indices, measured slower: with the table loads, the loop is bound by the load ports (Zen 3,
+    1 thread, T = 1, L2-hot, ns per 32 weights: IQ1_S 3.42 -> 2.95, IQ3_S 5.04 -> 4.49, IQ2_S
+    3.75 -> 3.52, IQ1_M 3.97 -> 3.71 with the 64-bit reads)."""
+    slot = cgutils.alloca_once(builder, v.type)
+    builder.store(v, slot)
+    per = 64 // v.type.element.width  # lanes per 64-bit load, split in general registers
+    qp = builder.bitcast(_opaque(builder, slot), _I64.as_pointer())
+    mask = _ci((1 << v.type.element.width) - 1)
+    out = []
+    for j in range(v.type.count // per):
+        w = builder.load(builder.gep(qp, [_ci(j)]))
+        out += [builder.and_(builder.lshr(w, _ci(v.type.element.width * m)) if m else w, mask) for m in range(per)]
+    return out
+
+
+def _sign_bits(builder, words):
+    """<64 x i1> of 64 elements from 2 x <8 x i32> ``words``, each holding the 4 sign bytes of
+    32 elements in every lane: element j's sign byte is spread in-lane by vpshufb and tested
+    against its bit (vpand + vpcmpeqb)."""
+    bit = _cvec(_I8, [1 << (j % 8) for j in range(32)])
+    spread = _cvec(_I32, [j // 8 + (16 if j >= 16 else 0) for j in range(32)])  # in-lane: byte j // 8
+    halves = []
+    for w in words:
+        b = builder.bitcast(w, _vt(_I8, 32))
+        b = builder.shuffle_vector(b, b, spread)
+        halves.append(builder.icmp_unsigned("==", builder.and_(b, bit), bit))
+    return _concat(builder, halves[0], halves[1])
+
+
+def _sign_masks(builder, p, off):
+    """4 x <64 x i1>: element 8 i + j of piece g negative where bit j of byte i of the 32 sign
+    bytes at byte ``off`` of i8* p is set (KPieces.neg). Each 32 elements' 4 sign bytes are
+    one 4-byte broadcast load (vpbroadcastd: a load only), then _sign_bits: one shuffle per 32
+    elements, where spreading a vector of the sign bytes took three (vpshufb, vpermq, vpshufd)."""
+    p = _opaque(builder, p)
+    words = [_shuf(builder, builder.insert_element(ir.Constant(_vt(_I32, 8), None),
+                                                   _ldv(builder, p, off + 4 * h, _I32), ir.Constant(_I32, 0)), [0] * 8)
+             for h in range(8)]
+    return [_sign_bits(builder, words[2 * g:2 * g + 2]) for g in range(4)]
+
+
+def _sign_masks_of(builder, signs32):
+    """_sign_masks of the computed sign bytes <32 x i8> ``signs32``: each 32 elements' 4 bytes
+    broadcast by vpermd (a stack slot and broadcast loads measured slower: IQ3_XXS +20%)."""
+    w8 = builder.bitcast(signs32, _vt(_I32, 8))
+    words = [_shuf(builder, w8, [h] * 8) for h in range(8)]
+    return [_sign_bits(builder, words[2 * g:2 * g + 2]) for g in range(4)]
 
 
 def _odd16(builder, s16):
@@ -357,11 +450,22 @@ def _d_times(builder, o, off, factors):
     return builder.fmul(_shuf(builder, d2, [0, 0]), ir.Constant(_vt(_F32, 2), list(factors)))
 
 
-def _aux_fields(builder, aux8):
+def _aux_fields(builder, aux8, by_shift=True):
     """From the 8 sub-block words <8 x i32> of IQ2_XXS / IQ3_XXS: the <32 x i8> ksigns bytes
-    (group 4 ib + k: bits 7k of word ib) and the <16 x i16> odd scales 2 (w >> 28) + 1 per 16."""
-    a32 = _spread(builder, aux8, 32, 4)
-    sidx = builder.trunc(_lshr_and(builder, a32, [7 * (k % 4) for k in range(32)], 127), _vt(_I8, 32))
+    (group 4 ib + k: bits 7k of word ib) and the <16 x i16> odd scales 2 (w >> 28) + 1 per 16.
+    ``by_shift``: the ksigns indices as (w & 0x7f) | (w << 1 & 0x7f00) | (w << 2 & 0x7f0000) |
+    (w << 3 & 0x7f000000) on the 8 words (10 ops), else by spreading each word to 4 lanes and
+    a variable shift (~22 ops). Measured on Zen 3 at T = 1, the shifts took IQ2_XXS from 3.3 to
+    3.0 ns per 32 weights but IQ3_XXS from 3.6 to 4.2 (its loop of 64 lookups is sensitive to
+    the schedule LLVM picks), so IQ3_XXS keeps the spread."""
+    if by_shift:
+        c = lambda v: _cvec(_I32, [v] * 8)  # noqa: E731
+        fields = [builder.and_(builder.shl(aux8, c(k)) if k else aux8, c(0x7F << (8 * k))) for k in range(4)]
+        sidx = builder.bitcast(builder.or_(builder.or_(fields[0], fields[1]), builder.or_(fields[2], fields[3])),
+                               _vt(_I8, 32))
+    else:
+        a32 = _spread(builder, aux8, 32, 4)
+        sidx = builder.trunc(_lshr_and(builder, a32, [7 * (k % 4) for k in range(32)], 127), _vt(_I8, 32))
     s8 = builder.trunc(builder.lshr(aux8, _cvec(_I32, [28] * 8)), _vt(_I16, 8))
     return _ksign_bytes(builder, sidx), _odd16(builder, _spread(builder, s8, 16, 2))
 
@@ -371,20 +475,21 @@ def _iq2_xxs_pieces(builder, f, o):
     """Sub-block ib (32 elements) is 4 grid-index bytes then a u32 aux (four 7-bit ksigns
     indices, bits 7k, and the scale s, bits 28..31); scale 2 s + 1; d / 8."""
     q = _ldv(builder, o, f.qs, _vt(_I32, 16))  # words: index bytes, aux, index bytes, aux, ...
-    idx = _zext32(builder, _shuf(builder, builder.bitcast(q, _vt(_I8, 64)),
-                                 [8 * (k // 4) + k % 4 for k in range(32)]))
+    idx = _block_fields(builder, o, [f.qs + 8 * ib for ib in range(8)], 8, 4)
     signs, sc16 = _aux_fields(builder, _shuf(builder, q, range(1, 16, 2)))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
-                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks_of(builder, signs))
 
 
 @_weight_side("IQ3_XXS")
 def _iq3_xxs_pieces(builder, f, o):
     """64 grid-index bytes (4 values each) then 8 u32 aux words as IQ2_XXS's; d / 4."""
-    idx = _zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 64)))
-    signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)))
+    # one load per index byte: 64-bit (or 32-bit) words split in registers measured slower
+    # here (Zen 3, T = 1: 3.6 -> 4.4 / 4.1 ns per 32 weights), unlike the other formats
+    idx = _scalar_loads(builder, o, [f.qs + k for k in range(64)], _I8)
+    signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)), by_shift=False)
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
-                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks(builder, signs))
+                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks_of(builder, signs))
 
 
 @_weight_side("IQ2_XS")
@@ -392,24 +497,24 @@ def _iq2_xs_pieces(builder, f, o):
     """32 u16 (one per 8 elements): low 9 bits the grid index, high 7 bits the ksigns index;
     4-bit scales per 16 elements (_nibble_scales16); d / 8."""
     q = _ldv(builder, o, f.qs, _vt(_I16, 32))
-    idx = _zext32(builder, builder.and_(q, _cvec(_I16, [511] * 32)))
+    idx = [builder.and_(v, _ci(511)) for v in _block_fields(builder, o, [f.qs + 8 * j for j in range(8)], 16, 4)]
     signs = _ksign_bytes(builder, builder.trunc(builder.lshr(q, _cvec(_I16, [9] * 32)), _vt(_I8, 32)))
     sc16 = _nibble_scales16(builder, o, f.off("scales"))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
-                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks(builder, signs))
+                   _d_times(builder, o, 0, (0.125, 0.0)), _sign_masks_of(builder, signs))
 
 
 @_weight_side("IQ2_S")
 def _iq2_s_pieces(builder, f, o):
     """Group k of 8 elements: grid index qs[k] | 2 bits 2 (k % 4) of qh[k // 4] << 8, sign byte
     signs[k]; 4-bit scales per 16 elements; d / 8."""
-    qh = _zext32(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 32, 4))
-    hi = builder.shl(_lshr_and(builder, qh, [2 * (k % 4) for k in range(32)], 3), _cvec(_I32, [8] * 32))
-    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi)
+    qh = _zext16(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 32, 4))
+    hi = builder.shl(_lshr_and(builder, qh, [2 * (k % 4) for k in range(32)], 3), _cvec(_I16, [8] * 32))
+    idx = _spilled(builder, builder.or_(_zext16(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi))
     sc16 = _nibble_scales16(builder, o, f.off("scales"))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
                    _d_times(builder, o, 0, (0.125, 0.0)),
-                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
+                   _sign_masks(builder, o, f.off("signs")))
 
 
 @_weight_side("IQ3_S")
@@ -417,14 +522,14 @@ def _iq3_s_pieces(builder, f, o):
     """Grid index k (4 values) = qs[k] | bit k % 8 of qh[k // 8] << 8; element e's sign is bit
     e % 8 of signs[e // 8]; sub-block ib (32 elements) scale 2 s + 1, s nibble ib % 2 of
     scales[ib // 2]; d."""
-    qh = _zext32(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 64, 8))
-    hi = builder.shl(_lshr_and(builder, qh, [k % 8 for k in range(64)], 1), _cvec(_I32, [8] * 64))
-    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 64))), hi)
+    qh = _zext16(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 8)), 64, 8))
+    hi = builder.shl(_lshr_and(builder, qh, [k % 8 for k in range(64)], 1), _cvec(_I16, [8] * 64))
+    idx = _spilled(builder, builder.or_(_zext16(builder, _ldv(builder, o, f.qs, _vt(_I8, 64))), hi))
     sb = _spread(builder, _ldv(builder, o, f.off("scales"), _vt(_I8, 4)), 16, 4)
     sc16 = _odd16(builder, builder.zext(_lshr_and(builder, sb, [0, 0, 4, 4] * 4, 15), _vt(_I16, 16)))
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16), None, None,
                    _d_times(builder, o, 0, (1.0, 0.0)),
-                   _sign_masks(builder, _ldv(builder, o, f.off("signs"), _vt(_I8, 32))))
+                   _sign_masks(builder, o, f.off("signs")))
 
 
 @_weight_side("IQ1_S")
@@ -433,8 +538,9 @@ def _iq1_s_pieces(builder, f, o):
     delta's sign at 15) and 4 low index bytes; values the grid's -1 / 0 / 1, scale 2 s + 1;
     the delta as mins lanes +-(2 s + 1) with [d, -d / 8] (see the section comment)."""
     q8 = _ldv(builder, o, f.qh, _vt(_I16, 8))
-    hi = _zext32(builder, _lshr_and(builder, _spread(builder, q8, 32, 4), [3 * (k % 4) for k in range(32)], 7))
-    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), builder.shl(hi, _cvec(_I32, [8] * 32)))
+    hi = _lshr_and(builder, _spread(builder, q8, 32, 4), [3 * (k % 4) for k in range(32)], 7)
+    idx = _spilled(builder, builder.or_(_zext16(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))),
+                                        builder.shl(hi, _cvec(_I16, [8] * 32))))
     pieces = _grid_values(builder, f.name, idx)
     q16 = _spread(builder, q8, 16, 2)
     sc16 = _odd16(builder, _lshr_and(builder, q16, [12] * 16, 7))
@@ -451,14 +557,20 @@ def _iq1_m_pieces(builder, f, o):
     m // 4, whose top nibbles are the f16 d."""
     so = f.off("scales")
     nib = _lshr_and(builder, _spread(builder, _ldv(builder, o, f.qh, _vt(_I8, 16)), 32, 2), [0, 4] * 16, 15)
-    hi = builder.shl(_zext32(builder, builder.and_(nib, _cvec(_I8, [7] * 32))), _cvec(_I32, [8] * 32))
-    idx = builder.or_(_zext32(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi)
-    dsign = builder.and_(nib, _cvec(_I8, [8] * 32))  # set: delta -1/8
-    pieces = []
-    for g, v in enumerate(_grid_values(builder, f.name, idx)):
-        neg = builder.icmp_unsigned("!=", _shuf(builder, dsign, [8 * g + j // 8 for j in range(64)]), _cvec(_I8, [0] * 64))
-        delta = builder.select(neg, _cvec(_I8, [0xFF] * 64), _cvec(_I8, [1] * 64))
-        pieces.append(builder.add(builder.shl(v, _cvec(_I8, [3] * 64)), delta))
+    hi = builder.shl(_zext16(builder, builder.and_(nib, _cvec(_I8, [7] * 32))), _cvec(_I16, [8] * 32))
+    idx = _spilled(builder, builder.or_(_zext16(builder, _ldv(builder, o, f.qs, _vt(_I8, 32))), hi))
+    # delta of group k: 1 - 2 (bit 3 of its nibble) = +-1, spread to its 8 elements as the sign
+    # bytes are (_sign_masks_of: vpermd broadcast, in-lane vpshufb), added to 8 g from a grid
+    # table stored times 8
+    d8 = builder.sub(_cvec(_I8, [1] * 32), _lshr_and(builder, nib, [2] * 32, 2))
+    w8 = builder.bitcast(d8, _vt(_I32, 8))
+    spread = _cvec(_I32, [j // 8 + (16 if j >= 16 else 0) for j in range(32)])
+    halves = []
+    for h in range(8):
+        b = builder.bitcast(_shuf(builder, w8, [h] * 8), _vt(_I8, 32))
+        halves.append(builder.shuffle_vector(b, b, spread))
+    pieces = [builder.add(v, _concat(builder, halves[2 * g], halves[2 * g + 1]))
+              for g, v in enumerate(_grid_values(builder, f.name, idx, times=8))]
     w = _ldv(builder, o, so, _vt(_I16, 4))
     sc16 = _odd16(builder, _lshr_and(builder, _spread(builder, w, 16, 4), [0, 3, 6, 9] * 4, 7))
     top = builder.shl(builder.lshr(w, _cvec(_I16, [12] * 4)), _cvec(_I16, [0, 4, 8, 12]))
@@ -475,7 +587,7 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
     w64 goes in as |w| x (a with w's sign), ggml's sign trick (no int16 pair sum saturates:
     |w|, |a| <= 127)."""
-    if signed:
+    if signed and _VNNI:  # AVX-512 has no vpsignb
         zero = _cvec(_I8, [0] * 64)
         a64 = builder.select(builder.icmp_signed("<", w64, zero), builder.sub(zero, a64),
                              builder.select(builder.icmp_signed("==", w64, zero), zero, a64))
@@ -489,6 +601,8 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     for h in range(2):
         w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
         a = _shuf(builder, a64, range(32 * h, 32 * h + 32))
+        if signed:  # vpsignb + vpabsb (LLVM lowered the select form to vpcmpeqb, vpandn, vpsubb, vpblendvb)
+            a, w = _sign8(builder, a, w), _abs8(builder, w)
         halves.append(_madd(builder, _maddubs(builder, w, a), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
     # AVX2: iacc is the 8 folded lanes (lane k + lane k + 8 of the 16-lane form, exact), so
     # one ymm per (row, item) and tiles of 8 items fit in the 16 registers
