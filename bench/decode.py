@@ -35,7 +35,8 @@ Per layer (``--per-layer PRESET``, bench/layers.py): two synthetic files of the 
 differ only in layer count (``--layers SMALL,BIG``; deepseek4: ``--pattern`` ratios repeated,
 ``--lead-layers`` hash-routed layers fixed), both engines on both at each depth; reports what
 one more layer costs per decoded token and per prefill, (t_big - t_small) / (L_big - L_small),
-each engine's and their ratio, beside the whole files' figures.
+each engine's and their ratio, beside the whole files' figures. ``--tensor-types RECIPE``
+types both files per tensor (e.g. ``ud-iq1_s``: i-quant experts, as unsloth's files).
 """
 
 from __future__ import annotations
@@ -451,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-layer mode: leading hash-routed (deepseek4) or dense (deepseek2) layers in both files")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="per-layer mode: replace a preset field in both files (repeatable), e.g. n_expert=32")
+    ap.add_argument("--tensor-types", default="", metavar="RECIPE",
+                    help="per-layer mode: per-tensor types of both files (moe_service/synth/recipe.py), rules "
+                         "ROLE[@N[-M]]=TYPE or a named recipe, e.g. ud-iq1_s or "
+                         "gate=IQ1_S,up=IQ1_S,down=IQ2_XXS,attn=Q8_0")
     ap.add_argument("--pair-dir", type=Path, default=None,
                     help="per-layer mode: where the files are written and reused (default cache_dir()/bench-layers)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -494,6 +499,10 @@ def _main_per_layer(a: argparse.Namespace) -> int:
         fam = family_of(a.per_layer)
         base = family_module(fam).PRESETS[a.per_layer]
         sets = parse_sets(a.set, type(base))
+        if a.tensor_types:
+            if "tensor_types" in sets:
+                raise ConfigError("--tensor-types and --set tensor_types=...: give the recipe once.")
+            sets["tensor_types"] = a.tensor_types
         pattern = tuple(int(x) for x in a.pattern.split(",") if x.strip()) if a.pattern else None
         if a.layers:
             small, big = (int(x) for x in a.layers.split(","))
@@ -504,6 +513,7 @@ def _main_per_layer(a: argparse.Namespace) -> int:
             small, big = 2, 4
         pair = LayerPair(a.per_layer, small, big, a.lead_layers, pattern, tuple(sorted(sets.items())))
         pair.resolved(small), pair.resolved(big)
+        pair.check_recipe()
     except ValueError as e:
         print(f"{prog}: --layers {a.layers!r} / --pattern {a.pattern!r}: expected comma-separated integers ({e})",
               file=sys.stderr)

@@ -28,7 +28,14 @@ Families (the preset name says which writer):
 ``--set FIELD=VALUE`` replaces a preset field in both files (e.g. ``n_expert=32`` to keep a
 real-shape V4 layer's file small: a decoded token still reads K experts per layer). The files
 are written once into ``--pair-dir`` (default ``cache_dir()/bench-layers``) under a name that
-carries the preset, the layer count and a digest of every field, and reused afterwards.
+carries the preset, the recipe, the layer count and a digest of every field, and reused
+afterwards.
+
+``--tensor-types RECIPE`` (moe_service/synth/recipe.py: rules ``ROLE[@N[-M]]=TYPE`` or a named
+recipe such as ``ud-iq1_s``) types both files' tensors per role and layer, as the low-bit
+files people download (i-quant experts, attention at Q8_0 / Q6_K). Rules with layer ranges
+should name layers below the small file's count: then the added layers are the recipe's
+plain layers and the per-layer figure is theirs.
 
     moe-service bench decode --per-layer deepseek-v4-flash --pattern 4,128 --layers 2,4 \\
         --set n_expert=32 --depths 512,2048,4096 --decode 16 --threads 2 --depth-repeats 2
@@ -37,6 +44,7 @@ carries the preset, the layer count and a digest of every field, and reused afte
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import statistics
 import sys
@@ -189,12 +197,39 @@ class LayerPair:
         """The validated preset dataclass of the file with ``n_layer`` layers."""
         return family_module(self.family).resolve_preset(self.preset, **self.changes(n_layer))
 
+    @property
+    def tensor_types(self) -> str:
+        """The per-tensor type recipe of both files ("" : the preset's types)."""
+        return str(dict(self.overrides).get("tensor_types", ""))
+
     def file_name(self, n_layer: int) -> str:
-        """``PRESET-L{n}-{digest}.gguf``: the digest covers every field of the resolved preset
-        and the seed, so a changed field never reuses a stale file."""
+        """``PRESET[-RECIPE]-L{n}-{digest}.gguf``: RECIPE is :func:`recipe_tag` of the recipe
+        (none without one); the digest covers every field of the resolved preset, the seed and
+        the recipe with named recipes written out, so a changed field or recipe definition
+        never reuses a stale file."""
+        from moe_service.synth.recipe import expand_tensor_types, recipe_tag
+
         p = self.resolved(n_layer)
-        digest = hashlib.sha256(repr((dataclasses.asdict(p), self.seed)).encode()).hexdigest()[:10]
-        return f"{self.preset}-L{n_layer}-{digest}.gguf"
+        key: tuple[Any, ...] = (dataclasses.asdict(p), self.seed)
+        if self.tensor_types:
+            key += (expand_tensor_types(self.tensor_types),)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:10]
+        tag = recipe_tag(self.tensor_types)
+        return f"{self.preset}{'-' + tag if tag else ''}-L{n_layer}-{digest}.gguf"
+
+    def check_recipe(self) -> None:
+        """Apply the recipe to both files' tensor plans without writing (ConfigError naming a
+        rule that matches no tensor, or a tensor whose row the rule's type does not fit)."""
+        from moe_service.synth.recipe import apply_tensor_types
+
+        if not self.tensor_types:
+            return
+        mod = family_module(self.family)
+        for n in (self.small, self.big):
+            p = self.resolved(n)
+            apply_tensor_types(
+                mod.tensor_plan(p), self.tensor_types, f"--per-layer {self.preset} ({n} layers)"
+            )
 
     def write(self, pair_dir: Path, progress: Callable[[str], None] | None = None) -> tuple[Path, Path]:
         """Both files in ``pair_dir`` (written if absent, atomically by the writers); returns
@@ -220,13 +255,15 @@ class LayerPair:
                     "compress_ratios", family_module("deepseek4").PRESETS[self.preset].compress_ratios
                 )
             )
-            return (
+            text = (
                 f"ratios {','.join(map(str, pat))} repeated, {p.hash_layers} hash-routed layer(s) in both, "
                 f"{p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
             )
-        if self.family == "deepseek2":
-            return f"{p.n_dense_lead} dense layer(s) in both, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
-        return f"{p.arch}, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
+        elif self.family == "deepseek2":
+            text = f"{p.n_dense_lead} dense layer(s) in both, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
+        else:
+            text = f"{p.arch}, {p.n_expert} experts top-{p.n_expert_used} {p.expert_type}"
+        return f"{text}, tensor types {self.tensor_types}" if self.tensor_types else text
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,7 +304,12 @@ def per_layer_row(
     ``{ours,llamacpp}_decode_ms_per_layer`` (per decoded token), ``*_prefill_ms_per_layer``
     (the whole D-token prefill), ``decode_ratio`` / ``prefill_ratio`` (median of the rounds'
     ratios), each with ``*_runs``; and the whole files' tok/s and ratios (``small_*``,
-    ``big_*``: medians)."""
+    ``big_*``: medians).
+
+    Best of rounds: ``{ours,llamacpp}_{what}_ms_per_layer_best`` is :func:`per_layer_s` of
+    each file's fastest round (per engine), and ``{what}_ratio_best`` their ratio. On a shared
+    host another process only ever adds time, so the fastest round is the estimate least
+    touched by the load; it is reported beside the median, not instead of it."""
     row: dict[str, Any] = {"depth": depth, "n_decode": n_decode}
     n = min(len(small_rounds), len(big_rounds))
     for what, work in (("decode", 1.0), ("prefill", float(depth))):
@@ -292,6 +334,17 @@ def per_layer_row(
         if ratios:
             row[f"{what}_ratio"] = statistics.median(ratios)
             row[f"{what}_ratio_runs"] = ratios
+        best: dict[str, float] = {}
+        for eng in ("ours", "llamacpp"):
+            vs = tuple(
+                [r.get(f"{what}_tok_s") if eng == "ours" else _best_peer(r, what) for r in rounds]
+                for rounds in (small_rounds[:n], big_rounds[:n])
+            )
+            if all(v for v in vs[0]) and all(v for v in vs[1]) and vs[0]:
+                best[eng] = per_layer_s(work / max(vs[0]), work / max(vs[1]), small_layers, big_layers)
+                row[f"{eng}_{what}_ms_per_layer_best"] = best[eng] * 1e3
+        if len(best) == 2 and best["ours"] > 0 and best["llamacpp"] > 0:
+            row[f"{what}_ratio_best"] = best["llamacpp"] / best["ours"]
         for tag, rounds in (("small", small_rounds[:n]), ("big", big_rounds[:n])):
             ours_v = [r[f"{what}_tok_s"] for r in rounds if r.get(f"{what}_tok_s")]
             peer_v = [_best_peer(r, what) for r in rounds]
@@ -349,6 +402,10 @@ def run_per_layer(
             )
             for row in r["rows"]:
                 per_file[tag][row["depth"]].append(row)
+            # the engine's model sits in reference cycles, and its weight arena (an mmap) is
+            # invisible to the collector's thresholds: without this each round's arenas stayed
+            # mapped (a 9-round qwen3moe pair reached 8 GB resident)
+            gc.collect()
     rows = []
     for d in depths:
         if any("decode_tok_s" not in x for x in per_file["small"][d] + per_file["big"][d]):
@@ -367,6 +424,7 @@ def run_per_layer(
         "preset": pair.preset,
         "family": pair.family,
         "describe": pair.describe(),
+        "tensor_types": pair.tensor_types,
         "small_layers": pair.small,
         "big_layers": pair.big,
         "files": [str(small_path), str(big_path)],
@@ -407,6 +465,17 @@ def format_per_layer(r: dict) -> str:
             f"{_f(row.get('ours_prefill_ms_per_layer'), '.1f'):>12}  "
             f"{_f(row.get('llamacpp_prefill_ms_per_layer'), '.1f'):>9}  {_f(row.get('prefill_ratio')):>5}"
         )
+    if r["rounds"] > 1:
+        lines += ["", "per layer, each file's fastest round (ms; ratio: llama.cpp / ours)"]
+        for row in r["rows"]:
+            if "reason" in row:
+                continue
+            lines.append(
+                f"{row['depth']:>6}  {_f(row.get('ours_decode_ms_per_layer_best')):>11}  "
+                f"{_f(row.get('llamacpp_decode_ms_per_layer_best')):>9}  {_f(row.get('decode_ratio_best')):>5}  "
+                f"{_f(row.get('ours_prefill_ms_per_layer_best'), '.1f'):>12}  "
+                f"{_f(row.get('llamacpp_prefill_ms_per_layer_best'), '.1f'):>9}  {_f(row.get('prefill_ratio_best')):>5}"
+            )
     lines += [
         "",
         "whole files (tok/s ours / llama.cpp, ratio ours / llama.cpp)",

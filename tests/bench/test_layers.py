@@ -148,6 +148,11 @@ def test_per_layer_row_from_matched_rounds():
     assert row["ours_decode_ms_per_layer_runs"] == pytest.approx([10.0, 20.0])
     assert row["llamacpp_decode_ms_per_layer_runs"] == pytest.approx([15.0, 30.0])
     assert row["decode_ratio_runs"] == pytest.approx([1.5, 1.5])
+    # best of rounds: ours 50 and 25 tok/s (20 ms -> 40 ms: 10 ms/layer); llama.cpp 40 tok/s
+    # and 1/0.055 (25 ms -> 55 ms: 15 ms/layer)
+    assert row["ours_decode_ms_per_layer_best"] == pytest.approx(10.0)
+    assert row["llamacpp_decode_ms_per_layer_best"] == pytest.approx(15.0)
+    assert row["decode_ratio_best"] == pytest.approx(1.5)
     assert row["decode_ratio"] == pytest.approx(1.5)
     assert row["ours_prefill_ms_per_layer"] == pytest.approx(2000.0)
     assert row["llamacpp_prefill_ms_per_layer"] == pytest.approx(3000.0)
@@ -185,3 +190,80 @@ def test_cli_refuses_a_bad_pair(capsys):
     assert "not a valid int" in capsys.readouterr().err
     assert main(["--per-layer", "nope"]) == 2
     assert "not a synthetic preset" in capsys.readouterr().err
+    assert main(["--per-layer", "qwen3-30b-a3b", "--tensor-types", "shexp=Q6_K"]) == 2
+    assert "matches no tensor" in capsys.readouterr().err  # checked before any file is written
+    assert main(["--per-layer", "qwen3-30b-a3b", "--tensor-types", "ud-iq1_x"]) == 2
+    assert "nor a named recipe" in capsys.readouterr().err
+    assert (
+        main(
+            ["--per-layer", "qwen3-30b-a3b", "--tensor-types", "ud-iq1_s", "--set", "tensor_types=down=Q4_K"]
+        )
+        == 2
+    )
+    assert "give the recipe once" in capsys.readouterr().err
+
+
+# ---- per-tensor type recipes
+
+
+def test_recipe_is_in_the_file_names_and_digests():
+    plain = LayerPair("qwen3-30b-a3b", 2, 4)
+    named = LayerPair("qwen3-30b-a3b", 2, 4, overrides=(("tensor_types", "ud-iq1_s"),))
+    rules = LayerPair(
+        "qwen3-30b-a3b", 2, 4, overrides=(("tensor_types", "gate=IQ1_S,up=IQ1_S,down=IQ2_XXS"),)
+    )
+    assert named.file_name(2).startswith("qwen3-30b-a3b-ud-iq1_s-L2-")
+    assert rules.file_name(4).startswith("qwen3-30b-a3b-gate-iq1_s+up-iq1_s+down-iq2_xxs-L4-")
+    assert len({plain.file_name(2), named.file_name(2), rules.file_name(2)}) == 3
+    assert "tensor types ud-iq1_s" in named.describe()
+    # the pair still differs only in its layer count
+    assert set(_diff(named.resolved(2), named.resolved(4))) == {"n_layer"}
+
+
+@pytest.mark.parametrize(
+    "preset, recipe, small, big, want",
+    [
+        # qwen3moe: every layer alike; layer 0's experts kept at Q4_K in both files
+        (
+            "tiny-qwen3moe",
+            "ud-iq1_s,experts@0=Q4_K",
+            1,
+            2,
+            {
+                "blk.0.ffn_gate_exps.weight": "Q4_K",
+                "blk.1.ffn_gate_exps.weight": "IQ1_S",
+                "blk.1.ffn_up_exps.weight": "IQ1_S",
+                "blk.1.ffn_down_exps.weight": "IQ2_XXS",
+                "blk.1.attn_q.weight": "Q8_0",
+                "output.weight": "Q6_K",
+            },
+        ),
+        # deepseek2: one dense lead layer (ffn at Q6_K), MoE layers after it; attn_v_b has rows
+        # of 128 (kv_lora_rank), which Q6_K does not fit: it keeps the writer's Q8_0
+        (
+            "tiny-deepseek2",
+            "ud-iq2_xxs",
+            2,
+            3,
+            {
+                "blk.0.ffn_down.weight": "Q6_K",
+                "blk.2.ffn_gate_exps.weight": "IQ2_XXS",
+                "blk.2.ffn_up_exps.weight": "IQ2_XXS",
+                "blk.2.ffn_down_exps.weight": "Q2_K",
+                "blk.2.ffn_gate_shexp.weight": "Q6_K",
+                "blk.2.attn_output.weight": "Q6_K",
+                "blk.2.attn_v_b.weight": "Q8_0",
+                "token_embd.weight": "Q4_K",
+            },
+        ),
+    ],
+)
+def test_written_pair_carries_the_recipe(tmp_path, preset, recipe, small, big, want):
+    pair = LayerPair(preset, small, big, overrides=(("tensor_types", recipe),))
+    pair.check_recipe()
+    a_path, b_path = pair.write(tmp_path)
+    a, b = GGUFModel.open(a_path), GGUFModel.open(b_path)
+    types = {n: t.type_name for n, t in b.tensors.items()}
+    assert {n: types[n] for n in want} == want
+    # the small file's layers have the big file's types, tensor by tensor
+    assert all(types[n] == t.type_name for n, t in a.tensors.items())

@@ -123,3 +123,25 @@ def test_row_not_whole_blocks_is_refused_naming_the_tensor(tmp_path):
     patch_tensor_info(path, "blk.0.ffn_up_exps.weight", ne0=48)
     code, text = _check_text(path)
     assert code == 3 and "blk.0.ffn_up_exps.weight" in text and "IQ4_NL" in text and "32" in text
+
+
+def test_named_recipes_expand_and_apply_where_they_fit(tmp_path):
+    from moe_service.synth.recipe import NAMED_RECIPES, expand_tensor_types
+
+    rules = parse_tensor_types("ud-iq1_s,experts@1=Q4_K")
+    assert [r.text for r in rules[:3]] == ["gate=IQ1_S", "up=IQ1_S", "down=IQ2_XXS"]
+    assert {r.named for r in rules[:-1]} == {"ud-iq1_s"} and rules[-1].named is None
+    assert expand_tensor_types("ud-iq2_xxs").startswith("ud-iq2_xxs:gate=IQ2_XXS,")
+    assert set(NAMED_RECIPES) >= {"ud-iq1_s", "ud-iq2_xxs"}
+    with pytest.raises(ConfigError, match="nor a named recipe"):
+        parse_tensor_types("ud-iq9")
+    # qwen3moe has no shared experts nor dense FFN layers: a named recipe's rules for them are
+    # no error; a rule the user typed is
+    path = synth.write_synthetic(tmp_path / "q.gguf", "tiny-qwen3moe", n_layer=2, sparse=True,
+                                 tensor_types="ud-iq2_xxs,experts@1=Q4_K")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == "IQ2_XXS" and types["blk.0.ffn_down_exps.weight"] == "Q2_K"
+    assert types["blk.1.ffn_down_exps.weight"] == "Q4_K" and types["blk.0.attn_k.weight"] == "Q6_K"
+    _plan_bytes_match(path)
+    with pytest.raises(ConfigError, match="matches no tensor"):
+        synth.write_synthetic(tmp_path / "x.gguf", "tiny-qwen3moe", sparse=True, tensor_types="ud-iq1_s,shexp=Q6_K")
