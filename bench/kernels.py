@@ -130,14 +130,20 @@ def make_tensor(tid: int, n_cols: int, mib: int, rng) -> tuple[np.ndarray, int]:
     return make_rows(tid, n_rows, n_cols, rng), n_rows
 
 
-def kernel_gbps(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng, repeats: int) -> float:
-    """Single thread: quant.matmul_rows over the whole tensor (no pool); best of ``repeats``."""
+def _matmul_args(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng) -> tuple:
+    """quant.matmul_rows's arguments for ``n_tok`` random activation rows against the ``n_rows``
+    rows of ``arena`` (one thread, no pool)."""
     rb = q.row_bytes(tid, n_cols)
     pa = q.quantize_activations(rng.standard_normal((n_tok, n_cols)).astype(np.float32), q.FORMATS[tid].partner)
     rows = np.arange(n_tok, dtype=np.int64)
     out = np.empty(n_tok * n_rows, np.float32)
-    args = (arena, 0, tid, n_cols, rb, 0, n_rows, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows, rows, out, n_rows, 0,
+    return (arena, 0, tid, n_cols, rb, 0, n_rows, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows, rows, out, n_rows, 0,
             q.ensure_kernels([tid]))
+
+
+def kernel_gbps(tid: int, arena: np.ndarray, n_rows: int, n_cols: int, n_tok: int, rng, repeats: int) -> float:
+    """Single thread: quant.matmul_rows over the whole tensor (no pool); best of ``repeats``."""
+    args = _matmul_args(tid, arena, n_rows, n_cols, n_tok, rng)
     q.matmul_rows(*args)
     best = float("inf")
     for _ in range(repeats):
@@ -160,12 +166,7 @@ def hot_ns_per_block_token(tid: int, n_rows: int, n_cols: int, n_tok: int, rng, 
     blur least (the best of many short calls): on a quiet host it is the T = 1 time of a
     compute-bound format (the i-quants) from memory too."""
     arena = make_rows(tid, n_rows, n_cols, rng)
-    rb = q.row_bytes(tid, n_cols)
-    pa = q.quantize_activations(rng.standard_normal((n_tok, n_cols)).astype(np.float32), q.FORMATS[tid].partner)
-    rows = np.arange(n_tok, dtype=np.int64)
-    out = np.empty(n_tok * n_rows, np.float32)
-    args = (arena, 0, tid, n_cols, rb, 0, n_rows, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, rows, rows, out, n_rows, 0,
-            q.ensure_kernels([tid]))
+    args = _matmul_args(tid, arena, n_rows, n_cols, n_tok, rng)
     q.matmul_rows(*args)
     best = float("inf")
     for _ in range(calls):

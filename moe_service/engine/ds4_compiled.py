@@ -577,38 +577,14 @@ def _hc_pre_item(items_ptr, i, op_ptr):
     scale = view_f32(op[P_SCALE], 3)
     base = view_f32(op[P_BASE], M)
     eps = view_f32(op[P_EPS], 4).view(np.float64)
-    if op[P_F64]:
+    if op[P_F64]:  # two call sites: numba types each table's dtype apart
         fnT64 = view_f32(op[P_FNT], 2 * C * H * M).view(np.float64).reshape((C * H, M))
-        _hc_pre_rows(
-            x[t0:t1],
-            fnT64,
-            scale,
-            base,
-            eps[0],
-            eps[1],
-            op[P_ITERS],
-            xn[t0:t1],
-            h[t0:t1],
-            post[t0:t1],
-            comb[t0:t1],
-            False,
-        )
+        _hc_pre_rows(x[t0:t1], fnT64, scale, base, eps[0], eps[1], op[P_ITERS], xn[t0:t1], h[t0:t1],
+                     post[t0:t1], comb[t0:t1], False)
     else:
         fnT32 = view_f32(op[P_FNT], C * H * M).reshape((C * H, M))
-        _hc_pre_rows(
-            x[t0:t1],
-            fnT32,
-            scale,
-            base,
-            eps[0],
-            eps[1],
-            op[P_ITERS],
-            xn[t0:t1],
-            h[t0:t1],
-            post[t0:t1],
-            comb[t0:t1],
-            True,
-        )
+        _hc_pre_rows(x[t0:t1], fnT32, scale, base, eps[0], eps[1], op[P_ITERS], xn[t0:t1], h[t0:t1],
+                     post[t0:t1], comb[t0:t1], True)
 
 
 _POOL_MIN_TOKENS = 8  # hc_pre / hc_post steps of fewer tokens run on the calling thread
