@@ -922,61 +922,18 @@ class OutputBuilder:
         self._space = ""
         index = len(self.items)
         self.n_calls += 1
+        # a custom tool's call carries its raw input, a function call its JSON arguments (and its
+        # name again in the done event); otherwise the two items stream alike
         if custom_input is not None:
-            item = {
-                "id": _new_id("ctc"),
-                "type": "custom_tool_call",
-                "status": "in_progress",
-                "call_id": call_id,
-                "name": name,
-                "input": "",
-            }
-            evs.append(self.event("response.output_item.added", output_index=index, item=item))
-            evs.append(
-                self.event(
-                    "response.custom_tool_call_input.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=custom_input,
-                )
-            )
-            evs.append(
-                self.event(
-                    "response.custom_tool_call_input.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    input=custom_input,
-                )
-            )
-            done = {**item, "status": "completed", "input": custom_input}
+            prefix, kind, field, text, named = "ctc", "custom_tool_call", "input", custom_input, {}
         else:
-            item = {
-                "id": _new_id("fc"),
-                "type": "function_call",
-                "status": "in_progress",
-                "call_id": call_id,
-                "name": name,
-                "arguments": "",
-            }
-            evs.append(self.event("response.output_item.added", output_index=index, item=item))
-            evs.append(
-                self.event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=arguments,
-                )
-            )
-            evs.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=name,
-                    arguments=arguments,
-                )
-            )
-            done = {**item, "status": "completed", "arguments": arguments}
+            prefix, kind, field, text, named = "fc", "function_call", "arguments", arguments, {"name": name}
+        stream = "response.custom_tool_call_input" if custom_input is not None else "response.function_call_arguments"
+        item = {"id": _new_id(prefix), "type": kind, "status": "in_progress", "call_id": call_id, "name": name, field: ""}
+        evs.append(self.event("response.output_item.added", output_index=index, item=item))
+        evs.append(self.event(f"{stream}.delta", item_id=item["id"], output_index=index, delta=text))
+        evs.append(self.event(f"{stream}.done", item_id=item["id"], output_index=index, **named, **{field: text}))
+        done = {**item, "status": "completed", field: text}
         self.items.append(done)
         evs.append(self.event("response.output_item.done", output_index=index, item=done))
         return evs
