@@ -27,10 +27,16 @@ and per step, outside the layers (milliseconds per step, decode; per prefill, pr
     head           output norm, the output matmul (n_vocab x n_embd), logits to torch
     step glue      the rest of Model.step (spans, positions, the lock, bookkeeping)
 
+Clocks: ``--clock wall`` (default) times wall seconds; ``--clock cpu`` (with ``--threads 1``:
+every kernel then runs on the calling thread) times that thread's CPU seconds
+(time.thread_time), which a shared host's preemption does not inflate (its caches and memory
+bandwidth still do): the way to compare parts, or two trees, while other work runs.
+
 Command (the numbers depend on the machine's load: compare runs made back to back)::
 
     PYTHONPATH=. python -m bench.layer_parts --model Q.gguf --depth 2048 --decode 16 --threads 2 [--json OUT]
     PYTHONPATH=. python -m bench.layer_parts --model Q.gguf --prefill --depth 2048 --threads 2 [--ubatch 128]
+    PYTHONPATH=. python -m bench.layer_parts --model Q.gguf --depth 2048 --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -62,14 +68,58 @@ PARTS = (
     "glue",
 )
 OUTSIDE = ("embed", "head", "step glue")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+class ClockPartTimer(PartTimer):
+    """bench.ds4_parts.PartTimer with the clock of one's choice (``clock()`` -> seconds; one
+    compress-ratio key, 0, for the llama family)."""
+
+    def __init__(self, ratios: list[int], clock: Callable[[], float] = time.perf_counter):
+        super().__init__(ratios)
+        self.clock = clock
+
+    def wrap(self, fn: Callable, label: Callable[[tuple], str | None]) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            part = label(a) if self.on and self.stack else None
+            if part is None:
+                return fn(*a, **k)
+            self.stack.append(0.0)
+            t0 = self.clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = self.clock() - t0
+                child = self.stack.pop()
+                self.excl[(self.ratio, part)] += dt - child
+                self.stack[-1] += dt
+
+        return timed
+
+    def wrap_layer(self, fn: Callable) -> Callable:
+        def timed(arch: Any, be: Any, lw: Any, x: Any, st: Any) -> Any:
+            if not self.on:
+                return fn(arch, be, lw, x, st)
+            self.ratio = self.ratios[lw.index]
+            self.stack = [0.0]
+            t0 = self.clock()
+            out = fn(arch, be, lw, x, st)
+            dt = self.clock() - t0
+            self.layer_s[self.ratio] += dt
+            self.layer_calls[self.ratio] += 1
+            self.excl[(self.ratio, "glue")] += dt - self.stack.pop()
+            return out
+
+        return timed
 
 
 class StepTimer:
     """Wall time of Model.step and of the wrapped calls made in it outside the layers
     (``outside`` part -> seconds); ``layers_s`` the layers' inclusive time."""
 
-    def __init__(self, timer: PartTimer):
+    def __init__(self, timer: PartTimer, clock: Callable[[], float] = time.perf_counter):
         self.timer = timer
+        self.clock = clock
         self.on = False
         self.depth = 0  # > 0 while a step runs
         self.in_layer = False
@@ -81,11 +131,11 @@ class StepTimer:
         def timed(*a: Any, **k: Any) -> Any:
             if not (self.on and self.depth and not self.timer.stack):
                 return fn(*a, **k)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*a, **k)
             finally:
-                self.outside[part] += time.perf_counter() - t0
+                self.outside[part] += self.clock() - t0
 
         return timed
 
@@ -94,11 +144,11 @@ class StepTimer:
             if not self.on:
                 return fn(*a, **k)
             self.depth += 1
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*a, **k)
             finally:
-                self.step_s += time.perf_counter() - t0
+                self.step_s += self.clock() - t0
                 self.steps += 1
                 self.depth -= 1
 
@@ -157,11 +207,25 @@ def instrument(timer: PartTimer, steps: StepTimer | None = None) -> Callable[[],
 
 
 def profile(
-    path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 128, prefill: bool = False
+    path: Path,
+    threads: int,
+    depth: int,
+    n_decode: int,
+    ubatch: int = 128,
+    prefill: bool = False,
+    clock: str = "wall",
 ) -> dict:
     """Per-part ms per layer per decoded token at ``depth``, or (``prefill``) per-part ms per
-    layer of the ``depth``-token prefill, and the parts outside the layers (module docstring).
-    SystemExit naming the file when it is not one of :data:`ARCHS`."""
+    layer of the ``depth``-token prefill, and the parts outside the layers (module docstring),
+    on ``clock`` (:data:`CLOCKS`; "cpu" needs ``threads`` 1). SystemExit naming the file when
+    it is not one of :data:`ARCHS`, or the clock when it does not fit."""
+    if clock not in CLOCKS:
+        raise SystemExit(f"bench.layer_parts: --clock {clock}: expected one of {', '.join(CLOCKS)}")
+    if clock == "cpu" and threads != 1:
+        raise SystemExit(
+            f"bench.layer_parts: --clock cpu times the calling thread: it needs --threads 1 (got {threads})"
+        )
+    tick = CLOCKS[clock]
     import torch
 
     torch.set_num_threads(1)
@@ -181,8 +245,8 @@ def profile(
     try:
         model = Model(catalog, weights, ops, n_seq=2 if prefill else 1, n_ctx=depth + n_decode + 8)
         n_layer = len(model.layers)
-        timer = PartTimer([0] * n_layer)
-        steps = StepTimer(timer)
+        timer = ClockPartTimer([0] * n_layer, tick)
+        steps = StepTimer(timer, tick)
         restore = instrument(timer, steps)
         try:
             ids = depth_ids(catalog, depth + 1)
@@ -192,10 +256,10 @@ def profile(
                 model.kv.free(w)
                 timer.on = steps.on = True
             s = model.kv.alloc()
-            t0 = time.perf_counter()
+            t0 = tick()
             for a in range(0, depth, ubatch):
                 model.step([(s, ids[a : min(depth, a + ubatch)])], want_logits=[a + ubatch >= depth])
-            prefill_s = time.perf_counter() - t0
+            prefill_s = tick() - t0
             timer.on = steps.on = False
             step_s = prefill_s
             if not prefill:
@@ -203,10 +267,10 @@ def profile(
                 for _ in range(2):  # warm-up: the decode shapes compiled, the caches touched
                     tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
                 timer.on = steps.on = True
-                t0 = time.perf_counter()
+                t0 = tick()
                 for _ in range(n_decode):
                     tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
-                step_s = (time.perf_counter() - t0) / n_decode
+                step_s = (tick() - t0) / n_decode
                 timer.on = steps.on = False
         finally:
             restore()
@@ -223,6 +287,7 @@ def profile(
         "arch": catalog.params.arch,
         "mode": "prefill" if prefill else "decode",
         "threads": threads,
+        "clock": clock,
         "depth": depth,
         "ubatch": ubatch,
         "n_decode": 0 if prefill else n_decode,
@@ -241,13 +306,13 @@ def format_table(r: dict) -> str:
     if prefill:
         lines = [
             f"{r['arch']} prefill by part: {Path(r['model']).name}, {r['depth']} tokens in {r['ubatch']}-token steps, "
-            f"{r['threads']} thread(s), prefill {r['step_ms'] / 1e3:.2f} s, load average {r['load_average'][0]:.2f}",
+            f"{r['threads']} thread(s), {r['clock']} clock, prefill {r['step_ms'] / 1e3:.2f} s, load average {r['load_average'][0]:.2f}",
             f"{'part':18s}{'ms/layer':>10s}{'us/token':>10s}",
         ]
     else:
         lines = [
             f"{r['arch']} decode step by part: {Path(r['model']).name}, depth {r['depth']}, {r['n_decode']} steps, "
-            f"{r['threads']} thread(s), step {r['step_ms']:.2f} ms, load average {r['load_average'][0]:.2f}",
+            f"{r['threads']} thread(s), {r['clock']} clock, step {r['step_ms']:.2f} ms, load average {r['load_average'][0]:.2f}",
             f"{'part':18s}{'ms/layer':>10s}",
         ]
     rows = list(r["parts_ms_per_layer"].items()) + [("layer total", r["layer_ms"])]
@@ -267,12 +332,20 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill", action="store_true", help="time the --depth-token prefill instead of decode steps"
     )
     ap.add_argument("--ubatch", type=int, default=128, help="prefill step size in tokens (default 128)")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall seconds (default), or the calling thread's CPU seconds (needs --threads 1)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     a = ap.parse_args(argv)
     if not a.model.is_file():
         print(f"bench.layer_parts: {a.model} does not exist", file=sys.stderr)
         return 2
-    r = profile(a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill)
+    r = profile(
+        a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill, a.clock
+    )
     print(format_table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))

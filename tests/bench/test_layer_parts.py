@@ -51,11 +51,11 @@ def test_instrument_restores_every_function():
 
 
 @needs_smollm2
-@pytest.mark.parametrize("prefill", [False, True])
-def test_parts_add_up_to_the_layer_and_the_step(tmp_path, prefill):
+@pytest.mark.parametrize(("prefill", "clock"), [(False, "wall"), (True, "wall"), (False, "cpu")])
+def test_parts_add_up_to_the_layer_and_the_step(tmp_path, prefill, clock):
     path = write_synthetic(tmp_path / "t.gguf", "tiny-qwen3moe", seed=0)
-    r = profile(path, threads=1, depth=24, n_decode=2, ubatch=16, prefill=prefill)
-    assert r["arch"] == "qwen3moe" and r["n_layer"] == 2
+    r = profile(path, threads=1, depth=24, n_decode=2, ubatch=16, prefill=prefill, clock=clock)
+    assert r["arch"] == "qwen3moe" and r["n_layer"] == 2 and r["clock"] == clock
     table = r["parts_ms_per_layer"]
     assert set(table) == set(PARTS) and set(r["outside_ms"]) == set(OUTSIDE)
     assert sum(table.values()) == pytest.approx(r["layer_ms"], rel=1e-6)
@@ -69,3 +69,8 @@ def test_parts_add_up_to_the_layer_and_the_step(tmp_path, prefill):
     whole = r["layer_ms"] * r["n_layer"] + sum(r["outside_ms"].values())
     assert whole <= r["step_ms"] * (1 + 1e-9)
     assert "layer total" in format_table(r)
+
+
+def test_cpu_clock_needs_one_thread(tmp_path):
+    with pytest.raises(SystemExit, match="--threads 1"):
+        profile(tmp_path / "never-opened.gguf", threads=2, depth=8, n_decode=1, clock="cpu")
