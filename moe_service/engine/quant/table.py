@@ -68,13 +68,20 @@ def _aux(typingctx, fmt, xs, xbs):
     return sig, codegen
 
 
-_A8 = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.family == "k")
+_A8 = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.family == "k" or (
+    f.family == "32" and f.kind != "q8" and not f.has_min))
 """Formats whose tiles take 8 items at a time: the AVX2 K-quants, whose (row, item) integer
 accumulator is one ymm (tiles_k._kq_dot), so 8 items fit the 16 registers and one weight
 row's unpacking (about 40% of a 4-item tile's instructions) serves twice the items.
 Measured on AMD EPYC Zen 3, one thread, T = 8..64: Q5_K and Q6_K ~10% faster, Q4_K within
 the noise (python bench/kernels.py --formats Q4_K,Q5_K,Q6_K --tokens 8,16,64 --threads 1).
-The results are the same bit for bit (integer sums)."""
+The results are the same bit for bit (integer sums).
+Also the AVX2 32-element formats without a min whose weights need unpacking (Q4_0, Q5_0,
+MXFP4, IQ4_NL): their 8-item tiles pass each block range twice (tiles32.SPLIT_PASSES), so 8
+accumulators suffice. Measured on AMD EPYC Zen 3, one thread, 256 rows x 2048 columns hot
+in L2, best of 3 rounds on a loaded host (ns per 32 weights per token, 4 -> 8 items, T = 16
+/ 32): MXFP4 1.012 / 1.034 -> 0.981 / 1.009, Q4_0 1.009 / 1.020 -> 0.972 / 1.001; Q8_0
+(nothing to unpack) 0.924 / 0.924 -> 0.924 / 0.977, so it keeps 4 items."""
 
 
 @intrinsic
@@ -94,9 +101,9 @@ _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold
 
 
 @njit(**_JIT_INLINE)
-def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
-    """n_w weight rows at byte wo x every item, in tiles of 8 (see _A8), 4, 2, 1 items."""
-    i = 0
+def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, i_lo, n_items, out, out_stride, ocol):
+    """n_w weight rows at byte wo x items [i_lo, n_items), in tiles of 8 (see _A8), 4, 2, 1 items."""
+    i = i_lo
     if _a8(fmt):
         while i + 8 <= n_items:
             _tile(fmt, n_w, 8, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
@@ -147,27 +154,59 @@ def _mmq_offset1(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, a_ro
     _fill_sums(_offset_of(fmt), xq, ld(a_rows, 0), nb, sums)
     sp = data_ptr(sums)
     for r in range(row_lo, row_hi):
-        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, sp, a_rows, o_rows, 1, out,
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, sp, a_rows, o_rows, 0, 1, out,
                out_stride, out_col + r)
+
+
+ITEM_GROUP_BYTES = 32768
+"""Activation bytes (items x columns) one pass over a block of weight rows dots, when a call
+has more: the items go in groups of that size (a multiple of 8 items), so each group's int8
+rows stay in L2 while every weight row of the block passes over them. Without groups each
+weight row streamed all the items' activations (T = 128 at 4096 columns: 512 KiB, more than
+Zen 3's L2), and a 32-element product cost 3x its T = 16 cost."""
+
+ROW_BLOCK_BYTES = 131072
+"""Weight bytes per row block when the items go in groups (ITEM_GROUP_BYTES): the block's
+rows stay in L2 across the groups, so the weights still stream from memory once."""
 
 
 @njit(**_JIT_INLINE)
-def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items,
-         out, out_stride, out_col):
-    """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
-    tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
-    every item; a single item of a ``sequential_t1`` format (formats.SEQUENTIAL_T1_NOTE:
-    a plain stream beats 4 side-by-side rows when memory-bound) goes row by row."""
+def _mmq_block(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows,
+               i_lo, i_hi, out, out_stride, out_col):
+    """Rows [row_lo, row_hi) x items [i_lo, i_hi): weight rows in tiles of _R_TILE (then single
+    rows), each tile dotted with every item; a single item of a ``sequential_t1`` format
+    (formats.SEQUENTIAL_T1_NOTE: a plain stream beats 4 side-by-side rows when memory-bound)
+    goes row by row."""
     r = row_lo
-    if not (n_items == 1 and sequential_t1):
+    if not (i_hi - i_lo == 1 and sequential_t1):
         while r + _R_TILE <= row_hi:
             _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
-                   n_items, out, out_stride, out_col + r)
+                   i_lo, i_hi, out, out_stride, out_col + r)
             r += _R_TILE
     while r < row_hi:
-        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, i_lo, i_hi, out,
                out_stride, out_col + r)
         r += 1
+
+
+@njit(**_JIT_INLINE)
+def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, block_elems, row_lo, row_hi, xq, xd, xaux, a_rows,
+         o_rows, n_items, out, out_stride, out_col):
+    """A quantized format's rows [row_lo, row_hi) (nb blocks of block_elems each) x items
+    (_mmq_block); when the items' int8 activations exceed ITEM_GROUP_BYTES, blocks of
+    ROW_BLOCK_BYTES of weight rows x groups of items."""
+    n_cols = nb * block_elems
+    group = max(8, ITEM_GROUP_BYTES // n_cols // 8 * 8)
+    if n_items <= group:
+        _mmq_block(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows,
+                   0, n_items, out, out_stride, out_col)
+        return
+    rows = max(_R_TILE, ROW_BLOCK_BYTES // row_bytes_ // _R_TILE * _R_TILE)
+    for r0 in range(row_lo, row_hi, rows):
+        r1 = min(r0 + rows, row_hi)
+        for i0 in range(0, n_items, group):
+            _mmq_block(fmt, sequential_t1, arena, w_off, row_bytes_, nb, r0, r1, xq, xd, xaux, a_rows, o_rows, i0,
+                       min(i0 + group, n_items), out, out_stride, out_col)
 
 
 @njit(**_JIT_INLINE)
@@ -220,13 +259,13 @@ def _make_kernel(f: BlockFormat):
                 _mmq_offset1(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd, a_rows,
                              o_rows, out, out_stride, out_col)
             else:
-                _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
-                     _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
+                _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, block_elems, row_lo, row_hi,
+                     xq, xd, _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
     else:
         def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
                    out, out_stride, out_col, ggml_type):
-            _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
-                 _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
+            _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, block_elems, row_lo, row_hi, xq,
+                 xd, _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
 
     kernel.__name__ = kernel.__qualname__ = f"_mm_{f.name.lower()}"
     kernel.__doc__ = f"{f.name} rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."
