@@ -348,8 +348,9 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
     Quantized formats run in tiles of 4 weight rows x 4 items (AVX2: 1 row x up to 4 items, 8
-    for the K-quants; see the tile sections): each weight row is read from memory once per
-    call and each block unpacked once per tile.
+    for the formats of _A8; see the tile sections): each weight row is read from memory once
+    per call and each block unpacked once per tile; many items go in L2-sized groups over
+    blocks of rows (_mmq, ITEM_GROUP_BYTES).
     The caller validates types, offsets and shapes; a type whose kernel is not compiled
     writes nothing.
     """
