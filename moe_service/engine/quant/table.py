@@ -68,20 +68,13 @@ def _aux(typingctx, fmt, xs, xbs):
     return sig, codegen
 
 
-_A8 = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.family == "k" or (
-    f.family == "32" and f.kind != "q8" and not f.has_min))
+_A8 = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.family == "k")
 """Formats whose tiles take 8 items at a time: the AVX2 K-quants, whose (row, item) integer
 accumulator is one ymm (tiles_k._kq_dot), so 8 items fit the 16 registers and one weight
 row's unpacking (about 40% of a 4-item tile's instructions) serves twice the items.
 Measured on AMD EPYC Zen 3, one thread, T = 8..64: Q5_K and Q6_K ~10% faster, Q4_K within
 the noise (python bench/kernels.py --formats Q4_K,Q5_K,Q6_K --tokens 8,16,64 --threads 1).
-The results are the same bit for bit (integer sums).
-Also the AVX2 32-element formats without a min whose weights need unpacking (Q4_0, Q5_0,
-MXFP4, IQ4_NL): their 8-item tiles pass each block range twice (tiles32.SPLIT_PASSES), so 8
-accumulators suffice. Measured on AMD EPYC Zen 3, one thread, 256 rows x 2048 columns hot
-in L2, best of 3 rounds on a loaded host (ns per 32 weights per token, 4 -> 8 items, T = 16
-/ 32): MXFP4 1.012 / 1.034 -> 0.981 / 1.009, Q4_0 1.009 / 1.020 -> 0.972 / 1.001; Q8_0
-(nothing to unpack) 0.924 / 0.924 -> 0.924 / 0.977, so it keeps 4 items."""
+The results are the same bit for bit (integer sums)."""
 
 
 @intrinsic
@@ -158,12 +151,17 @@ def _mmq_offset1(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, a_ro
                out_stride, out_col + r)
 
 
-ITEM_GROUP_BYTES = 32768
+ITEM_GROUP_BYTES = 65536
 """Activation bytes (items x columns) one pass over a block of weight rows dots, when a call
 has more: the items go in groups of that size (a multiple of 8 items), so each group's int8
 rows stay in L2 while every weight row of the block passes over them. Without groups each
-weight row streamed all the items' activations (T = 128 at 4096 columns: 512 KiB, more than
-Zen 3's L2), and a 32-element product cost 3x its T = 16 cost."""
+weight row streamed all the items' activations (T = 128 at 4096 columns: 512 KiB, Zen 3's
+whole L2). Measured on AMD EPYC Zen 3, one thread, V4-Flash shapes (ns per 32 weights per
+token, best of 4 x 10 calls in thread CPU time on a loaded host; none -> 32 KiB -> 64 KiB
+groups): Q8_0 8192 cols T=128 1.051 -> 0.974 -> 0.955, 4096 cols T=128 1.015 -> 0.970 ->
+0.958, 1024 cols T=128 1.032 -> 1.037 -> 0.987; MXFP4 4096 cols T=48 1.026 -> 1.073 ->
+1.005, 2048 cols T=48 1.063 -> 1.071 -> 1.047. The noise of that host is about 7% (Q8_0 at
+4096 cols T=16, the same code in both runs at 64 KiB: 0.938 and 0.872)."""
 
 ROW_BLOCK_BYTES = 131072
 """Weight bytes per row block when the items go in groups (ITEM_GROUP_BYTES): the block's

@@ -135,15 +135,6 @@ SCALE_MIN_BLOCKS = 16
 than it saves there (Q8_0 at 192 columns, 6 blocks, 18% slower with the table)."""
 
 
-SPLIT_PASSES = 4
-"""AVX2 tiles of more than this many (row, item) products per block pass each block range
-(a SCALE_CHUNK chunk, or the whole row) twice: its even blocks, then its odd blocks. Each
-pass feeds one accumulator per (row, item), so a tile of 8 needs 8 ymm accumulators, not
-16 (the 16 registers of AVX2 hold 1 x 4 tiles only when both parities stay live). Every
-accumulator still takes its blocks in the same order, so the results are the same bit for
-bit; the second pass reads the chunk's lines from L1."""
-
-
 def _scales32(builder, f, ptrs):
     """<2n x float>: [d, m] of each block (m only meaningful for Q4_1 / Q5_1), widened
     exactly from float16 (MXFP4: [2^(e-128), 0])."""
@@ -265,14 +256,12 @@ def _tile32_codegen(fmt, n_w, n_a):
                         st = builder.store(builder.fmul(dw1, dx1), s_slot(k, t, rel))
                         st.align = 4
 
-        def step(b, n, c0=None, par=None):
+        def step(b, n, c0=None):
             """Blocks b .. b+n-1 (n = 1 or 2) of every row and item (b even); when given,
-            c0 is the chunk's first block (its scale products are in s_buf). ``par`` (split
-            passes, see SPLIT_PASSES): the single block b goes to the accumulators of that
-            parity, and the even pass (par 0) prefetches the pair's lines."""
+            c0 is the chunk's first block (its scale products are in s_buf)."""
             boff = builder.mul(b, _ci(f.bb))
             wp = [[builder.gep(wrow[k], [builder.add(boff, _ci(j * f.bb))]) for j in range(n)] for k in range(n_w)]
-            if n == 2 or par == 0:
+            if n == 2:
                 for k in range(n_w):
                     for line in range(0, 2 * f.bb, 64):
                         _prefetch(builder, builder.gep(wp[k][0], [builder.add(pf_dist, _ci(line))]))
@@ -343,7 +332,7 @@ def _tile32_codegen(fmt, n_w, n_a):
                                 new = builder.shuffle_vector(lo16, old, _cvec(_I32, list(range(8)) + list(range(24, 32))))
                             builder.store(new, p)
                         else:
-                            p = acc[k][t][j if par is None else par]
+                            p = acc[k][t][j]
                             builder.store(_call(builder, "llvm.fma.v8f32", _VF, [fl, s, builder.load(p)]), p)
             if f.has_min:
                 # m_par += m_w(b) * s_x(b): lanes [2t + parity], one vector per weight row
@@ -363,23 +352,6 @@ def _tile32_codegen(fmt, n_w, n_a):
                         keep = _cvec(ir.IntType(1), [1 - (ln & 1) for ln in range(2 * n_a)])
                         builder.store(builder.select(keep, new, old), p)
 
-        split = not _VNNI and n_w * n_a > SPLIT_PASSES
-
-        def passes(b0, cn, c0):
-            """Blocks b0 .. b0+cn-1 (b0 even): pairs, then an odd last block; or (split) the
-            even blocks, then the odd ones (see SPLIT_PASSES)."""
-            if split:
-                for par in (0, 1):
-                    cnt = builder.lshr(builder.add(cn, _ci(1 - par)), _ci(1))
-                    with cgutils.for_range(builder, cnt) as loop:
-                        step(builder.add(b0, builder.add(builder.mul(loop.index, _ci(2)), _ci(par))), 1, c0, par)
-                return
-            with cgutils.for_range(builder, builder.lshr(cn, _ci(1))) as loop:
-                step(builder.add(b0, builder.mul(loop.index, _ci(2))), 2, c0)
-            odd = builder.icmp_unsigned("!=", builder.and_(cn, _ci(1)), _ci(0))
-            with builder.if_then(odd, likely=False):
-                step(builder.sub(builder.add(b0, cn), _ci(1)), 1, c0)
-
         def chunked():
             n_chunks = builder.udiv(builder.add(nb, _ci(SCALE_CHUNK - 1)), _ci(SCALE_CHUNK))
             with cgutils.for_range(builder, n_chunks) as cl:
@@ -387,10 +359,18 @@ def _tile32_codegen(fmt, n_w, n_a):
                 left = builder.sub(nb, c0)
                 cn = builder.select(builder.icmp_unsigned("<", left, _ci(SCALE_CHUNK)), left, _ci(SCALE_CHUNK))
                 scale_products(c0, cn)
-                passes(c0, cn, c0)
+                with cgutils.for_range(builder, builder.lshr(cn, _ci(1))) as loop:
+                    step(builder.add(c0, builder.mul(loop.index, _ci(2))), 2, c0)
+                odd = builder.icmp_unsigned("!=", builder.and_(cn, _ci(1)), _ci(0))
+                with builder.if_then(odd, likely=False):
+                    step(builder.sub(builder.add(c0, cn), _ci(1)), 1, c0)
 
         def plain():
-            passes(_ci(0), nb, None)
+            with cgutils.for_range(builder, builder.lshr(nb, _ci(1))) as loop:
+                step(builder.mul(loop.index, _ci(2)), 2)
+            odd = builder.icmp_unsigned("!=", builder.and_(nb, _ci(1)), _ci(0))
+            with builder.if_then(odd, likely=False):
+                step(builder.sub(nb, _ci(1)), 1)
 
         if hoist:  # rows of fewer than SCALE_MIN_BLOCKS blocks: the table would cost more than it saves
             with builder.if_else(builder.icmp_unsigned(">=", nb, _ci(SCALE_MIN_BLOCKS))) as (then, otherwise):

@@ -204,7 +204,7 @@ def test_a_row_range_shorter_than_a_tile_writes_only_its_rows(tid):
 @pytest.mark.parametrize("name", ["Q8_0", "MXFP4", "Q4_K"])
 def test_item_groups_and_row_blocks_give_the_tile_results(name):
     """A call whose activations exceed table.ITEM_GROUP_BYTES runs row blocks x item groups:
-    21 items at 4096 columns (groups of 8, 8, 5) over rows spanning three ROW_BLOCK_BYTES
+    21 items at 4096 columns (groups of 16 and 5) over rows spanning three ROW_BLOCK_BYTES
     blocks, from a row range off the block grid, equal 21 one-token matmuls bit for bit."""
     from moe_service.engine.quant import table
 
