@@ -94,9 +94,9 @@ _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold
 
 
 @njit(**_JIT_INLINE)
-def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, i_lo, n_items, out, out_stride, ocol):
-    """n_w weight rows at byte wo x items [i_lo, n_items), in tiles of 8 (see _A8), 4, 2, 1 items."""
-    i = i_lo
+def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
+    """n_w weight rows at byte wo x every item, in tiles of 8 (see _A8), 4, 2, 1 items."""
+    i = 0
     if _a8(fmt):
         while i + 8 <= n_items:
             _tile(fmt, n_w, 8, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
@@ -147,64 +147,27 @@ def _mmq_offset1(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, a_ro
     _fill_sums(_offset_of(fmt), xq, ld(a_rows, 0), nb, sums)
     sp = data_ptr(sums)
     for r in range(row_lo, row_hi):
-        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, sp, a_rows, o_rows, 0, 1, out,
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, sp, a_rows, o_rows, 1, out,
                out_stride, out_col + r)
 
 
-ITEM_GROUP_BYTES = 65536
-"""Activation bytes (items x columns) one pass over a block of weight rows dots, when a call
-has more: the items go in groups of that size (a multiple of 8 items), so each group's int8
-rows stay in L2 while every weight row of the block passes over them. Without groups each
-weight row streamed all the items' activations (T = 128 at 4096 columns: 512 KiB, Zen 3's
-whole L2). Measured on AMD EPYC Zen 3, one thread, V4-Flash shapes (ns per 32 weights per
-token, best of 4 x 10 calls in thread CPU time on a loaded host; none -> 32 KiB -> 64 KiB
-groups): Q8_0 8192 cols T=128 1.051 -> 0.974 -> 0.955, 4096 cols T=128 1.015 -> 0.970 ->
-0.958, 1024 cols T=128 1.032 -> 1.037 -> 0.987; MXFP4 4096 cols T=48 1.026 -> 1.073 ->
-1.005, 2048 cols T=48 1.063 -> 1.071 -> 1.047. The noise of that host is about 7% (Q8_0 at
-4096 cols T=16, the same code in both runs at 64 KiB: 0.938 and 0.872)."""
-
-ROW_BLOCK_BYTES = 131072
-"""Weight bytes per row block when the items go in groups (ITEM_GROUP_BYTES): the block's
-rows stay in L2 across the groups, so the weights still stream from memory once."""
-
-
 @njit(**_JIT_INLINE)
-def _mmq_block(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows,
-               i_lo, i_hi, out, out_stride, out_col):
-    """Rows [row_lo, row_hi) x items [i_lo, i_hi): weight rows in tiles of _R_TILE (then single
-    rows), each tile dotted with every item; a single item of a ``sequential_t1`` format
-    (formats.SEQUENTIAL_T1_NOTE: a plain stream beats 4 side-by-side rows when memory-bound)
-    goes row by row."""
+def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items,
+         out, out_stride, out_col):
+    """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
+    tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
+    every item; a single item of a ``sequential_t1`` format (formats.SEQUENTIAL_T1_NOTE:
+    a plain stream beats 4 side-by-side rows when memory-bound) goes row by row."""
     r = row_lo
-    if not (i_hi - i_lo == 1 and sequential_t1):
+    if not (n_items == 1 and sequential_t1):
         while r + _R_TILE <= row_hi:
             _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
-                   i_lo, i_hi, out, out_stride, out_col + r)
+                   n_items, out, out_stride, out_col + r)
             r += _R_TILE
     while r < row_hi:
-        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, i_lo, i_hi, out,
+        _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
                out_stride, out_col + r)
         r += 1
-
-
-@njit(**_JIT_INLINE)
-def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, block_elems, row_lo, row_hi, xq, xd, xaux, a_rows,
-         o_rows, n_items, out, out_stride, out_col):
-    """A quantized format's rows [row_lo, row_hi) (nb blocks of block_elems each) x items
-    (_mmq_block); when the items' int8 activations exceed ITEM_GROUP_BYTES, blocks of
-    ROW_BLOCK_BYTES of weight rows x groups of items."""
-    n_cols = nb * block_elems
-    group = max(8, ITEM_GROUP_BYTES // n_cols // 8 * 8)
-    if n_items <= group:
-        _mmq_block(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows,
-                   0, n_items, out, out_stride, out_col)
-        return
-    rows = max(_R_TILE, ROW_BLOCK_BYTES // row_bytes_ // _R_TILE * _R_TILE)
-    for r0 in range(row_lo, row_hi, rows):
-        r1 = min(r0 + rows, row_hi)
-        for i0 in range(0, n_items, group):
-            _mmq_block(fmt, sequential_t1, arena, w_off, row_bytes_, nb, r0, r1, xq, xd, xaux, a_rows, o_rows, i0,
-                       min(i0 + group, n_items), out, out_stride, out_col)
 
 
 @njit(**_JIT_INLINE)
@@ -257,13 +220,13 @@ def _make_kernel(f: BlockFormat):
                 _mmq_offset1(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd, a_rows,
                              o_rows, out, out_stride, out_col)
             else:
-                _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, block_elems, row_lo, row_hi,
-                     xq, xd, _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
+                _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
+                     _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
     else:
         def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
                    out, out_stride, out_col, ggml_type):
-            _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, block_elems, row_lo, row_hi, xq,
-                 xd, _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
+            _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
+                 _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
 
     kernel.__name__ = kernel.__qualname__ = f"_mm_{f.name.lower()}"
     kernel.__doc__ = f"{f.name} rows [row_lo, row_hi) x activation rows a_rows -> out rows o_rows (see matmul_rows)."
@@ -346,9 +309,8 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     routed to one expert for the MoE); out: float32, flat, (o, c) at ``o * out_stride + c``;
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
     Quantized formats run in tiles of 4 weight rows x 4 items (AVX2: 1 row x up to 4 items, 8
-    for the formats of _A8; see the tile sections): each weight row is read from memory once
-    per call and each block unpacked once per tile; many items go in L2-sized groups over
-    blocks of rows (_mmq, ITEM_GROUP_BYTES).
+    for the K-quants; see the tile sections): each weight row is read from memory once per
+    call and each block unpacked once per tile.
     The caller validates types, offsets and shapes; a type whose kernel is not compiled
     writes nothing.
     """

@@ -201,28 +201,6 @@ def test_a_row_range_shorter_than_a_tile_writes_only_its_rows(tid):
     assert not (buf[8:14] == 12345.0).any()
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "MXFP4", "Q4_K"])
-def test_item_groups_and_row_blocks_give_the_tile_results(name):
-    """A call whose activations exceed table.ITEM_GROUP_BYTES runs row blocks x item groups:
-    21 items at 4096 columns (groups of 16 and 5) over rows spanning three ROW_BLOCK_BYTES
-    blocks, from a row range off the block grid, equal 21 one-token matmuls bit for bit."""
-    from moe_service.engine.quant import table
-
-    tid = q.BY_NAME[name].type_id
-    n_cols, n_tok = 4096, 21
-    rb = q.row_bytes(tid, n_cols)
-    block_rows = table.ROW_BLOCK_BYTES // rb
-    n_rows = 2 * block_rows + 7
-    assert n_tok * n_cols > table.ITEM_GROUP_BYTES and table.ITEM_GROUP_BYTES // n_cols < n_tok
-    raw = det_blocks(tid, n_rows, n_cols, seed=77 + tid)
-    x = det_activations(n_tok, n_cols, seed=78 + tid)
-    single = np.stack([q.matmul(raw, 0, tid, n_rows, n_cols, x[t:t + 1])[0] for t in range(n_tok)])
-    assert np.array_equal(q.matmul(raw, 0, tid, n_rows, n_cols, x).view(np.uint32), single.view(np.uint32))
-    lo = 3
-    y = q.matmul(raw, 0, tid, n_rows, n_cols, x, row_lo=lo)
-    assert np.array_equal(y[:, lo:].view(np.uint32), single[:, lo:].view(np.uint32))
-
-
 if __name__ == "__main__":
     d = digest_outputs()
     d["isa"] = "avx512-vnni" if q._AVX512 else "avx2"
