@@ -12,7 +12,23 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from moe_service.engine.quant.ir import _JIT, _JIT_INLINE
-from moe_service.engine.quant.tiles_k import UNPACKED_BLOCK_BYTES, _tilek_codegen, _unpack_row_codegen
+from moe_service.engine.quant.tiles_k import (
+    UNPACKED_BLOCK_BYTES,
+    UNPACKED_MIN_ITEMS,
+    _tilek_codegen,
+    _unpack_row_codegen,
+)
+
+
+@njit(**_JIT_INLINE)
+def takes_unpacked(n_items):
+    """Whether a matmul of an UNPACKED format over n_items items unpacks its rows first: from
+    UNPACKED_MIN_ITEMS items on, except 4 and 8, which the tiles over the blocks cover in one
+    tile (one unpacking per row either way; measured there, Zen 3, one thread, ns per 32
+    weights per token main -> unpacked: IQ2_S T=4 1.47 -> 1.70, IQ3_S T=8 1.31 -> 1.40, IQ1_S
+    T=8 1.30 -> 1.19: the old tiles, mostly). 3, 5-7 and 9 or more items take two tiles or
+    more, and there the unpacked path wins (IQ2_XS T=3 2.38 -> 1.59, T=16 1.13 -> 0.88)."""
+    return n_items >= UNPACKED_MIN_ITEMS and n_items != 4 and n_items != 8
 
 
 @intrinsic

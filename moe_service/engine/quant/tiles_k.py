@@ -627,7 +627,8 @@ UNPACKED = frozenset() if _VNNI else frozenset(BY_NAME[n].type_id for n in _GRID
 """Formats whose AVX2 multi-item matmuls unpack each weight row once (see the section comment)."""
 
 UNPACKED_MIN_ITEMS = 3
-"""Items from which a matmul of an UNPACKED format takes the unpacked path. In instructions per
+"""Items from which a matmul of an UNPACKED format takes the unpacked path (but see
+tiles_iq.takes_unpacked: not at 4 and 8 items). In instructions per
 super-block (IQ2_XXS, AVX2): unpacking a row 324, the unpacked tiles of 8 / 4 / 2 / 1 items
 367 / 170 / 85 / 45, the tiles over the blocks 750 / 504 / 363 / 293. Measured (Zen 3, one
 thread, a loaded host, 768 x 2048 rows, ns per 32 weights per token, main -> unpacked):

@@ -29,7 +29,7 @@ def test_many_items_equal_one_item_matmuls(tid):
     x[5] *= 1e4  # a large row: its Q8_K values reach +-127 (the offset's bound)
     x[6] = -np.abs(x[6])
     single = np.stack([q.matmul(raw, 0, tid, n_rows, n_cols, x[t:t + 1])[0] for t in range(n_tok)])
-    for t in sorted({UNPACKED_MIN_ITEMS - 1, UNPACKED_MIN_ITEMS, 7, 8, 15, n_tok}):
+    for t in sorted({UNPACKED_MIN_ITEMS - 1, UNPACKED_MIN_ITEMS, 4, 5, 7, 8, 9, 15, n_tok}):  # see takes_unpacked
         got = q.matmul(raw, 0, tid, n_rows, n_cols, x[:t])
         assert np.array_equal(got.view(np.uint32), single[:t].view(np.uint32)), t
     pa = q.quantize_activations(x, q.FORMATS[tid].partner)
