@@ -26,7 +26,8 @@ from moe_service.engine.quant.ir import (
     st,
 )
 from moe_service.engine.quant.tiles32 import OFFSET, _tile32_codegen
-from moe_service.engine.quant.tiles_k import _tilek_codegen
+from moe_service.engine.quant.tiles_iq import mmq_unpacked, opaque_int, takes_unpacked
+from moe_service.engine.quant.tiles_k import UNPACKED, _tilek_codegen
 from moe_service.formats import (
     FORMATS,
     GGML_F16,
@@ -222,6 +223,15 @@ def _make_kernel(f: BlockFormat):
             else:
                 _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
                      _aux(fmt, xs, xbs), a_rows, o_rows, n_items, out, out_stride, out_col)
+    elif fmt in UNPACKED:  # each row unpacked once (tiles_iq.takes_unpacked), else the tiles over the blocks
+        def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+                   out, out_stride, out_col, ggml_type):
+            if takes_unpacked(n_items):
+                mmq_unpacked(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd, xbs,
+                             a_rows, o_rows, n_items, out, out_stride, out_col)
+            else:
+                _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
+                     xbs, a_rows, o_rows, opaque_int(n_items), out, out_stride, out_col)
     else:
         def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
                    out, out_stride, out_col, ggml_type):

@@ -27,6 +27,8 @@ from moe_service.engine.quant.ir import (
     _ci,
     _concat,
     _cvec,
+    _data,
+    _i64,
     _ldv,
     _madd,
     _maddubs,
@@ -583,6 +585,134 @@ def _iq1_m_pieces(builder, f, o):
                                 ir.Constant(_I32, 0))
     return KPieces(pieces, _scales16(builder, sc16), None, None, d2)
 
+# ---------------------------------------------------------------------------------------
+# Unpacked rows: the AVX2 multi-item path of the grid i-quants
+# ---------------------------------------------------------------------------------------
+# A tile unpacks its weight row's grid entries, signs and scales once per super-block, but
+# on AVX2 a tile holds at most 8 items: at T = 128 each row was unpacked 16 times, and the
+# unpacking (32 or 64 table loads per super-block, the sign masks, their spills) cost about
+# as much as the 8 items' products (measured in instructions per super-block of the 8-item
+# loop, IQ2_XXS: 750, Q4_K: 418). With UNPACKED_MIN_ITEMS items or more, kernel.py's
+# driver (tiles_iq.mmq_unpacked) unpacks each row once into a scratch buffer
+# (_unpack_row_codegen) and runs the tiles over it (_tilek_codegen(..., unpacked=True)).
+# In the buffer the weights are signed int8 (the sign masks applied once per row), so a
+# (row, item) pair costs what Q4_K's does plus one vpxor: the activation goes in as
+# unsigned a + 128 (a xor 0x80, Q8_K's |a| <= 127) x signed w in vpmaddubsw, and each
+# row's lanes start from -128 x (its scaled weight sums), computed once per row: sum w (a +
+# 128) - 128 sum w = sum w a per int32 lane, so the lanes, and all that follows, are the
+# same bit for bit. No int16 pair sum saturates: 2 x 255 x max|w| <= 32767 for every grid
+# (max|w| 62, IQ3_XXS; checked below). Not for IQ4_XS (|w| up to 127); AVX-512 keeps its
+# 4-row tiles.
+#
+# Buffer layout per super-block (UNPACKED_BLOCK_BYTES, 64-byte aligned): 256 signed int8
+# weights in element order | 4 x 32 int16 pair-lane scales (KPieces.scales) | 8 int32 lanes
+# -128 x scaled weight sums | 16 int16 mins (IQ1_S) | 2 float32 d2.
+
+_U_W, _U_SC, _U_CORR, _U_MINS, _U_D2 = 0, 256, 512, 544, 576
+UNPACKED_BLOCK_BYTES = 640
+
+
+def _max_abs_value(name: str) -> int:
+    """The largest |signed weight| of i-quant ``name`` as its tiles hold them (IQ1_M: 8 g +- 1)."""
+    g = int(np.abs(codebooks.grid(name).astype(np.int32)).max())
+    return 8 * g + 1 if name == "IQ1_M" else g
+
+
+_GRID_IQ = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+for _n in _GRID_IQ:
+    if 2 * 255 * _max_abs_value(_n) > 32767:
+        raise AssertionError(f"{_n}: (a + 128) x w pair sums could saturate vpmaddubsw")
+
+UNPACKED = frozenset() if _VNNI else frozenset(BY_NAME[n].type_id for n in _GRID_IQ)
+"""Formats whose AVX2 multi-item matmuls unpack each weight row once (see the section comment)."""
+
+UNPACKED_MIN_ITEMS = 3
+"""Items from which a matmul of an UNPACKED format takes the unpacked path (but see
+tiles_iq.takes_unpacked: not at 4 and 8 items). In instructions per
+super-block (IQ2_XXS, AVX2): unpacking a row 324, the unpacked tiles of 8 / 4 / 2 / 1 items
+367 / 170 / 85 / 45, the tiles over the blocks 750 / 504 / 363 / 293. Measured (Zen 3, one
+thread, a loaded host, 768 x 2048 rows, ns per 32 weights per token, main -> unpacked):
+IQ2_XXS T = 2 2.09 -> 2.31, T = 3 2.57 -> 1.60, T = 4 1.60 -> 1.36, T = 8 1.15 -> 1.01."""
+
+
+def _align64(builder, p):
+    """i8* p rounded up to a multiple of 64 bytes (the scratch buffer is allocated 64 bytes long)."""
+    a = builder.ptrtoint(p, _I64)
+    a = builder.and_(builder.add(a, _ci(63)), _ci(~63))
+    return builder.inttoptr(a, _I8.as_pointer())
+
+
+def _iq_dot(builder, w64, a64, sc32, iacc):
+    """iacc <8 x i32> += the scale-weighted pair sums of (a64 xor 0x80) (u8) x w64 (s8), the
+    two 32-element halves folded (lanes as _kq_dot's AVX2 form, offset by 128 x sum w)."""
+    out = iacc
+    for h in range(2):
+        w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
+        a = builder.xor(_shuf(builder, a64, range(32 * h, 32 * h + 32)), _cvec(_I8, [0x80] * 32))
+        out = builder.add(out, _madd(builder, _maddubs(builder, a, w), _shuf(builder, sc32, range(16 * h, 16 * h + 16))))
+    return out
+
+
+def _unpacked_pieces(builder, o):
+    """The KPieces of an unpacked super-block at i8* o (signed pieces, no neg)."""
+    pieces = [_ldv(builder, o, _U_W + 64 * g, _vt(_I8, 64)) for g in range(4)]
+    scales = [_ldv(builder, o, _U_SC + 64 * g, _vt(_I16, 32)) for g in range(4)]
+    mins = _ldv(builder, o, _U_MINS, _vt(_I16, 16))
+    return KPieces(pieces, scales, mins, None, _ldv(builder, o, _U_D2, _vt(_F32, 2)))
+
+
+def _unpack_row_codegen(fmt):
+    """Codegen of (fmt, arena, wo, rb, nb, buf): the nb super-blocks of the row at byte wo of
+    arena (row stride rb, for the prefetch distance) into buf (uint8, at least nb x
+    UNPACKED_BLOCK_BYTES + 64 bytes) in the layout of the section comment."""
+    f = FORMATS[fmt]
+    if fmt not in UNPACKED:
+        raise AssertionError(f"{f.name} has no unpacked form")
+
+    def codegen(context, builder, sig, args):
+        ty = sig.args
+        wo, rb, nb = (_i64(context, builder, args[i], ty[i]) for i in (2, 3, 4))
+        base = builder.bitcast(_data(context, builder, ty[1], args[1]), _I8.as_pointer())
+        row = builder.gep(base, [wo])
+        out = _align64(builder, builder.bitcast(_data(context, builder, ty[5], args[5]), _I8.as_pointer()))
+        pf_dist = _pf_distance(builder, rb, 1, _PF_MIN_K)
+        c80 = _cvec(_I8, [0x80] * 32)
+        zero = _cvec(_I8, [0] * 64)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            o = builder.gep(row, [builder.mul(b, _ci(f.block_bytes))])
+            for line in range(0, f.block_bytes, 64):
+                _prefetch(builder, builder.gep(o, [builder.add(pf_dist, _ci(line))]))
+            wk = _kq_pieces(builder, fmt, o)
+            if wk.offset is not None:
+                raise AssertionError(f"{f.name}: an offset has no unpacked form")
+            dst = builder.gep(out, [builder.mul(b, _ci(UNPACKED_BLOCK_BYTES))])
+            corr = ir.Constant(_VI, [0] * 8)
+            for g in range(4):
+                w = wk.pieces[g]
+                if wk.neg is not None:
+                    w = builder.select(wk.neg[g], builder.sub(zero, w), w)
+                _stv(builder, dst, _U_W + 64 * g, w)
+                _stv(builder, dst, _U_SC + 64 * g, wk.scales[g])
+                for h in range(2):
+                    wh = _shuf(builder, w, range(32 * h, 32 * h + 32))
+                    sh = _shuf(builder, wk.scales[g], range(16 * h, 16 * h + 16))
+                    corr = builder.add(corr, _madd(builder, _maddubs(builder, c80, wh), sh))
+            _stv(builder, dst, _U_CORR, builder.sub(ir.Constant(_VI, [0] * 8), corr))
+            if wk.mins is not None:
+                _stv(builder, dst, _U_MINS, wk.mins)
+            _stv(builder, dst, _U_D2, wk.d2)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _stv(builder, ptr, off, v):
+    """Store value v at byte offset ``off`` of i8* ptr (unaligned)."""
+    st_ = builder.store(v, builder.bitcast(builder.gep(ptr, [_ci(off)]), v.type.as_pointer()))
+    st_.align = 1
+
+
 def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
     """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
     w64 goes in as |w| x (a with w's sign), ggml's sign trick (no int16 pair sum saturates:
@@ -619,15 +749,25 @@ def _hsum_i32(builder, vs):
     return x
 
 
-def _tilek_codegen(fmt, n_w, n_a):
+def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
+    """The tile of ``n_w`` weight rows x ``n_a`` items of K-quant ``fmt`` (see the section
+    comment). ``unpacked``: the weight row is a row of _unpack_row_codegen's scratch buffer
+    instead of the GGUF blocks (AVX2, n_w = 1, formats in UNPACKED: see there); the integer
+    lanes and every float step are the same."""
     f = FORMATS[fmt]
     bb, has_min = f.block_bytes, f.has_min
+    if unpacked:
+        if n_w != 1 or fmt not in UNPACKED:
+            raise AssertionError(f"no unpacked tile of {n_w} rows of {f.name}")
+        bb = UNPACKED_BLOCK_BYTES
     n_pk = (n_a + 1) // 2  # accumulators per row: items packed two per <16 x float>
 
     def codegen(context, builder, sig, args):
         rb, nb, i0, ostride, ocol, xq8, xd32, x3, orow, outp, wrow, arows = _tile_args(context, builder, sig,
                                                                                         args, n_w, n_a)
         xbs8 = builder.bitcast(x3, _I8.as_pointer())
+        if unpacked:
+            wrow = [_align64(builder, wrow[0])]
         pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_K)
         xq_t = [builder.gep(xq8, [builder.mul(a, builder.mul(nb, _ci(QK_K)))]) for a in arows]
         xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
@@ -647,7 +787,7 @@ def _tilek_codegen(fmt, n_w, n_a):
             b = loop.index
             boff = builder.mul(b, _ci(bb))
             wb = [builder.gep(wrow[k], [boff]) for k in range(n_w)]
-            for k in range(n_w):
+            for k in range(n_w if not unpacked else 0):  # an unpacked row is in L1
                 for line in range(0, bb, 64):
                     _prefetch(builder, builder.gep(wb[k], [builder.add(pf_dist, _ci(line))]))
             aoff = builder.mul(b, _ci(QK_K))
@@ -657,15 +797,25 @@ def _tilek_codegen(fmt, n_w, n_a):
                 builder.insert_element(ir.Constant(_vt(_F32, 1), None), builder.load(builder.gep(xd_t[0], [b])),
                                        ir.Constant(_I32, 0))
             bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
-            wk = [_kq_pieces(builder, fmt, wb[k]) for k in range(n_w)]
+            wk = [_kq_pieces(builder, fmt, wb[k]) if not unpacked else _unpacked_pieces(builder, wb[k])
+                  for k in range(n_w)]
             # int32 lanes per (row, item); Q6_K / Q3_K start from offset * (scales . bsums) in lanes 0..7
-            if _VNNI:
+            if unpacked:  # from -128 x (the row's scaled weight sums), see _unpack_row_codegen
+                corr = _ldv(builder, wb[0], _U_CORR, _VI)
+                iacc = [[corr] * n_a]
+            elif _VNNI:
                 iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
                          if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
             else:  # 8 lanes, already folded (see _kq_dot)
                 iacc = [[_madd(builder, wk[k].offset, bs[t]) if wk[k].offset is not None else ir.Constant(_VI, [0] * 8)
                          for t in range(n_a)] for k in range(n_w)]
-            for g in range(4):  # piece-major: one piece of every row live at a time
+            for t in range(n_a if unpacked else 0):  # item-major, the row's pieces and scales as memory operands
+                ot = _opaque(builder, wb[0])  # a fresh pointer per item: LLVM reloads rather than spills them
+                for g in range(4):
+                    a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
+                    iacc[0][t] = _iq_dot(builder, _ldv(builder, ot, _U_W + 64 * g, _vt(_I8, 64)), a64,
+                                         _ldv(builder, ot, _U_SC + 64 * g, _vt(_I16, 32)), iacc[0][t])
+            for g in range(4 if not unpacked else 0):  # piece-major: one piece of every row live at a time
                 for t in range(n_a):
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
                     for k in range(n_w):
