@@ -150,6 +150,9 @@ def _mmq_offset1(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, a_ro
     for r in range(row_lo, row_hi):
         _items(fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, sp, a_rows, o_rows, 1, out,
                out_stride, out_col + r)
+    # sp carries no reference: numba releases an array after its last use in the function, so
+    # this use keeps ``sums`` alive until every row has read it through sp
+    st(sums, 0, ld(sums, 0))
 
 
 @njit(**_JIT_INLINE)
