@@ -56,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_service.api import logprobs as lp_fmt
 from moe_service.api.transport import (  # shared with the other protocols' endpoints
     Events,
+    await_final,
     error_response,
     finish_request,
     merge_events,
@@ -622,29 +623,15 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
     parts: list[str] = []
     tokens: list[int] = []
     logprobs: list = []
-    done = False
-    next_check = time.monotonic() + service.status_poll_s
-    try:
-        while True:
-            ev = await events.get(service.status_poll_s)
-            if time.monotonic() >= next_check:  # tokens may flow faster than the poll period
-                next_check = time.monotonic() + service.status_poll_s
-                if await request.is_disconnected():
-                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
-                    return Response(status_code=499)
-            if ev is None:
-                continue
-            parts.append(ev.text)
-            tokens.extend(ev.token_ids)
-            logprobs.extend(ev.logprobs or ())
-            if ev.final:
-                done = True
-                break
-    finally:
-        events.close()
-        if not done:
-            service.batch.cancel(greq)
-    finish_request(service, greq, ev, endpoint, stream=False)
+
+    def step(ev: Event) -> None:
+        parts.append(ev.text)
+        tokens.extend(ev.token_ids)
+        logprobs.extend(ev.logprobs or ())
+
+    ev = await await_final(service, request, greq, events, endpoint, step)
+    if ev is None:
+        return Response(status_code=499)
     if ev.error is not None:
         return error_response(ev.error)
     text = "".join(parts)

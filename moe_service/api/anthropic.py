@@ -59,8 +59,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moe_service.api.envelopes import ERROR_TYPES, error_body, error_type  # noqa: F401  (part of this API)
-from moe_service.api.transport import Events, finish_request, merge_events, validation_error
-from moe_service.engine.engine import RequestError
+from moe_service.api.transport import Events, await_final, finish_request, merge_events, validation_error
+from moe_service.engine.engine import Event, RequestError
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -755,32 +755,17 @@ async def _complete(service, request, greq, events, plan, head: dict[str, Any], 
 
     parser = plan.parser()
     blocks = _Blocks()
-    done = False
-    ev = None
-    next_check = time.monotonic() + service.status_poll_s
-    try:
-        while True:
-            ev = await events.get(service.status_poll_s)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + service.status_poll_s
-                if await request.is_disconnected():
-                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
-                    return None
-            if ev is None:
-                continue
-            if ev.error is None:
-                parsed = parser.feed(ev.text, ev.token_ids)
-                if ev.final:
-                    parsed += parser.finish(ev.finish_reason)
-                blocks.add(parsed, final=ev.final)
+
+    def step(ev: Event) -> None:
+        if ev.error is None:
+            parsed = parser.feed(ev.text, ev.token_ids)
             if ev.final:
-                done = True
-                break
-    finally:
-        events.close()
-        if not done:
-            service.batch.cancel(greq)
-    finish_request(service, greq, ev, endpoint, stream=False)
+                parsed += parser.finish(ev.finish_reason)
+            blocks.add(parsed, final=ev.final)
+
+    ev = await await_final(service, request, greq, events, endpoint, step)
+    if ev is None:
+        return None
     if ev.error is not None:
         return ev.error
     content = blocks.blocks or [{"type": "text", "text": ""}]

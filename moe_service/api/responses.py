@@ -85,7 +85,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moe_service.api import tools as tl
-from moe_service.api.transport import Events, error_response, finish_request, read_json, validation_error
+from moe_service.api.transport import (
+    Events,
+    await_final,
+    error_response,
+    finish_request,
+    read_json,
+    validation_error,
+)
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 
@@ -1255,35 +1262,18 @@ def _empty(ctx: _Context) -> Response:
 async def _complete(service, request: Request, run: _Run) -> Response:
     """Wait for the whole response; cancel it when the client disconnects meanwhile."""
 
-    greq, events = run.greq, run.events
-    done = False
-    ev = None
-    next_check = time.monotonic() + service.status_poll_s
-    try:
-        while True:
-            ev = await events.get(service.status_poll_s)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + service.status_poll_s
-                if await request.is_disconnected():
-                    log.info("client_disconnected", request_id=greq.request_id, endpoint=ENDPOINT)
-                    return Response(status_code=499)
-            if ev is None:
-                continue
-            if ev.error is None:
-                run.step(ev)
-            if ev.final:
-                done = True
-                break
-    finally:
-        events.close()
-        if not done:
-            service.batch.cancel(greq)
-    finish_request(service, greq, ev, ENDPOINT, stream=False)
+    def step(ev: Event) -> None:
+        if ev.error is None:
+            run.step(ev)
+
+    ev = await await_final(service, request, run.greq, run.events, ENDPOINT, step)
+    if ev is None:
+        return Response(status_code=499)
     if ev.error is not None:
         return error_response(ev.error)
     _, resp = run.final(ev)
     _keep(service, run, resp)
-    return JSONResponse(resp, headers={"X-Request-Id": greq.request_id})
+    return JSONResponse(resp, headers={"X-Request-Id": run.greq.request_id})
 
 
 async def _stream(service, request: Request, run: _Run):

@@ -3,7 +3,8 @@ and completions in moe_service.server, the Anthropic Messages API in api/anthrop
 Responses API in api/responses.py): reading a JSON body within the request limits, a pydantic
 error as a RequestError naming the field, the OpenAI error response, the channel that carries
 a request's events from the engine thread to its event loop, merging events, the SSE line,
-and finishing a request (metrics and its log line).
+waiting for a non-streamed request's final event (cancelled when its client goes away), and
+finishing a request (metrics and its log line).
 
 The protocols import this module; none of them imports the server, and the server imports
 them, so dependencies point one way (tests/test_structure.py).
@@ -16,6 +17,7 @@ import json
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -187,3 +189,44 @@ def finish_request(service: Any, greq: GenerationRequest, ev: Event, endpoint: s
              finish_reason=ev.finish_reason, error=ev.error.message if ev.error else None,
              prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, ttft_s=ttft,
              duration_s=round(duration, 4))
+
+
+async def await_final(
+    service: Any,
+    request: Request,
+    greq: GenerationRequest,
+    events: Events,
+    endpoint: str,
+    on_event: Callable[[Event], object],
+) -> Event | None:
+    """The final event of a non-streamed request, each event (error events too) handed to
+    ``on_event`` as it arrives; the request is then finished (``finish_request``, stream=False).
+
+    None when the client went away meanwhile: ``request.is_disconnected()`` is asked at most once
+    every ``service.status_poll_s`` seconds (tokens may flow faster than that), and that is logged
+    as ``client_disconnected``. Whenever no final event arrived (the client went away, or
+    ``on_event`` raised) the sequence is cancelled in ``service.batch`` and nothing is finished.
+    """
+    done = False
+    ev = None
+    next_check = time.monotonic() + service.status_poll_s
+    try:
+        while True:
+            ev = await events.get(service.status_poll_s)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + service.status_poll_s
+                if await request.is_disconnected():
+                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
+                    return None
+            if ev is None:
+                continue
+            on_event(ev)
+            if ev.final:
+                done = True
+                break
+    finally:
+        events.close()
+        if not done:
+            service.batch.cancel(greq)
+    finish_request(service, greq, ev, endpoint, stream=False)
+    return ev

@@ -394,10 +394,22 @@ def test_disconnected_stream_is_cancelled_and_its_slot_freed(live):
     assert len(s.engine.model.steps) < 150  # cancelled, not run to max_tokens
 
 
-def test_disconnected_non_stream_request_is_cancelled(live):
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "slow", "max_tokens": 200}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "slow"}], "max_tokens": 200}),
+        (
+            "/v1/messages",
+            {"model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 200},
+        ),
+        ("/v1/responses", {"input": "slow", "max_output_tokens": 200}),
+    ],
+)
+def test_disconnected_non_stream_request_is_cancelled(live, path, body):
     s, srv = live
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{srv.url}/v1/completions", json={"prompt": "slow", "max_tokens": 200}, timeout=0.3)
+        httpx.post(f"{srv.url}{path}", json=body, timeout=0.3)
     deadline = time.monotonic() + 5
     while s.batch.active and time.monotonic() < deadline:
         time.sleep(0.02)
