@@ -20,21 +20,15 @@ from moe_service.engine.tokenizer import ChatTemplate
 from moe_service.notify import Liveness, Watchdog
 from moe_service.request_limits import MAX_STOP_CHARS
 from pipeline.serve import LoopHeartbeat, _uvicorn_server
-from tests.moe_service.test_server import Stack
 from tests.support.serving_fakes import FakeTokenizer
+from tests.support.serving_stack import Stack
 
 CHAT_OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def client(stack):
+    """conftest's client, but a server error comes back as its 500 response instead of raising."""
     with TestClient(stack.app, raise_server_exceptions=False) as c:
         yield c
 
