@@ -65,13 +65,14 @@ def sse_events(lines):
 
 
 class ThreadedServer:
-    """uvicorn on a loopback port in a thread (no signal handlers), as the serve stage runs it."""
+    """uvicorn on a loopback port in a thread (no signal handlers), as the serve stage runs it
+    (``grace_s`` and ``uvicorn_kw``: pipeline.serve._uvicorn_server's, e.g. header_timeout_s)."""
 
-    def __init__(self, app):
+    def __init__(self, app, grace_s: float = 2.0, **uvicorn_kw):
         self.sock = bind_socket("127.0.0.1", 0)
         self.host, self.port = local_address(self.sock)
         self.url = f"http://{self.host}:{self.port}"
-        self.server = _uvicorn_server(app, 2.0)
+        self.server = _uvicorn_server(app, grace_s, **uvicorn_kw)
         self.thread = threading.Thread(
             target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True
         )
