@@ -61,7 +61,9 @@ from moe_service.api.transport import (  # shared with the other protocols' endp
     finish_request,
     merge_events,
     read_json,
+    refusal,
     sse_data,
+    submit,
     validation_error,
 )
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
@@ -583,21 +585,10 @@ async def _generate(service: Service, request: Request, *, chat: bool):
         greq = GenerationRequest(prompt_ids, max_tokens, sampling, stop, events.emit, request_id, t_arrival,
                                  ignore_eos=bool(body.ignore_eos),
                                  constraint=plan.constraint if plan is not None else None, logprobs=n_logprobs)
-        try:
-            service.batch.submit(greq)
-        except RequestError as e:
-            events.close()
-            headers = {"Retry-After": str(e.retry_after_s)} if hasattr(e, "retry_after_s") else None
-            log.info("request_rejected", request_id=request_id, endpoint=endpoint, status=e.status, reason=e.code)
-            return error_response(e, headers)
-    except RequestError as e:
-        log.info("request_invalid", request_id=request_id, endpoint=endpoint, status=e.status, param=e.param,
-                 error=e.message)
-        return error_response(e)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error("request_failed", request_id=request_id, endpoint=endpoint, error=f"{type(e).__name__}: {e}",
-                  exc_info=e)
-        return error_response(RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error"))
+        if (rejected := submit(service, greq, events, endpoint)) is not None:
+            return error_response(rejected)  # a 429 with its Retry-After
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, endpoint, request_id))
 
     created = int(time.time())
     if body.stream:

@@ -59,7 +59,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moe_service.api.envelopes import ERROR_TYPES, error_body, error_type  # noqa: F401  (part of this API)
-from moe_service.api.transport import Events, await_final, finish_request, merge_events, validation_error
+from moe_service.api.transport import (
+    Events,
+    await_final,
+    finish_request,
+    merge_events,
+    refusal,
+    submit,
+    validation_error,
+)
 from moe_service.engine.engine import Event, RequestError
 from moe_service.log import get_logger
 
@@ -470,25 +478,8 @@ async def count_tokens(service, request) -> Any:
         if limit is not None:  # the character bound only: counting takes no queue place
             admission_precheck(_NoQueue(service), chat_chars(messages), param="messages")
         plan, _ = await _plan(service, body)
-    except RequestError as e:
-        log.info(
-            "request_invalid",
-            endpoint="/v1/messages/count_tokens",
-            status=e.status,
-            param=e.param,
-            error=e.message,
-        )
-        return error_response(e)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error(
-            "request_failed",
-            endpoint="/v1/messages/count_tokens",
-            error=f"{type(e).__name__}: {e}",
-            exc_info=e,
-        )
-        return error_response(
-            RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error")
-        )
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, "/v1/messages/count_tokens"))
     return {"input_tokens": len(plan.prompt_ids)}
 
 
@@ -550,33 +541,10 @@ async def messages(service, request) -> Any:
             t_arrival,
             constraint=plan.constraint,
         )
-        try:
-            service.batch.submit(greq)
-        except RequestError as e:
-            events.close()
-            log.info("request_rejected", request_id=msg_id, endpoint=endpoint, status=e.status, reason=e.code)
-            return error_response(e, msg_id)
-    except RequestError as e:
-        log.info(
-            "request_invalid",
-            request_id=msg_id,
-            endpoint=endpoint,
-            status=e.status,
-            param=e.param,
-            error=e.message,
-        )
-        return error_response(e, msg_id)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error(
-            "request_failed",
-            request_id=msg_id,
-            endpoint=endpoint,
-            error=f"{type(e).__name__}: {e}",
-            exc_info=e,
-        )
-        return error_response(
-            RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error"), msg_id
-        )
+        if (rejected := submit(service, greq, events, endpoint)) is not None:
+            return error_response(rejected, msg_id)
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, endpoint, msg_id), msg_id)
 
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": body.model}
     if body.stream:

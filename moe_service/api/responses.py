@@ -91,6 +91,8 @@ from moe_service.api.transport import (
     error_response,
     finish_request,
     read_json,
+    refusal,
+    submit,
     validation_error,
 )
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
@@ -1212,29 +1214,10 @@ async def create_response(service, request: Request) -> Response:
             encrypted_reasoning="reasoning.encrypted_content" in (body.include or ()),
         )
         run = _Run(ctx, greq, events, p.parser(), builder, history + items)
-        try:
-            service.batch.submit(greq)
-        except RequestError as e:
-            events.close()
-            log.info("request_rejected", request_id=rid, endpoint=ENDPOINT, status=e.status, reason=e.code)
-            return error_response(e)
-    except RequestError as e:
-        log.info(
-            "request_invalid",
-            request_id=rid,
-            endpoint=ENDPOINT,
-            status=e.status,
-            param=e.param,
-            error=e.message,
-        )
-        return error_response(e)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error(
-            "request_failed", request_id=rid, endpoint=ENDPOINT, error=f"{type(e).__name__}: {e}", exc_info=e
-        )
-        return error_response(
-            RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error")
-        )
+        if (rejected := submit(service, greq, events, ENDPOINT)) is not None:
+            return error_response(rejected)
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, ENDPOINT, rid))
     if body.stream:
         return StreamingResponse(
             _stream(service, request, run),

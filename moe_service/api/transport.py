@@ -3,8 +3,9 @@ and completions in moe_service.server, the Anthropic Messages API in api/anthrop
 Responses API in api/responses.py): reading a JSON body within the request limits, a pydantic
 error as a RequestError naming the field, the OpenAI error response, the channel that carries
 a request's events from the engine thread to its event loop, merging events, the SSE line,
-waiting for a non-streamed request's final event (cancelled when its client goes away), and
-finishing a request (metrics and its log line).
+submitting a request to the batch loop, a refused request's log line and answer, waiting
+for a non-streamed request's final event (cancelled when its client goes away), and finishing
+a request (metrics and its log line).
 
 The protocols import this module; none of them imports the server, and the server imports
 them, so dependencies point one way (tests/test_structure.py).
@@ -175,6 +176,34 @@ def sse_data(obj: Any) -> str:
 async def read_json(request: Request) -> Any:
     """The body as JSON within moe_service.request_limits' bounds (RequestError 400 otherwise)."""
     return parse_json_body(await request.body())
+
+
+def refusal(e: Exception, endpoint: str, request_id: str | None = None) -> RequestError:
+    """The error to answer a request with that failed before reaching the engine, logged: a
+    RequestError (the request's mistake, a limit) as ``request_invalid``; any other exception
+    is a bug, logged as ``request_failed`` with its traceback and answered as a 500 while the
+    server keeps serving. ``request_id``: logged when given."""
+    ids = {} if request_id is None else {"request_id": request_id}
+    if isinstance(e, RequestError):
+        log.info("request_invalid", **ids, endpoint=endpoint, status=e.status, param=e.param, error=e.message)
+        return e
+    log.error("request_failed", **ids, endpoint=endpoint, error=f"{type(e).__name__}: {e}", exc_info=e)
+    return RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error")
+
+
+def submit(service: Any, greq: GenerationRequest, events: Events, endpoint: str) -> RequestError | None:
+    """Queue ``greq`` in ``service.batch``: None, or its refusal there (the 429 of a full
+    queue, with its retry_after_s; shutting down), logged as ``request_rejected``, ``events``
+    closed."""
+    try:
+        service.batch.submit(greq)
+    except RequestError as e:
+        events.close()
+        log.info(
+            "request_rejected", request_id=greq.request_id, endpoint=endpoint, status=e.status, reason=e.code
+        )
+        return e
+    return None
 
 
 def finish_request(service: Any, greq: GenerationRequest, ev: Event, endpoint: str, stream: bool) -> None:
