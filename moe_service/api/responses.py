@@ -841,30 +841,14 @@ class OutputBuilder:
         self._open = None
         text = "".join(o.text)
         item_id = o.item["id"]
-        evs = []
+        extra: dict[str, Any] = {}
         if o.kind == "message":
             part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-            evs.append(
-                self.event(
-                    "response.output_text.done",
-                    item_id=item_id,
-                    output_index=o.index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            )
+            done, extra = "response.output_text.done", {"logprobs": []}
         else:
             part = {"type": "reasoning_text", "text": text}
-            evs.append(
-                self.event(
-                    "response.reasoning_text.done",
-                    item_id=item_id,
-                    output_index=o.index,
-                    content_index=0,
-                    text=text,
-                )
-            )
+            done = "response.reasoning_text.done"
+        evs = [self.event(done, item_id=item_id, output_index=o.index, content_index=0, text=text, **extra)]
         evs.append(
             self.event(
                 "response.content_part.done",
@@ -881,41 +865,47 @@ class OutputBuilder:
         evs.append(self.event("response.output_item.done", output_index=o.index, item=item))
         return evs
 
+    def _start(self, kind: str) -> tuple[_Open, list[dict[str, Any]]]:
+        """Open an empty ``kind`` item ("message" or "reasoning") at the next output index: the
+        open item, and its output_item.added and content_part.added events."""
+        index = len(self.items)
+        if kind == "message":
+            item = {
+                "id": _new_id("msg"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+        else:
+            item = {
+                "id": _new_id("rs"),
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [],
+            }
+            part = {"type": "reasoning_text", "text": ""}
+        self._open = _Open(kind, index, item)
+        return self._open, [
+            self.event("response.output_item.added", output_index=index, item=dict(item)),
+            self.event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         evs: list[dict[str, Any]] = []
-        if self._open is None or self._open.kind != kind:
-            evs += self._close()
-            index = len(self.items)
-            if kind == "message":
-                item = {
-                    "id": _new_id("msg"),
-                    "type": "message",
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                }
-                part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
-            else:
-                item = {
-                    "id": _new_id("rs"),
-                    "type": "reasoning",
-                    "status": "in_progress",
-                    "summary": [],
-                    "content": [],
-                }
-                part = {"type": "reasoning_text", "text": ""}
-            self._open = _Open(kind, index, item)
-            evs.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
-            evs.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
         o = self._open
+        if o is None or o.kind != kind:
+            evs += self._close()
+            o, started = self._start(kind)
+            evs += started
         o.text.append(text)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
@@ -994,24 +984,7 @@ class OutputBuilder:
             evs += self._text("message", self._space)
         self._space = ""
         if self._open is None and not self.items:  # an empty answer: one empty message, as OpenAI sends
-            item = {
-                "id": _new_id("msg"),
-                "type": "message",
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
-            self._open = _Open("message", 0, item)
-            evs.append(self.event("response.output_item.added", output_index=0, item=dict(item)))
-            evs.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=0,
-                    content_index=0,
-                    part={"type": "output_text", "annotations": [], "logprobs": [], "text": ""},
-                )
-            )
+            evs += self._start("message")[1]
         evs += self._close("incomplete" if incomplete else "completed")
         return evs
 
