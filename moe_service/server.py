@@ -50,7 +50,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_service.api import logprobs as lp_fmt
@@ -64,6 +64,7 @@ from moe_service.api.transport import (  # shared with the other protocols' endp
     refusal,
     sse_data,
     submit,
+    validate_body,
     validation_error,
 )
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
@@ -532,12 +533,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
     try:
         service.check_serving()
         data = await read_json(request)
-        if not isinstance(data, dict):
-            raise RequestError("the request body must be a JSON object", code="invalid_json")
-        try:
-            body = (ChatBody if chat else CompletionBody).model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        body = validate_body(ChatBody, data) if chat else validate_body(CompletionBody, data)
         _unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
         service.check_model(body.model)
         check_stop_strings(body.stop)

@@ -56,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from moe_service.api.envelopes import ERROR_TYPES, error_body, error_type  # noqa: F401  (part of this API)
 from moe_service.api.transport import (
@@ -66,7 +66,7 @@ from moe_service.api.transport import (
     merge_events,
     refusal,
     submit,
-    validation_error,
+    validate_body,
 )
 from moe_service.engine.engine import Event, RequestError
 from moe_service.log import get_logger
@@ -423,13 +423,8 @@ def template_switches(body: CountTokensBody) -> tuple[dict[str, Any], str | None
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
-
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object", code="invalid_json")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    """``validate_body``, the fields this API ignores logged (``anthropic_fields_ignored``)."""
+    body = validate_body(model, data)
     if body.model_extra:
         log.info("anthropic_fields_ignored", fields=sorted(body.model_extra))
     return body

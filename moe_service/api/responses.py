@@ -82,7 +82,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from moe_service.api import tools as tl
 from moe_service.api.transport import (
@@ -93,7 +93,7 @@ from moe_service.api.transport import (
     read_json,
     refusal,
     submit,
-    validation_error,
+    validate_body,
 )
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
@@ -1149,13 +1149,7 @@ async def create_response(service, request: Request) -> Response:
     rid = _new_id("resp")
     try:
         service.check_serving()
-        data = await read_json(request)
-        if not isinstance(data, dict):
-            raise RequestError("the request body must be a JSON object", code="invalid_json")
-        try:
-            body = ResponsesBody.model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        body = validate_body(ResponsesBody, await read_json(request))
         _refuse_unsupported(body)
         service.check_model(body.model)
         ctx = _Context(rid, int(time.time()), service.model_name, body)

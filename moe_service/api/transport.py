@@ -1,7 +1,7 @@
 """What every protocol endpoint shares with the others, below all of them (chat completions
 and completions in moe_service.server, the Anthropic Messages API in api/anthropic.py, the
-Responses API in api/responses.py): reading a JSON body within the request limits, a pydantic
-error as a RequestError naming the field, the OpenAI error response, the channel that carries
+Responses API in api/responses.py): reading a JSON body within the request limits and
+validating it, a pydantic error as a RequestError naming the field, the OpenAI error response, the channel that carries
 a request's events from the engine thread to its event loop, merging events, the SSE line,
 submitting a request to the batch loop, a refused request's log line and answer, waiting
 for a non-streamed request's final event (cancelled when its client goes away), and finishing
@@ -19,18 +19,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 from moe_service.request_limits import parse_json_body
 
 log = get_logger("moe_service.server")
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
 def validation_error(e: ValidationError | RequestValidationError) -> RequestError:
@@ -176,6 +178,17 @@ def sse_data(obj: Any) -> str:
 async def read_json(request: Request) -> Any:
     """The body as JSON within moe_service.request_limits' bounds (RequestError 400 otherwise)."""
     return parse_json_body(await request.body())
+
+
+def validate_body(model: type[BodyModel], data: Any) -> BodyModel:
+    """A request's JSON body (``data``) as ``model``: a 400 when it is not an object, or the
+    first pydantic error as a 400 naming the field (``validation_error``)."""
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
 
 
 def refusal(e: Exception, endpoint: str, request_id: str | None = None) -> RequestError:
