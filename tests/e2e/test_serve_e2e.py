@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -36,20 +37,27 @@ def demo_model(e2e_cache):
     return build_demo_model(e2e_cache)
 
 
-@pytest.fixture(scope="session")
-def golden(demo_model):
-    """llama.cpp's greedy chain for the chat prompt, cut at the end-of-generation token, as
-    (prompt text, expected completion text, finish_reason) for MAX_TOKENS tokens."""
+def golden_answer(model: Path) -> tuple[str, list[int], str, str]:
+    """llama.cpp's greedy chain for the golden chat prompt (GOLDEN), MAX_TOKENS tokens cut at the
+    end-of-generation token, decoded with ``model``'s tokenizer: (prompt text, prompt ids,
+    expected completion text, finish_reason)."""
     from moe_service.engine.tokenizer import Tokenizer
 
     g = golden_model(GOLDEN)
-    tok = Tokenizer.from_file(demo_model)
+    tok = Tokenizer.from_file(model)
     assert tok.encode(g.prompt_text, parse_special=True) == g.prompt_ids
     chain = g.greedy_ids[:MAX_TOKENS]
     eog = next((i for i, t in enumerate(chain) if tok.is_eog(t)), None)
     if eog is not None:
-        return g.prompt_text, tok.decode(chain[:eog]), "stop"
-    return g.prompt_text, tok.decode(chain), "length"
+        return g.prompt_text, g.prompt_ids, tok.decode(chain[:eog]), "stop"
+    return g.prompt_text, g.prompt_ids, tok.decode(chain), "length"
+
+
+@pytest.fixture(scope="session")
+def golden(demo_model):
+    """(prompt text, expected completion text, finish_reason): ``golden_answer``."""
+    prompt_text, _, text, finish = golden_answer(demo_model)
+    return prompt_text, text, finish
 
 
 API_KEY = "sk-e2e-" + "0" * 24
