@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.service_proc import build_demo_model, default_numba_cache_dir, start_service
+from bench.service_proc import ServiceProc, build_demo_model, default_numba_cache_dir, start_service
 from tests.fixtures.golden import golden_model
 
 GOLDEN = "smollm2-135m-moe8"
@@ -72,14 +73,20 @@ def key_file(e2e_cache):
     return path
 
 
-@pytest.fixture(scope="session")
-def service(demo_model, e2e_cache, key_file):
-    sp = start_service(demo_model, e2e_cache, numba_cache_dir=default_numba_cache_dir(),
-                       config={"max_tokens_default": 16, "api_key_file": str(key_file)})
+def served(model: Path, cache: Path, **kw) -> Iterator[ServiceProc]:
+    """``moe-service serve`` on ``model`` for a fixture to ``yield from``: bench.service_proc's
+    start_service (``kw``: its config / extra_env) with the shared numba cache; after the tests,
+    SIGTERM must end it with exit 0 (its log's tail otherwise)."""
+    sp = start_service(model, cache, numba_cache_dir=default_numba_cache_dir(), **kw)
     yield sp
     code = sp.terminate()
     sp.close()
     assert code == 0, sp.log_text()[-4000:]
+
+
+@pytest.fixture(scope="session")
+def service(demo_model, e2e_cache, key_file):
+    yield from served(demo_model, e2e_cache, config={"max_tokens_default": 16, "api_key_file": str(key_file)})
 
 
 @pytest.fixture
