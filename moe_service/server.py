@@ -50,17 +50,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_service.api import logprobs as lp_fmt
 from moe_service.api.transport import (  # shared with the other protocols' endpoints
     Events,
+    await_final,
     error_response,
     finish_request,
     merge_events,
     read_json,
+    refusal,
     sse_data,
+    submit,
+    validate_body,
     validation_error,
 )
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
@@ -529,12 +533,7 @@ async def _generate(service: Service, request: Request, *, chat: bool):
     try:
         service.check_serving()
         data = await read_json(request)
-        if not isinstance(data, dict):
-            raise RequestError("the request body must be a JSON object", code="invalid_json")
-        try:
-            body = (ChatBody if chat else CompletionBody).model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        body = validate_body(ChatBody, data) if chat else validate_body(CompletionBody, data)
         _unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETION)
         service.check_model(body.model)
         check_stop_strings(body.stop)
@@ -582,21 +581,10 @@ async def _generate(service: Service, request: Request, *, chat: bool):
         greq = GenerationRequest(prompt_ids, max_tokens, sampling, stop, events.emit, request_id, t_arrival,
                                  ignore_eos=bool(body.ignore_eos),
                                  constraint=plan.constraint if plan is not None else None, logprobs=n_logprobs)
-        try:
-            service.batch.submit(greq)
-        except RequestError as e:
-            events.close()
-            headers = {"Retry-After": str(e.retry_after_s)} if hasattr(e, "retry_after_s") else None
-            log.info("request_rejected", request_id=request_id, endpoint=endpoint, status=e.status, reason=e.code)
-            return error_response(e, headers)
-    except RequestError as e:
-        log.info("request_invalid", request_id=request_id, endpoint=endpoint, status=e.status, param=e.param,
-                 error=e.message)
-        return error_response(e)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error("request_failed", request_id=request_id, endpoint=endpoint, error=f"{type(e).__name__}: {e}",
-                  exc_info=e)
-        return error_response(RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error"))
+        if (rejected := submit(service, greq, events, endpoint)) is not None:
+            return error_response(rejected)  # a 429 with its Retry-After
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, endpoint, request_id))
 
     created = int(time.time())
     if body.stream:
@@ -622,29 +610,15 @@ async def _complete(service: Service, request: Request, greq: GenerationRequest,
     parts: list[str] = []
     tokens: list[int] = []
     logprobs: list = []
-    done = False
-    next_check = time.monotonic() + service.status_poll_s
-    try:
-        while True:
-            ev = await events.get(service.status_poll_s)
-            if time.monotonic() >= next_check:  # tokens may flow faster than the poll period
-                next_check = time.monotonic() + service.status_poll_s
-                if await request.is_disconnected():
-                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
-                    return Response(status_code=499)
-            if ev is None:
-                continue
-            parts.append(ev.text)
-            tokens.extend(ev.token_ids)
-            logprobs.extend(ev.logprobs or ())
-            if ev.final:
-                done = True
-                break
-    finally:
-        events.close()
-        if not done:
-            service.batch.cancel(greq)
-    finish_request(service, greq, ev, endpoint, stream=False)
+
+    def step(ev: Event) -> None:
+        parts.append(ev.text)
+        tokens.extend(ev.token_ids)
+        logprobs.extend(ev.logprobs or ())
+
+    ev = await await_final(service, request, greq, events, endpoint, step)
+    if ev is None:
+        return Response(status_code=499)
     if ev.error is not None:
         return error_response(ev.error)
     text = "".join(parts)

@@ -245,6 +245,24 @@ def run_model(path: Path, prompt_ids: list[int]) -> dict:
     }
 
 
+def new_manifest(**settings: object) -> dict:
+    """A goldens manifest with no models yet: format, versions, and the llama.cpp run settings
+    (N_THREADS ... N_GREEDY) followed by ``settings``."""
+    return {"format": 1, "versions": versions(),
+            "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
+                         "use_mmap": False, "logits_all": True, "seed": SEED, "n_greedy": N_GREEDY, **settings},
+            "models": {}}
+
+
+def tokenize(path: Path, text: str, special: bool = False) -> list[int]:
+    """``text`` tokenized by llama.cpp with the vocabulary of the GGUF file at ``path`` (BOS first;
+    ``special``: special tokens written in the text are parsed)."""
+    llm = _open(path, vocab_only=True)
+    ids = llm.tokenize(text.encode(), add_bos=True, special=special)
+    del llm
+    return ids
+
+
 # Dense Qwen (qwen2, qwen3): synthetic files (moe_service.synth presets with the decisive
 # successor-output scales), their own manifest qwen-dense.json.
 DENSE_MODELS = [("tiny-qwen2-q8_0", "tiny-qwen2"), ("tiny-qwen3-q8_0", "tiny-qwen3")]
@@ -271,18 +289,12 @@ def dense_goldens(out: Path, work: Path) -> dict:
     prompt and the whole chain evaluated token by token (compares the decode path after 48
     steps of KV cache, not only the chain's argmaxes).
     """
-    manifest: dict = {"format": 1, "versions": versions(),
-                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
-                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
-                                   "n_greedy": N_GREEDY, "min_gap_required": DENSE_MIN_GAP},
-                      "models": {}}
+    manifest = new_manifest(min_gap_required=DENSE_MIN_GAP)
     for name, preset in DENSE_MODELS:
         tried = []
         for seed in DENSE_SEEDS:
             path = write_synthetic(work / f"{name}-seed{seed}.gguf", preset, seed=seed)
-            llm = _open(path, vocab_only=True)
-            prompt_ids = llm.tokenize(SYNTH_PROMPT.encode(), add_bos=True, special=False)
-            del llm
+            prompt_ids = tokenize(path, SYNTH_PROMPT)
             r = run_model(path, prompt_ids)
             gap = min(r["greedy_top1_top2_gap"])
             tried.append({"seed": seed, "min_gap": gap})
@@ -359,36 +371,72 @@ def decisive_prefix(gaps: list[float], threshold: float = DEEPSEEK2_DECISIVE_GAP
     return next((i for i, g in enumerate(gaps) if g < threshold), len(gaps))
 
 
+class SeedSearch:
+    """Keeps, of the seeds tried, the one whose file gives llama.cpp's most decisive greedy chain.
+
+    Each ``run`` evaluates one seed's file (``run_model``). Ranking: the longest decisive prefix
+    (``decisive_prefix``), then the largest smallest top-1/top-2 gap, with ``by_prefix``; the
+    largest smallest gap alone without it. The first seed of the best rank is kept. ``tried``
+    lists every seed as {"seed", "min_gap"}, plus "decisive_prefix" with ``by_prefix``.
+    """
+
+    def __init__(self, label: str, by_prefix: bool) -> None:
+        self.label, self.by_prefix = label, by_prefix
+        self.tried: list[dict] = []
+        self._best: tuple | None = None
+
+    def run(self, seed: int, path: Path, prompt_text: str, prompt_ids: list[int]) -> None:
+        r = run_model(path, prompt_ids)
+        gap = min(r["greedy_top1_top2_gap"])
+        if self.by_prefix:
+            prefix = decisive_prefix(r["greedy_top1_top2_gap"])
+            rank: tuple = (prefix, gap)
+            self.tried.append({"seed": seed, "min_gap": round(gap, 5), "decisive_prefix": prefix})
+            print(f"{self.label} seed {seed}: decisive prefix {prefix}, min greedy gap {gap:.4f}", flush=True)
+        else:
+            rank = (gap,)
+            self.tried.append({"seed": seed, "min_gap": gap})
+            print(f"{self.label} seed {seed}: min greedy gap {gap:.3f}", flush=True)
+        if self._best is None or rank > self._best[0]:
+            self._best = (rank, seed, path, prompt_text, prompt_ids, r)
+
+    def best(self) -> tuple[int, Path, str, list[int], dict]:
+        """(seed, path, prompt text, prompt ids, its run_model result) of the best seed."""
+        if self._best is None:
+            raise SystemExit(f"{self.label}: no seed was tried")
+        return self._best[1:]
+
+
+def decisive_entry(out: Path, name: str, path: Path, source: dict, prompt_text: str, prompt_ids: list[int],
+                   r: dict) -> dict:
+    """Save logits/<name>.npy (``r``'s logits, taken out of it) and logits/<name>-final.npy
+    (llama.cpp's logits after the prompt and the whole greedy chain, one batch); the model's
+    manifest entry."""
+    np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
+    np.save(out / "logits" / f"{name}-final.npy", prefill_logits(path, prompt_ids + r["greedy_ids"]))
+    return {
+        "source": source, "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": prompt_text,
+        "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy",
+        "final_logits_file": f"logits/{name}-final.npy",
+        "final_logits_what": "llama.cpp logits at the last position of prompt + the 48 greedy ids (one batch)",
+        **r}
+
+
 def deepseek2_fixtures(out: Path, work: Path, manifest: dict) -> None:
     """Write the deepseek2 goldens (logits/<name>.npy and manifest entries), choosing for each
     fixture the seed with the most decisive greedy chain (largest minimum gap)."""
     for preset, et in DEEPSEEK2_FIXTURES:
         name = f"{preset}-{et.lower()}"
-        tried, best = [], None
+        search = SeedSearch(name, by_prefix=True)
         for seed in DEEPSEEK2_SEEDS:
             path = write_deepseek2(work / f"{name}-s{seed}.gguf", preset, expert_type=et, seed=seed)
-            llm = _open(path, vocab_only=True)
-            prompt_ids = llm.tokenize(SYNTH_PROMPT.encode(), add_bos=True, special=False)
-            del llm
-            r = run_model(path, prompt_ids)
-            gap = min(r["greedy_top1_top2_gap"])
-            prefix = decisive_prefix(r["greedy_top1_top2_gap"])
-            tried.append({"seed": seed, "min_gap": round(gap, 5), "decisive_prefix": prefix})
-            print(f"{name} seed {seed}: decisive prefix {prefix}, min greedy gap {gap:.4f}", flush=True)
-            if best is None or (prefix, gap) > best[0]:
-                best = ((prefix, gap), seed, path, prompt_ids, r)
-        (prefix, gap), seed, path, prompt_ids, r = best
-        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
-        np.save(out / "logits" / f"{name}-final.npy", prefill_logits(path, prompt_ids + r["greedy_ids"]))
-        manifest["models"][name] = {
-            "source": {"kind": "synth", "arch": "deepseek2", "preset": preset, "expert_type": et, "n_layer": None,
-                       "seed": seed, "seeds_tried": tried, "decisive_gap": DEEPSEEK2_DECISIVE_GAP,
-                       "decisive_prefix": prefix},
-            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": SYNTH_PROMPT,
-            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy",
-            "final_logits_file": f"logits/{name}-final.npy",
-            "final_logits_what": "llama.cpp logits at the last position of prompt + the 48 greedy ids (one batch)",
-            **r}
+            search.run(seed, path, SYNTH_PROMPT, tokenize(path, SYNTH_PROMPT))
+        seed, path, prompt_text, prompt_ids, r = search.best()
+        prefix, gap = decisive_prefix(r["greedy_top1_top2_gap"]), min(r["greedy_top1_top2_gap"])
+        source = {"kind": "synth", "arch": "deepseek2", "preset": preset, "expert_type": et, "n_layer": None,
+                  "seed": seed, "seeds_tried": search.tried, "decisive_gap": DEEPSEEK2_DECISIVE_GAP,
+                  "decisive_prefix": prefix}
+        manifest["models"][name] = decisive_entry(out, name, path, source, prompt_text, prompt_ids, r)
         print(f"model {name}: seed {seed} decisive prefix {prefix} min gap {gap:.4f} argmax {r['logits_stats']['argmax']} "
               f"chain {r['greedy_ids'][:8]}", flush=True)
 
@@ -432,13 +480,9 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
 
     from moe_service.synth_gpt_oss import write_gpt_oss
 
-    manifest: dict = {"format": 1, "versions": versions(),
-                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
-                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
-                                   "n_greedy": N_GREEDY, "seeds_tried": list(GPT_OSS_SEEDS)},
-                      "models": {}}
+    manifest = new_manifest(seeds_tried=list(GPT_OSS_SEEDS))
     for name, preset, overrides in GPT_OSS_MODELS:
-        tried, best = [], None
+        search = SeedSearch(f"gpt-oss {name}", by_prefix=False)
         for seed in GPT_OSS_SEEDS:
             path = write_gpt_oss(work / f"{name}-seed{seed}.gguf", preset, seed=seed, **overrides)
             meta = read_gguf_metadata(path, prefixes=("tokenizer.",))
@@ -446,21 +490,13 @@ def gpt_oss_goldens(out: Path, work: Path) -> dict:
             jinja = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token=tokens[meta["tokenizer.ggml.eos_token_id"]],
                                         bos_token=tokens[meta["tokenizer.ggml.bos_token_id"]], add_generation_prompt=True)
             prompt_text = jinja(messages=CHAT_CONVERSATIONS[0]).prompt
-            llm = _open(path, vocab_only=True)
-            prompt_ids = llm.tokenize(prompt_text.encode(), add_bos=True, special=True)
-            del llm
-            r = run_model(path, prompt_ids)
-            gap = min(r["greedy_top1_top2_gap"])
-            tried.append({"seed": seed, "min_gap": gap})
-            print(f"gpt-oss {name} seed {seed}: min greedy gap {gap:.3f}", flush=True)
-            if best is None or gap > best[0]:
-                best = (gap, seed, path, prompt_text, prompt_ids, r)
-        _, seed, path, prompt_text, prompt_ids, r = best
+            search.run(seed, path, prompt_text, tokenize(path, prompt_text, special=True))
+        seed, path, prompt_text, prompt_ids, r = search.best()
         np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
         manifest["models"][name] = {
             "source": {"kind": "synth-gpt-oss", "preset": preset, "overrides": overrides, "seed": seed},
             "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": prompt_text,
-            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy", "seed_search": tried, **r}
+            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy", "seed_search": search.tried, **r}
         print(f"model {name}: seed {seed} argmax {r['logits_stats']['argmax']} chain {r['greedy_ids'][:8]} "
               f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} ({r['seconds']} s)", flush=True)
     first = manifest["models"][GPT_OSS_MODELS[0][0]]
@@ -495,41 +531,20 @@ IQUANT_PROMPT = (SYNTH_PROMPT + " Sphinx of black quartz, judge my vow. The five
 
 def iquant_goldens(out: Path, work: Path) -> dict:
     """iquants.json + logits/<name>.npy and logits/<name>-final.npy (after the 48-token chain)."""
-    manifest: dict = {"format": 1, "versions": versions(),
-                      "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX,
-                                   "n_batch": N_BATCH, "use_mmap": False, "logits_all": True, "seed": SEED,
-                                   "n_greedy": N_GREEDY, "seeds_tried": list(IQUANT_SEEDS)},
-                      "models": {}}
+    manifest = new_manifest(seeds_tried=list(IQUANT_SEEDS))
     for name, arch, preset, n_layer, et, recipe in IQUANT_MODELS:
-        tried, best = [], None
+        writer = write_deepseek2 if arch == "deepseek2" else write_synthetic
+        search = SeedSearch(name, by_prefix=True)
         for seed in IQUANT_SEEDS:
             path = work / f"{name}-s{seed}.gguf"
-            if arch == "deepseek2":
-                write_deepseek2(path, preset, n_layer=n_layer, expert_type=et, seed=seed, tensor_types=recipe)
-            else:
-                write_synthetic(path, preset, n_layer=n_layer, expert_type=et, seed=seed, tensor_types=recipe)
-            llm = _open(path, vocab_only=True)
-            prompt_ids = llm.tokenize(IQUANT_PROMPT.encode(), add_bos=True, special=False)
-            del llm
-            r = run_model(path, prompt_ids)
-            gap = min(r["greedy_top1_top2_gap"])
-            prefix = decisive_prefix(r["greedy_top1_top2_gap"])
-            tried.append({"seed": seed, "min_gap": round(gap, 5), "decisive_prefix": prefix})
-            print(f"{name} seed {seed}: decisive prefix {prefix}, min greedy gap {gap:.4f}", flush=True)
-            if best is None or (prefix, gap) > best[0]:
-                best = ((prefix, gap), seed, path, prompt_ids, r)
-        (prefix, gap), seed, path, prompt_ids, r = best
-        np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
-        np.save(out / "logits" / f"{name}-final.npy", prefill_logits(path, prompt_ids + r["greedy_ids"]))
-        manifest["models"][name] = {
-            "source": {"kind": "synth", "arch": arch, "preset": preset, "expert_type": et, "n_layer": n_layer,
-                       "tensor_types": recipe, "seed": seed, "seeds_tried": tried,
-                       "decisive_gap": DEEPSEEK2_DECISIVE_GAP, "decisive_prefix": prefix},
-            "file_bytes": path.stat().st_size, "sha256": sha256_file(path), "prompt_text": IQUANT_PROMPT,
-            "prompt_ids": prompt_ids, "logits_file": f"logits/{name}.npy",
-            "final_logits_file": f"logits/{name}-final.npy",
-            "final_logits_what": "llama.cpp logits at the last position of prompt + the 48 greedy ids (one batch)",
-            **r}
+            writer(path, preset, n_layer=n_layer, expert_type=et, seed=seed, tensor_types=recipe)
+            search.run(seed, path, IQUANT_PROMPT, tokenize(path, IQUANT_PROMPT))
+        seed, path, prompt_text, prompt_ids, r = search.best()
+        prefix, gap = decisive_prefix(r["greedy_top1_top2_gap"]), min(r["greedy_top1_top2_gap"])
+        source = {"kind": "synth", "arch": arch, "preset": preset, "expert_type": et, "n_layer": n_layer,
+                  "tensor_types": recipe, "seed": seed, "seeds_tried": search.tried,
+                  "decisive_gap": DEEPSEEK2_DECISIVE_GAP, "decisive_prefix": prefix}
+        manifest["models"][name] = decisive_entry(out, name, path, source, prompt_text, prompt_ids, r)
         print(f"model {name}: seed {seed} decisive prefix {prefix} min gap {gap:.4f} "
               f"self-dev max {r['llama_cpp_self_deviation']['max_abs']:.4f} chain {r['greedy_ids'][:8]}", flush=True)
     manifest["versions"]["load_average_at_end"] = list(os.getloadavg())
@@ -593,13 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     for sub in ("logits", "tokenize", "chat"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     corpus = json.loads((out / "corpus.json").read_text())["texts"]
-    manifest: dict = {
-        "format": 1,
-        "versions": versions(),
-        "settings": {"n_threads": N_THREADS, "n_threads_batch": N_THREADS, "n_ctx": N_CTX, "n_batch": N_BATCH,
-                     "use_mmap": False, "logits_all": True, "seed": SEED, "n_greedy": N_GREEDY},
-        "models": {},
-    }
+    manifest = new_manifest()
 
     # ---- tokenization
     smollm2 = smollm2_gguf_path()
@@ -647,13 +656,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         "expert_type": "Q8_0", "n_layer": 1, "seed": SEED,
                                                         "slow": True}, []))
     for name, path, source, prompt_ids in models:
-        llm = _open(path, vocab_only=True)
         if source["kind"] == "synth":
             prompt_text = SYNTH_PROMPT
-            prompt_ids = llm.tokenize(SYNTH_PROMPT.encode(), add_bos=True, special=False)
+            prompt_ids = tokenize(path, SYNTH_PROMPT)
         else:
             prompt_text = chats["smollm2"]["cases"][0]["rendered"]
-        del llm
         r = run_model(path, prompt_ids)
         np.save(out / "logits" / f"{name}.npy", r.pop("logits"))
         entry = {"source": source, "file_bytes": path.stat().st_size, "sha256": sha256_file(path),

@@ -56,11 +56,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from moe_service.api.envelopes import ERROR_TYPES, error_body, error_type  # noqa: F401  (part of this API)
-from moe_service.api.transport import Events, finish_request, merge_events, validation_error
-from moe_service.engine.engine import RequestError
+from moe_service.api.transport import (
+    Events,
+    await_final,
+    finish_request,
+    merge_events,
+    refusal,
+    submit,
+    validate_body,
+)
+from moe_service.engine.engine import Event, RequestError
 from moe_service.log import get_logger
 
 log = get_logger(__name__)
@@ -415,13 +423,8 @@ def template_switches(body: CountTokensBody) -> tuple[dict[str, Any], str | None
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
-
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object", code="invalid_json")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    """``validate_body``, the fields this API ignores logged (``anthropic_fields_ignored``)."""
+    body = validate_body(model, data)
     if body.model_extra:
         log.info("anthropic_fields_ignored", fields=sorted(body.model_extra))
     return body
@@ -470,25 +473,8 @@ async def count_tokens(service, request) -> Any:
         if limit is not None:  # the character bound only: counting takes no queue place
             admission_precheck(_NoQueue(service), chat_chars(messages), param="messages")
         plan, _ = await _plan(service, body)
-    except RequestError as e:
-        log.info(
-            "request_invalid",
-            endpoint="/v1/messages/count_tokens",
-            status=e.status,
-            param=e.param,
-            error=e.message,
-        )
-        return error_response(e)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error(
-            "request_failed",
-            endpoint="/v1/messages/count_tokens",
-            error=f"{type(e).__name__}: {e}",
-            exc_info=e,
-        )
-        return error_response(
-            RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error")
-        )
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, "/v1/messages/count_tokens"))
     return {"input_tokens": len(plan.prompt_ids)}
 
 
@@ -550,33 +536,10 @@ async def messages(service, request) -> Any:
             t_arrival,
             constraint=plan.constraint,
         )
-        try:
-            service.batch.submit(greq)
-        except RequestError as e:
-            events.close()
-            log.info("request_rejected", request_id=msg_id, endpoint=endpoint, status=e.status, reason=e.code)
-            return error_response(e, msg_id)
-    except RequestError as e:
-        log.info(
-            "request_invalid",
-            request_id=msg_id,
-            endpoint=endpoint,
-            status=e.status,
-            param=e.param,
-            error=e.message,
-        )
-        return error_response(e, msg_id)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error(
-            "request_failed",
-            request_id=msg_id,
-            endpoint=endpoint,
-            error=f"{type(e).__name__}: {e}",
-            exc_info=e,
-        )
-        return error_response(
-            RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error"), msg_id
-        )
+        if (rejected := submit(service, greq, events, endpoint)) is not None:
+            return error_response(rejected, msg_id)
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, endpoint, msg_id), msg_id)
 
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": body.model}
     if body.stream:
@@ -755,32 +718,17 @@ async def _complete(service, request, greq, events, plan, head: dict[str, Any], 
 
     parser = plan.parser()
     blocks = _Blocks()
-    done = False
-    ev = None
-    next_check = time.monotonic() + service.status_poll_s
-    try:
-        while True:
-            ev = await events.get(service.status_poll_s)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + service.status_poll_s
-                if await request.is_disconnected():
-                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
-                    return None
-            if ev is None:
-                continue
-            if ev.error is None:
-                parsed = parser.feed(ev.text, ev.token_ids)
-                if ev.final:
-                    parsed += parser.finish(ev.finish_reason)
-                blocks.add(parsed, final=ev.final)
+
+    def step(ev: Event) -> None:
+        if ev.error is None:
+            parsed = parser.feed(ev.text, ev.token_ids)
             if ev.final:
-                done = True
-                break
-    finally:
-        events.close()
-        if not done:
-            service.batch.cancel(greq)
-    finish_request(service, greq, ev, endpoint, stream=False)
+                parsed += parser.finish(ev.finish_reason)
+            blocks.add(parsed, final=ev.final)
+
+    ev = await await_final(service, request, greq, events, endpoint, step)
+    if ev is None:
+        return None
     if ev.error is not None:
         return ev.error
     content = blocks.blocks or [{"type": "text", "text": ""}]

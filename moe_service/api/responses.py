@@ -82,10 +82,19 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from moe_service.api import tools as tl
-from moe_service.api.transport import Events, error_response, finish_request, read_json, validation_error
+from moe_service.api.transport import (
+    Events,
+    await_final,
+    error_response,
+    finish_request,
+    read_json,
+    refusal,
+    submit,
+    validate_body,
+)
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 
@@ -832,30 +841,14 @@ class OutputBuilder:
         self._open = None
         text = "".join(o.text)
         item_id = o.item["id"]
-        evs = []
+        extra: dict[str, Any] = {}
         if o.kind == "message":
             part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-            evs.append(
-                self.event(
-                    "response.output_text.done",
-                    item_id=item_id,
-                    output_index=o.index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            )
+            done, extra = "response.output_text.done", {"logprobs": []}
         else:
             part = {"type": "reasoning_text", "text": text}
-            evs.append(
-                self.event(
-                    "response.reasoning_text.done",
-                    item_id=item_id,
-                    output_index=o.index,
-                    content_index=0,
-                    text=text,
-                )
-            )
+            done = "response.reasoning_text.done"
+        evs = [self.event(done, item_id=item_id, output_index=o.index, content_index=0, text=text, **extra)]
         evs.append(
             self.event(
                 "response.content_part.done",
@@ -872,41 +865,47 @@ class OutputBuilder:
         evs.append(self.event("response.output_item.done", output_index=o.index, item=item))
         return evs
 
+    def _start(self, kind: str) -> tuple[_Open, list[dict[str, Any]]]:
+        """Open an empty ``kind`` item ("message" or "reasoning") at the next output index: the
+        open item, and its output_item.added and content_part.added events."""
+        index = len(self.items)
+        if kind == "message":
+            item = {
+                "id": _new_id("msg"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+        else:
+            item = {
+                "id": _new_id("rs"),
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [],
+            }
+            part = {"type": "reasoning_text", "text": ""}
+        self._open = _Open(kind, index, item)
+        return self._open, [
+            self.event("response.output_item.added", output_index=index, item=dict(item)),
+            self.event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         evs: list[dict[str, Any]] = []
-        if self._open is None or self._open.kind != kind:
-            evs += self._close()
-            index = len(self.items)
-            if kind == "message":
-                item = {
-                    "id": _new_id("msg"),
-                    "type": "message",
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                }
-                part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
-            else:
-                item = {
-                    "id": _new_id("rs"),
-                    "type": "reasoning",
-                    "status": "in_progress",
-                    "summary": [],
-                    "content": [],
-                }
-                part = {"type": "reasoning_text", "text": ""}
-            self._open = _Open(kind, index, item)
-            evs.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
-            evs.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
         o = self._open
+        if o is None or o.kind != kind:
+            evs += self._close()
+            o, started = self._start(kind)
+            evs += started
         o.text.append(text)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
@@ -985,24 +984,7 @@ class OutputBuilder:
             evs += self._text("message", self._space)
         self._space = ""
         if self._open is None and not self.items:  # an empty answer: one empty message, as OpenAI sends
-            item = {
-                "id": _new_id("msg"),
-                "type": "message",
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
-            self._open = _Open("message", 0, item)
-            evs.append(self.event("response.output_item.added", output_index=0, item=dict(item)))
-            evs.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=0,
-                    content_index=0,
-                    part={"type": "output_text", "annotations": [], "logprobs": [], "text": ""},
-                )
-            )
+            evs += self._start("message")[1]
         evs += self._close("incomplete" if incomplete else "completed")
         return evs
 
@@ -1167,13 +1149,7 @@ async def create_response(service, request: Request) -> Response:
     rid = _new_id("resp")
     try:
         service.check_serving()
-        data = await read_json(request)
-        if not isinstance(data, dict):
-            raise RequestError("the request body must be a JSON object", code="invalid_json")
-        try:
-            body = ResponsesBody.model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        body = validate_body(ResponsesBody, await read_json(request))
         _refuse_unsupported(body)
         service.check_model(body.model)
         ctx = _Context(rid, int(time.time()), service.model_name, body)
@@ -1205,29 +1181,10 @@ async def create_response(service, request: Request) -> Response:
             encrypted_reasoning="reasoning.encrypted_content" in (body.include or ()),
         )
         run = _Run(ctx, greq, events, p.parser(), builder, history + items)
-        try:
-            service.batch.submit(greq)
-        except RequestError as e:
-            events.close()
-            log.info("request_rejected", request_id=rid, endpoint=ENDPOINT, status=e.status, reason=e.code)
-            return error_response(e)
-    except RequestError as e:
-        log.info(
-            "request_invalid",
-            request_id=rid,
-            endpoint=ENDPOINT,
-            status=e.status,
-            param=e.param,
-            error=e.message,
-        )
-        return error_response(e)
-    except Exception as e:  # a bug: answer 500, log the traceback, keep serving
-        log.error(
-            "request_failed", request_id=rid, endpoint=ENDPOINT, error=f"{type(e).__name__}: {e}", exc_info=e
-        )
-        return error_response(
-            RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error")
-        )
+        if (rejected := submit(service, greq, events, ENDPOINT)) is not None:
+            return error_response(rejected)
+    except Exception as e:  # the request's mistake, a limit, or a bug (a 500): the server keeps serving
+        return error_response(refusal(e, ENDPOINT, rid))
     if body.stream:
         return StreamingResponse(
             _stream(service, request, run),
@@ -1255,35 +1212,18 @@ def _empty(ctx: _Context) -> Response:
 async def _complete(service, request: Request, run: _Run) -> Response:
     """Wait for the whole response; cancel it when the client disconnects meanwhile."""
 
-    greq, events = run.greq, run.events
-    done = False
-    ev = None
-    next_check = time.monotonic() + service.status_poll_s
-    try:
-        while True:
-            ev = await events.get(service.status_poll_s)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + service.status_poll_s
-                if await request.is_disconnected():
-                    log.info("client_disconnected", request_id=greq.request_id, endpoint=ENDPOINT)
-                    return Response(status_code=499)
-            if ev is None:
-                continue
-            if ev.error is None:
-                run.step(ev)
-            if ev.final:
-                done = True
-                break
-    finally:
-        events.close()
-        if not done:
-            service.batch.cancel(greq)
-    finish_request(service, greq, ev, ENDPOINT, stream=False)
+    def step(ev: Event) -> None:
+        if ev.error is None:
+            run.step(ev)
+
+    ev = await await_final(service, request, run.greq, run.events, ENDPOINT, step)
+    if ev is None:
+        return Response(status_code=499)
     if ev.error is not None:
         return error_response(ev.error)
     _, resp = run.final(ev)
     _keep(service, run, resp)
-    return JSONResponse(resp, headers={"X-Request-Id": greq.request_id})
+    return JSONResponse(resp, headers={"X-Request-Id": run.greq.request_id})
 
 
 async def _stream(service, request: Request, run: _Run):

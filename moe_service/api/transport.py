@@ -1,9 +1,11 @@
 """What every protocol endpoint shares with the others, below all of them (chat completions
 and completions in moe_service.server, the Anthropic Messages API in api/anthropic.py, the
-Responses API in api/responses.py): reading a JSON body within the request limits, a pydantic
-error as a RequestError naming the field, the OpenAI error response, the channel that carries
+Responses API in api/responses.py): reading a JSON body within the request limits and
+validating it, a pydantic error as a RequestError naming the field, the OpenAI error response, the channel that carries
 a request's events from the engine thread to its event loop, merging events, the SSE line,
-and finishing a request (metrics and its log line).
+submitting a request to the batch loop, a refused request's log line and answer, waiting
+for a non-streamed request's final event (cancelled when its client goes away), and finishing
+a request (metrics and its log line).
 
 The protocols import this module; none of them imports the server, and the server imports
 them, so dependencies point one way (tests/test_structure.py).
@@ -16,18 +18,21 @@ import json
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from moe_service.engine.engine import Event, GenerationRequest, RequestError
 from moe_service.log import get_logger
 from moe_service.request_limits import parse_json_body
 
 log = get_logger("moe_service.server")
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
 
 def validation_error(e: ValidationError | RequestValidationError) -> RequestError:
@@ -175,6 +180,45 @@ async def read_json(request: Request) -> Any:
     return parse_json_body(await request.body())
 
 
+def validate_body(model: type[BodyModel], data: Any) -> BodyModel:
+    """A request's JSON body (``data``) as ``model``: a 400 when it is not an object, or the
+    first pydantic error as a 400 naming the field (``validation_error``)."""
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def refusal(e: Exception, endpoint: str, request_id: str | None = None) -> RequestError:
+    """The error to answer a request with that failed before reaching the engine, logged: a
+    RequestError (the request's mistake, a limit) as ``request_invalid``; any other exception
+    is a bug, logged as ``request_failed`` with its traceback and answered as a 500 while the
+    server keeps serving. ``request_id``: logged when given."""
+    ids = {} if request_id is None else {"request_id": request_id}
+    if isinstance(e, RequestError):
+        log.info("request_invalid", **ids, endpoint=endpoint, status=e.status, param=e.param, error=e.message)
+        return e
+    log.error("request_failed", **ids, endpoint=endpoint, error=f"{type(e).__name__}: {e}", exc_info=e)
+    return RequestError(f"internal error: {type(e).__name__}", status=500, type="server_error")
+
+
+def submit(service: Any, greq: GenerationRequest, events: Events, endpoint: str) -> RequestError | None:
+    """Queue ``greq`` in ``service.batch``: None, or its refusal there (the 429 of a full
+    queue, with its retry_after_s; shutting down), logged as ``request_rejected``, ``events``
+    closed."""
+    try:
+        service.batch.submit(greq)
+    except RequestError as e:
+        events.close()
+        log.info(
+            "request_rejected", request_id=greq.request_id, endpoint=endpoint, status=e.status, reason=e.code
+        )
+        return e
+    return None
+
+
 def finish_request(service: Any, greq: GenerationRequest, ev: Event, endpoint: str, stream: bool) -> None:
     """Count a finished request in ``service.metrics`` (the server.Service's Prometheus
     metrics, or None) and log its ``request_done`` line (tokens, TTFT, duration)."""
@@ -187,3 +231,44 @@ def finish_request(service: Any, greq: GenerationRequest, ev: Event, endpoint: s
              finish_reason=ev.finish_reason, error=ev.error.message if ev.error else None,
              prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, ttft_s=ttft,
              duration_s=round(duration, 4))
+
+
+async def await_final(
+    service: Any,
+    request: Request,
+    greq: GenerationRequest,
+    events: Events,
+    endpoint: str,
+    on_event: Callable[[Event], object],
+) -> Event | None:
+    """The final event of a non-streamed request, each event (error events too) handed to
+    ``on_event`` as it arrives; the request is then finished (``finish_request``, stream=False).
+
+    None when the client went away meanwhile: ``request.is_disconnected()`` is asked at most once
+    every ``service.status_poll_s`` seconds (tokens may flow faster than that), and that is logged
+    as ``client_disconnected``. Whenever no final event arrived (the client went away, or
+    ``on_event`` raised) the sequence is cancelled in ``service.batch`` and nothing is finished.
+    """
+    done = False
+    ev = None
+    next_check = time.monotonic() + service.status_poll_s
+    try:
+        while True:
+            ev = await events.get(service.status_poll_s)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + service.status_poll_s
+                if await request.is_disconnected():
+                    log.info("client_disconnected", request_id=greq.request_id, endpoint=endpoint)
+                    return None
+            if ev is None:
+                continue
+            on_event(ev)
+            if ev.final:
+                done = True
+                break
+    finally:
+        events.close()
+        if not done:
+            service.batch.cancel(greq)
+    finish_request(service, greq, ev, endpoint, stream=False)
+    return ev

@@ -339,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
     [--dense-layers N] [--experts E] [--expert-type T] [--tensor-types RECIPE] [--seed S] [--sparse]``."""
 
     def extra_args(ap) -> None:
-        ap.add_argument("--layers", type=int, default=None)
         ap.add_argument("--dense-layers", type=int, default=None, help="leading dense layers (n_dense_lead)")
         ap.add_argument("--experts", type=int, default=None, help="routed experts per layer (n_expert)")
 
@@ -350,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                                seed=args.seed, sparse=args.sparse, **extra)
 
     return writer_cli(argv, prog="python -m moe_service.synth_deepseek2", doc=main.__doc__, presets=PRESETS,
-                      expert_types=EXPERT_TYPES, write=write, extra_args=extra_args)
+                      expert_types=EXPERT_TYPES, write=write, extra_args=extra_args, layers=True)
 
 
 if __name__ == "__main__":

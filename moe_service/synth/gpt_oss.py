@@ -307,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     benchmark input: ``--preset gpt-oss-120b --layers 2 --vocab 32768``, 3.65 GB)."""
 
     def extra_args(ap) -> None:
-        ap.add_argument("--layers", type=int, default=None)
         ap.add_argument("--vocab", type=int, default=None)
 
     def write(a) -> Path:
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                              sparse=a.sparse, tensor_types=a.tensor_types)
 
     return writer_cli(argv, prog="python -m moe_service.synth_gpt_oss", doc=main.__doc__, presets=PRESETS,
-                            expert_types=EXPERT_TYPES, write=write, extra_args=extra_args)
+                      expert_types=EXPERT_TYPES, write=write, extra_args=extra_args, layers=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ The tensor lists agree with moe_service.engine.arch's (tests/moe_service/engine/
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator
@@ -44,15 +43,15 @@ from moe_service.synth.blocks import (
     tensor_nbytes,
     weight_chunks,
 )
-from moe_service.synth.recipe import apply_tensor_types, parse_tensor_types, tensor_types_arg
+from moe_service.synth.recipe import apply_tensor_types, parse_tensor_types
 from moe_service.synth.tokenizer import vocab_metadata
 from moe_service.synth.writer import (
     DENSE_TYPES,
     _add_plain_kv,
     general_metadata,
     lookup_preset,
-    sha256_file,
     write_gguf,
+    writer_cli,
 )
 
 log = get_logger(__name__)
@@ -352,15 +351,6 @@ def write_vocab_only(path: str | Path, kind: str, n_vocab: int, pre: str | None 
 def main(argv: list[str] | None = None) -> int:
     """``python -m moe_service.synth --preset NAME --out PATH [--layers N] [--expert-type T]
     [--tensor-types RECIPE] [--seed S] [--sparse]``."""
-    ap = argparse.ArgumentParser(prog="python -m moe_service.synth", description=main.__doc__)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--expert-type", choices=EXPERT_TYPES, default=None)
-    tensor_types_arg(ap)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sparse", action="store_true", help="header only, zero data (for check / plan)")
-    args = ap.parse_args(argv)
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -368,15 +358,12 @@ def main(argv: list[str] | None = None) -> int:
             last[0] = done
             log.info("synthetic_model_progress", bytes=done, total_bytes=total, percent=round(100 * done / total, 1))
 
-    try:
-        path = write_synthetic(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
+    def write(args) -> Path:
+        return write_synthetic(args.out, args.preset, n_layer=args.layers, expert_type=args.expert_type,
                                seed=args.seed, progress=progress, sparse=args.sparse, tensor_types=args.tensor_types)
-    except ConfigError as e:
-        print(f"python -m moe_service.synth: {e}", file=sys.stderr)
-        return 2
-    print(str(path) if args.sparse else f"{path} sha256={sha256_file(path)}")
-    return 0
 
+    return writer_cli(argv, prog="python -m moe_service.synth", doc=main.__doc__, presets=PRESETS,
+                      expert_types=EXPERT_TYPES, write=write, layers=True)
 
 if __name__ == "__main__":
     sys.exit(main())

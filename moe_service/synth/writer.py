@@ -224,14 +224,18 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
 
 def writer_cli(argv: list[str] | None, *, prog: str, doc: str | None, presets: dict[str, Any],
                expert_types: tuple[str, ...], write: Callable[[argparse.Namespace], Path],
-               extra_args: Callable[[argparse.ArgumentParser], None] | None = None, sparse: bool = True) -> int:
-    """The ``python -m moe_service.synth_<arch>`` command of the architecture writers:
-    ``--preset NAME --out PATH`` (+ ``extra_args``) ``[--expert-type T] [--seed S] [--sparse]``,
-    then ``write(args)`` writes the file. Prints ``PATH sha256=HEX`` (a sparse file: its path)
-    and returns 0; a preset that does not fit (ConfigError) is one line on stderr, exit 2."""
+               extra_args: Callable[[argparse.ArgumentParser], None] | None = None, sparse: bool = True,
+               layers: bool = False) -> int:
+    """The ``python -m moe_service.synth[_<arch>]`` command of every synthetic writer:
+    ``--preset NAME --out PATH`` (+ ``[--layers N]`` with ``layers``, + ``extra_args``)
+    ``[--expert-type T] [--tensor-types RECIPE] [--seed S] [--sparse]``, then ``write(args)``
+    writes the file. Prints ``PATH sha256=HEX`` (a sparse file: its path) and returns 0; a
+    preset that does not fit (ConfigError) is one line on stderr, exit 2."""
     ap = argparse.ArgumentParser(prog=prog, description=doc)
     ap.add_argument("--preset", required=True, choices=sorted(presets))
     ap.add_argument("--out", required=True, type=Path)
+    if layers:
+        ap.add_argument("--layers", type=int, default=None)
     if extra_args is not None:
         extra_args(ap)
     ap.add_argument("--expert-type", choices=expert_types, default=None)

@@ -18,9 +18,17 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.service_proc import build_demo_model, default_numba_cache_dir, start_service
-from tests.e2e.test_serve_e2e import CLOCK, GOLDEN, MAX_TOKENS, MODEL_ID, SYSTEM, USER, WEATHER
-from tests.fixtures.golden import golden_model
+from bench.service_proc import build_demo_model
+from tests.e2e.test_serve_e2e import (
+    CLOCK,
+    MAX_TOKENS,
+    MODEL_ID,
+    SYSTEM,
+    USER,
+    WEATHER,
+    golden_answer,
+    served,
+)
 
 KEY = "sk-ant-e2e-" + "1" * 24
 CLAUDE = "claude-sonnet-4-5-20250929"  # what Claude Code asks for: an alias of the served model
@@ -51,29 +59,17 @@ def ant_model(ant_cache):
 @pytest.fixture(scope="session")
 def ant_golden(ant_model):
     """llama.cpp's greedy answer to the golden chat prompt: (text, finish_reason, prompt tokens)."""
-    from moe_service.engine.tokenizer import Tokenizer
-
-    g = golden_model(GOLDEN)
-    tok = Tokenizer.from_file(ant_model)
-    chain = g.greedy_ids[:MAX_TOKENS]
-    eog = next((i for i, t in enumerate(chain) if tok.is_eog(t)), None)
-    if eog is not None:
-        return tok.decode(chain[:eog]), "stop", len(g.prompt_ids)
-    return tok.decode(chain), "length", len(g.prompt_ids)
+    _, prompt_ids, text, finish = golden_answer(ant_model)
+    return text, finish, len(prompt_ids)
 
 
 @pytest.fixture(scope="session")
 def ant_service(ant_model, ant_cache):
-    sp = start_service(
+    yield from served(
         ant_model,
         ant_cache,
-        numba_cache_dir=default_numba_cache_dir(),
         config={"api_keys": [KEY], "model_aliases": ["claude-*"], "max_body_bytes": 400_000},
     )
-    yield sp
-    code = sp.terminate()
-    sp.close()
-    assert code == 0, sp.log_text()[-4000:]
 
 
 @pytest.fixture

@@ -22,11 +22,11 @@ import subprocess
 
 import pytest
 
-from bench.service_proc import default_numba_cache_dir, start_service
 from tests.e2e.test_serve_e2e import (  # noqa: F401 - the shared session fixtures
     MODEL_ID,
     demo_model,
     e2e_cache,
+    served,
 )
 
 CONTEXT_TOKENS = 3072
@@ -58,16 +58,9 @@ stream_max_retries = 0
 @pytest.fixture
 def codex_service(demo_model, e2e_cache):  # noqa: F811 - the imported session fixtures
     """A server of its own: the demo model with a 3,072-token context, no API keys."""
-    sp = start_service(
-        demo_model,
-        e2e_cache,
-        numba_cache_dir=default_numba_cache_dir(),
-        extra_env={"MOE_SERVICE__MODEL__CONTEXT_TOKENS": str(CONTEXT_TOKENS)},
+    yield from served(
+        demo_model, e2e_cache, extra_env={"MOE_SERVICE__MODEL__CONTEXT_TOKENS": str(CONTEXT_TOKENS)}
     )
-    yield sp
-    code = sp.terminate()
-    sp.close()
-    assert code == 0, sp.log_text()[-4000:]
 
 
 def test_codex_exec_runs_a_turn_through_the_responses_api(codex_service, tmp_path):

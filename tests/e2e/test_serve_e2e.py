@@ -10,13 +10,15 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.service_proc import build_demo_model, default_numba_cache_dir, start_service
+from bench.service_proc import ServiceProc, build_demo_model, default_numba_cache_dir, start_service
 from tests.fixtures.golden import golden_model
 
 GOLDEN = "smollm2-135m-moe8"
@@ -36,20 +38,27 @@ def demo_model(e2e_cache):
     return build_demo_model(e2e_cache)
 
 
-@pytest.fixture(scope="session")
-def golden(demo_model):
-    """llama.cpp's greedy chain for the chat prompt, cut at the end-of-generation token, as
-    (prompt text, expected completion text, finish_reason) for MAX_TOKENS tokens."""
+def golden_answer(model: Path) -> tuple[str, list[int], str, str]:
+    """llama.cpp's greedy chain for the golden chat prompt (GOLDEN), MAX_TOKENS tokens cut at the
+    end-of-generation token, decoded with ``model``'s tokenizer: (prompt text, prompt ids,
+    expected completion text, finish_reason)."""
     from moe_service.engine.tokenizer import Tokenizer
 
     g = golden_model(GOLDEN)
-    tok = Tokenizer.from_file(demo_model)
+    tok = Tokenizer.from_file(model)
     assert tok.encode(g.prompt_text, parse_special=True) == g.prompt_ids
     chain = g.greedy_ids[:MAX_TOKENS]
     eog = next((i for i, t in enumerate(chain) if tok.is_eog(t)), None)
     if eog is not None:
-        return g.prompt_text, tok.decode(chain[:eog]), "stop"
-    return g.prompt_text, tok.decode(chain), "length"
+        return g.prompt_text, g.prompt_ids, tok.decode(chain[:eog]), "stop"
+    return g.prompt_text, g.prompt_ids, tok.decode(chain), "length"
+
+
+@pytest.fixture(scope="session")
+def golden(demo_model):
+    """(prompt text, expected completion text, finish_reason): ``golden_answer``."""
+    prompt_text, _, text, finish = golden_answer(demo_model)
+    return prompt_text, text, finish
 
 
 API_KEY = "sk-e2e-" + "0" * 24
@@ -64,14 +73,20 @@ def key_file(e2e_cache):
     return path
 
 
-@pytest.fixture(scope="session")
-def service(demo_model, e2e_cache, key_file):
-    sp = start_service(demo_model, e2e_cache, numba_cache_dir=default_numba_cache_dir(),
-                       config={"max_tokens_default": 16, "api_key_file": str(key_file)})
+def served(model: Path, cache: Path, **kw) -> Iterator[ServiceProc]:
+    """``moe-service serve`` on ``model`` for a fixture to ``yield from``: bench.service_proc's
+    start_service (``kw``: its config / extra_env) with the shared numba cache; after the tests,
+    SIGTERM must end it with exit 0 (its log's tail otherwise)."""
+    sp = start_service(model, cache, numba_cache_dir=default_numba_cache_dir(), **kw)
     yield sp
     code = sp.terminate()
     sp.close()
     assert code == 0, sp.log_text()[-4000:]
+
+
+@pytest.fixture(scope="session")
+def service(demo_model, e2e_cache, key_file):
+    yield from served(demo_model, e2e_cache, config={"max_tokens_default": 16, "api_key_file": str(key_file)})
 
 
 @pytest.fixture

@@ -20,21 +20,15 @@ from moe_service.engine.tokenizer import ChatTemplate
 from moe_service.notify import Liveness, Watchdog
 from moe_service.request_limits import MAX_STOP_CHARS
 from pipeline.serve import LoopHeartbeat, _uvicorn_server
-from tests.moe_service.test_server import Stack
 from tests.support.serving_fakes import FakeTokenizer
+from tests.support.serving_stack import Stack, ThreadedServer
 
 CHAT_OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def client(stack):
+    """conftest's client, but a server error comes back as its 500 response instead of raising."""
     with TestClient(stack.app, raise_server_exceptions=False) as c:
         yield c
 
@@ -239,7 +233,7 @@ def test_uvicorn_limits_come_from_the_config():
 
 def test_a_client_that_sends_no_headers_is_disconnected():
     s = Stack()
-    srv = _HeaderTimeoutServer(s.app, 0.3)
+    srv = ThreadedServer(s.app, 1.0, header_timeout_s=0.3)
     try:
         with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finishes the headers
@@ -252,27 +246,6 @@ def test_a_client_that_sends_no_headers_is_disconnected():
     finally:
         srv.stop()
         s.close()
-
-
-class _HeaderTimeoutServer:
-    def __init__(self, app, header_timeout_s):
-        import asyncio
-
-        from pipeline.serve import bind_socket, local_address
-
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.host, self.port = local_address(self.sock)
-        self.server = _uvicorn_server(app, 1.0, header_timeout_s=header_timeout_s)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 # -- liveness ------------------------------------------------------------------------------------

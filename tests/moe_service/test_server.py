@@ -1,4 +1,5 @@
-"""The HTTP API over the real engine loop and a fake model (tests/support/serving_fakes.py):
+"""The HTTP API over the real engine loop and a fake model (tests/support/serving_fakes.py;
+the stack and its fixtures: tests/support/serving_stack.py, tests/moe_service/conftest.py):
 answers, SSE streams, error objects, 429, health, metrics, disconnects, the openai client."""
 
 from __future__ import annotations
@@ -13,63 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_service.engine.batch import BatchLoop
 from moe_service.metrics import Metrics
-from moe_service.server import Service, create_app
-from pipeline.serve import _uvicorn_server, bind_socket, fetch_health, local_address
-from tests.support.serving_fakes import FakeTokenizer, expected_chain, make_engine
-
-TOK = FakeTokenizer()
-MODEL = "fake-moe"
-
-
-def greedy_text(prompt_ids, n):
-    return TOK.decode(expected_chain(prompt_ids, n))
-
-
-class Stack:
-    """Engine + loop + service + app, stopped at teardown."""
-
-    def __init__(self, *, n_seq=4, parallel=4, queue_size=16, n_ctx=256, ready=True, **model_kw):
-        self.engine = make_engine(n_seq=n_seq, n_ctx=n_ctx, **model_kw)
-        self.metrics = Metrics()
-        self.batch = BatchLoop(self.engine, parallel=parallel, queue_size=queue_size, retry_after_s=2,
-                               metrics=self.metrics).start()
-        self.stage = "warmup"
-        self.service = Service(engine=self.engine, batch=self.batch, metrics=self.metrics, model_name=MODEL,
-                               stage=lambda: self.stage, status_poll_s=0.05)
-        self.service.ready = ready
-        self.app = create_app(self.service)
-
-    def close(self):
-        self.batch.stop(timeout_s=5)
-
-
-@pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def client(stack):
-    with TestClient(stack.app) as c:
-        yield c
-
-
-def chat_ids(text):
-    return TOK.encode(f"<s>user: {text}\nassistant: ", parse_special=True)
-
-
-def sse_events(lines):
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
+from pipeline.serve import fetch_health
+from tests.support.serving_stack import MODEL, TOK, Stack, chat_ids, greedy_text, sse_events
 
 # -- answers --------------------------------------------------------------------------------------
 
@@ -345,35 +292,6 @@ def test_queue_full_is_429_with_retry_after():
 # -- over a real socket ------------------------------------------------------------------------------
 
 
-class ThreadedServer:
-    """uvicorn on a loopback port in a thread (no signal handlers), as the serve stage runs it."""
-
-    def __init__(self, app):
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.host, self.port = local_address(self.sock)
-        self.url = f"http://{self.host}:{self.port}"
-        self.server = _uvicorn_server(app, 2.0)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@pytest.fixture
-def live():
-    s = Stack(step_delay_s=0.01)
-    srv = ThreadedServer(s.app)
-    yield s, srv
-    srv.stop()
-    s.close()
-
-
 def test_fetch_health_over_the_socket(live):
     s, srv = live
     status, body = asyncio.run(fetch_health(srv.host, srv.port))
@@ -394,10 +312,22 @@ def test_disconnected_stream_is_cancelled_and_its_slot_freed(live):
     assert len(s.engine.model.steps) < 150  # cancelled, not run to max_tokens
 
 
-def test_disconnected_non_stream_request_is_cancelled(live):
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "slow", "max_tokens": 200}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "slow"}], "max_tokens": 200}),
+        (
+            "/v1/messages",
+            {"model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 200},
+        ),
+        ("/v1/responses", {"input": "slow", "max_output_tokens": 200}),
+    ],
+)
+def test_disconnected_non_stream_request_is_cancelled(live, path, body):
     s, srv = live
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{srv.url}/v1/completions", json={"prompt": "slow", "max_tokens": 200}, timeout=0.3)
+        httpx.post(f"{srv.url}{path}", json=body, timeout=0.3)
     deadline = time.monotonic() + 5
     while s.batch.active and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -9,15 +9,7 @@ from fastapi.testclient import TestClient
 from moe_service.api.auth import ApiKeys
 from moe_service.engine.engine import RequestError
 from moe_service.server import create_app
-from tests.moe_service.test_server import MODEL, Stack, chat_ids, greedy_text
-
-
-@pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
+from tests.support.serving_stack import MODEL, chat_ids, greedy_text
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
 

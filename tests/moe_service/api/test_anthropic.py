@@ -15,20 +15,7 @@ from moe_service.api import anthropic as an
 from moe_service.api.auth import ApiKeys
 from moe_service.engine.engine import RequestError
 from moe_service.server import create_app
-from tests.moe_service.test_server import MODEL, TOK, Stack, greedy_text
-
-
-@pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def client(stack):
-    with TestClient(stack.app) as c:
-        yield c
+from tests.support.serving_stack import MODEL, TOK, Stack, greedy_text
 
 
 def prompt_ids(text):

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from moe_service.api.auth import ApiKeyFileError, ApiKeys, host_allowed, is_loopback, warn_if_open
 from moe_service.server import create_app
-from tests.moe_service.test_server import MODEL, TOK, Stack, ThreadedServer, chat_ids, greedy_text, sse_events
 from tests.support.serving_fakes import N_VOCAB, expected_chain
+from tests.support.serving_stack import MODEL, TOK, ThreadedServer, chat_ids, greedy_text, sse_events
 
 
 def fake_logprobs(seq_ids: list[int], n: int, top: int):
@@ -37,19 +37,6 @@ def fake_logprobs(seq_ids: list[int], n: int, top: int):
 
 def piece(t):
     return TOK.token_to_piece(t, special=True).decode()
-
-
-@pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def client(stack):
-    with TestClient(stack.app) as c:
-        yield c
 
 
 @pytest.mark.parametrize("stream", [False, True])

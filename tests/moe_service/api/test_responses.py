@@ -18,23 +18,10 @@ from fastapi.testclient import TestClient
 from moe_service.api import tools as tl
 from moe_service.api.response_store import ResponseStore
 from moe_service.api.responses import ENCRYPTED_PREFIX, OutputBuilder, encode_reasoning
-from tests.moe_service.test_server import MODEL, TOK, Stack, greedy_text
+from tests.support.serving_stack import MODEL, TOK, Stack, greedy_text
 from tests.support.smollm2 import needs_smollm2
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
-
-
-@pytest.fixture
-def stack():
-    s = Stack()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def client(stack):
-    with TestClient(stack.app) as c:
-        yield c
 
 
 def expected(prompt_text: str, n: int) -> str:

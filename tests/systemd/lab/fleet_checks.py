@@ -45,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # lab_common sits next to this script (its folder is sys.path[0]): the report, the command
@@ -138,6 +139,24 @@ def ansible_2() -> dict:
     return playbook("ansible-2.log")
 
 
+def sse_chunks(resp, rec: dict) -> Iterator[dict]:
+    """The JSON chunks of an OpenAI SSE stream (``data:`` lines); ends at ``[DONE]``, setting
+    rec["done"], or at an error chunk, setting rec["error"] to its error."""
+    for raw in resp:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            rec["done"] = True
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            rec["error"] = chunk["error"]
+            return
+        yield chunk
+
+
 def stream_once(prompt: str, max_tokens: int) -> dict:
     """One streamed completion through HAProxy: status, chunks, [DONE] seen, finish reason."""
     t0 = time.monotonic()
@@ -151,18 +170,7 @@ def stream_once(prompt: str, max_tokens: int) -> dict:
         if resp.status != 200:
             rec["body"] = resp.read()[:500].decode(errors="replace")
         else:
-            for raw in resp:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    rec["done"] = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec["error"] = chunk["error"]
-                    break
+            for chunk in sse_chunks(resp, rec):
                 rec["chunks"] = int(rec["chunks"]) + 1
                 reason = chunk["choices"][0].get("finish_reason")
                 if reason:
@@ -215,18 +223,7 @@ def chat_turn(messages: list[dict], headers: dict | None = None, port: int = FRO
             rec["body"] = resp.read()[:500].decode(errors="replace")
         else:
             n = 0
-            for raw in resp:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    rec["done"] = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec["error"] = chunk["error"]
-                    break
+            for chunk in sse_chunks(resp, rec):
                 n += 1
                 if n == 2:
                     rec["ttft_s"] = round(time.monotonic() - t0, 3)
@@ -468,23 +465,23 @@ class Clients:
         self.stop = threading.Event()
         self.records: list[dict] = []
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(n)]
+        self.threads = [threading.Thread(target=self.run, args=(i, self.completion), daemon=True) for i in range(n)]
         if agent:  # and one client of agent-sized bodies (HAProxy buffers and can retry them)
-            self.threads.append(threading.Thread(target=self.run_agent, args=(n,), daemon=True))
+            self.threads.append(threading.Thread(target=self.run, args=(n, self.agent), daemon=True))
 
-    def run_agent(self, i: int) -> None:
+    @staticmethod
+    def completion(i: int, k: int) -> dict:
+        return stream_once(f"Client {i}, request {k}: once upon a time", 16 + 8 * (k % 3))
+
+    @staticmethod
+    def agent(i: int, k: int) -> dict:
+        return agent_once(k)
+
+    def run(self, i: int, request: Callable[[int, int], dict]) -> None:
+        """Client ``i`` sends ``request(i, k)`` for k = 0, 1, ... until stopped, keeping each record."""
         k = 0
         while not self.stop.is_set():
-            rec = agent_once(k)
-            rec["client"] = i
-            with self.lock:
-                self.records.append(rec)
-            k += 1
-
-    def run(self, i: int) -> None:
-        k = 0
-        while not self.stop.is_set():
-            rec = stream_once(f"Client {i}, request {k}: once upon a time", 16 + 8 * (k % 3))
+            rec = request(i, k)
             rec["client"] = i
             with self.lock:
                 self.records.append(rec)
@@ -537,6 +534,19 @@ class StatsSampler:
         self.thread.join(timeout=30)
 
 
+def failed(recs: list[dict]) -> list[dict]:
+    """The clients' requests that did not end well: not 200, no [DONE], an exception or an
+    error chunk, or no finish_reason."""
+    return [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")
+            or not r["finish_reason"]]
+
+
+def agent_requests(recs: list[dict]) -> list[dict]:
+    """The agent client's requests, in short."""
+    return [{k: r.get(k) for k in ("t0", "t1", "status", "done", "body_bytes", "server")}
+            for r in recs if r.get("kind") == "agent"]
+
+
 @step("rolling")
 def rolling() -> dict:
     before = {name: unit_props(unit) for name, unit in UNITS.items()}
@@ -557,11 +567,9 @@ def rolling() -> dict:
         "requests": len(recs),
         "requests_during_playbook": sum(1 for r in recs if r["t1"] >= t_play0 and r["t0"] <= t_play1),
         "statuses": sorted({str(r["status"]) for r in recs}),
-        "bad": [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")
-                or not r["finish_reason"]][:20],
+        "bad": failed(recs)[:20],
         "records": recs[-400:],
-        "agent_requests": [{k: r.get(k) for k in ("t0", "t1", "status", "done", "body_bytes", "server")}
-                           for r in recs if r.get("kind") == "agent"],
+        "agent_requests": agent_requests(recs),
         "stats_changes": sampler.changes,
         "stats_errors": sampler.errors[:20],
         "units_before": before,
@@ -592,11 +600,9 @@ def unmanaged() -> dict:
         "requests": len(recs),
         "requests_during_restart": sum(1 for r in recs if r["t1"] >= t0 and r["t0"] <= t1),
         "statuses": sorted({str(r["status"]) for r in recs}),
-        "bad": [r for r in recs if r["status"] != 200 or not r["done"] or r.get("exception") or r.get("error")
-                or not r["finish_reason"]][:20],
+        "bad": failed(recs)[:20],
         "stats_changes": sampler.changes,
-        "agent_requests": [{k: r.get(k) for k in ("t0", "t1", "status", "done", "body_bytes", "server")}
-                           for r in recs if r.get("kind") == "agent"],
+        "agent_requests": agent_requests(recs),
         "units_before": before,
         "units_after": unit_props(unit),
     }
