@@ -170,6 +170,78 @@ def _attend_range(q, keys8, keys, cols, ncols, sinks, scale, out, r0, r1):
 
 
 _HEAD_BLOCK = 8  # heads of a token computed together: their q rows and value sums (8 x 2 KB) stay in L1
+_KEY_BLOCK = 64  # one token's scores: keys of a block (64 x 2 KB) stay in L2 while every head dots them
+_ONE_HEADS = 16  # one token on the pool: heads per item (2 items per worker at 64 heads, 2 workers)
+
+
+@njit(**_JIT)
+def _attend_one_range(q, keys8, keys, kc, sinks, scale, out, h0, h1):
+    """Heads h0..h1 of one token against every key row of ``keys`` float32 [n, D] in order
+    (a decode step: rows 0..n-1 are the token's keys), the same arithmetic as
+    :func:`_attend_range` for T = 1 and cols = 0..n-1, bit for bit: a score is the same
+    float32 dot (dot4_f32_ggml equals dot_f32_ggml) x scale in float64, the max over the
+    keys in order, the same float64 softmax, the float32 value sums over the keys in order
+    (wsum4x16_f32, or the plain loop for the heads past a multiple of 4 and dims not a
+    multiple of 16). Only the loop order differs: scores by blocks of _KEY_BLOCK keys (a
+    block read from memory once for every head of the range, not once per 8 heads), value
+    sums by 16 dims for every head (the keys' 16-dim column, contiguous in kc, read from L2
+    for each 4 heads). q, out float32 [NH * D]; keys8: keys' bytes; kc float32 [D * n]: the
+    keys chunk-major (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l]; read when D % 16 == 0),
+    made once by the caller (:func:`_gather_one`) for every range."""
+    n, D = keys.shape
+    nh = h1 - h0
+    n1 = max(1, n)
+    s = np.empty((nh, n1), np.float64)
+    m = np.empty(nh, np.float64)
+    pw = np.empty((nh, n1), np.float32)  # the softmax weights as float32, as each value sum uses them
+    pw_flat = pw.reshape(-1)
+    iota = np.arange(n1)
+    for k in range(nh):
+        m[k] = np.float64(sinks[h0 + k])
+    nh4 = nh // 4 * 4
+    for b0 in range(0, n, _KEY_BLOCK):
+        b1 = min(n, b0 + _KEY_BLOCK)
+        for k in range(0, nh4, 4):  # four heads against each key of the block: the same dots
+            for i in range(b0, b1):
+                d0, d1, d2, d3 = dot4_f32_ggml(keys8, i * D * 4, 0, q, (h0 + k) * D, D, D)
+                for u, dv in enumerate((d0, d1, d2, d3)):
+                    v = np.float64(dv) * scale
+                    s[k + u, i] = v
+                    if v > m[k + u]:
+                        m[k + u] = v
+        for k in range(nh4, nh):
+            for i in range(b0, b1):
+                v = np.float64(dot_f32_ggml(keys8, i * D * 4, q, (h0 + k) * D, D)) * scale
+                s[k, i] = v
+                if v > m[k]:
+                    m[k] = v
+    for k in range(nh):
+        tot = 0.0
+        for i in range(n):
+            e = np.exp(s[k, i] - m[k])
+            s[k, i] = e
+            tot += e
+        den = tot + np.exp(np.float64(sinks[h0 + k]) - m[k])
+        for i in range(n):
+            pw[k, i] = np.float32(s[k, i] / den)
+    k_plain = 0
+    if D % 16 == 0:  # four heads x 16 dims of value sums in registers over the keys
+        k_plain = nh4
+        for c in range(D // 16):
+            for k in range(0, nh4, 4):
+                wsum4x16_f32(
+                    kc, iota, 0, n, 16, c * n * 16, pw_flat, k * n1, n1, out, (h0 + k) * D + c * 16, D
+                )
+    if k_plain < nh:
+        acc = np.zeros((nh - k_plain, D), np.float32)
+        for i in range(n):
+            for kk in range(k_plain, nh):
+                p = pw[kk, i]
+                for d in range(D):
+                    acc[kk - k_plain, d] += p * keys[i, d]
+        for kk in range(k_plain, nh):
+            for d in range(D):
+                out[(h0 + kk) * D + d] = acc[kk - k_plain, d]
 
 
 (A_Q, A_KEYS, A_NKEYS, A_D, A_COLS, A_NCOL_W, A_NCOLS, A_SINKS, A_NH, A_SCALE, A_OUT, A_T, A_LEN) = range(13)
@@ -194,6 +266,60 @@ def _attend_item(items_ptr, i, op_ptr):
 
 def _attend_address() -> int:
     return _pool.call_item_address(_attend_item)
+
+
+def _attend_one_item(items_ptr, i, op_ptr):
+    """Heads [it[2], it[3]) of a pooled one-token attention (a K_CALL item, pool.CALL_ITEM_SIG;
+    the op array of _attend_keys, T = 1, the keys rows 0..n-1 in order)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, A_LEN)
+    b = i * _pool.ITEM_W
+    NH, D, N = op[A_NH], op[A_D], op[A_NKEYS]
+    q = view_f32(op[A_Q], NH * D)
+    keys_flat = view_f32(op[A_KEYS], N * D)
+    keys8 = view_u8(op[A_KEYS], N * D * 4)
+    kc = view_f32(op[A_COLS], N * D)  # (A_COLS: the chunk-major keys; a one-token step has no cols)
+    sinks = view_f32(op[A_SINKS], NH)
+    out = view_f32(op[A_OUT], NH * D)
+    sc = np.float64(view_f32(op[A_SCALE], 1)[0])
+    _attend_one_range(q, keys8, keys_flat.reshape((N, D)), kc, sinks, sc, out, it[b + 2], it[b + 3])
+
+
+def _attend_one_keys(
+    q: np.ndarray, keys: np.ndarray, kc: np.ndarray, sinks: np.ndarray, scale: float, pool: Any
+) -> np.ndarray:
+    """One token's attention over every row of keys float32 [n, D] (C-contiguous), in order:
+    :func:`_attend_keys` with T = 1 and cols = 0..n-1, bit for bit (:func:`_attend_one_range`;
+    kc float32 [D * n] the same keys chunk-major). q float32 [1, NH, D]. On the pool, in items
+    of _ONE_HEADS heads, when big enough."""
+    _, NH, D = q.shape
+    n = keys.shape[0]
+    qf = np.ascontiguousarray(q, dtype=np.float32).reshape(-1)
+    out = np.empty(NH * D, np.float32)
+    s32 = np.ascontiguousarray(sinks, dtype=np.float32)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and NH > 1 and n * NH * D >= _POOL_MIN_MACS:
+        scale_words = np.array([scale], np.float32)
+        op = np.zeros(A_LEN, np.int64)
+        op[A_Q], op[A_KEYS], op[A_NKEYS], op[A_D], op[A_NH] = qf.ctypes.data, keys.ctypes.data, n, D, NH
+        op[A_COLS] = kc.ctypes.data
+        op[A_SINKS], op[A_SCALE], op[A_OUT], op[A_T] = (
+            s32.ctypes.data,
+            scale_words.ctypes.data,
+            out.ctypes.data,
+            1,
+        )
+        # items of whole 4-head groups, at least one per worker
+        step = max(4, min(_ONE_HEADS, -(-NH // n_workers) // 4 * 4))
+        fn = _pool.call_item_address(_attend_one_item)
+        items = [(_pool.K_CALL, fn, h, min(NH, h + step)) for h in range(0, NH, step)]
+        job = _pool.Job.build([_pool._spread(items, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        _attend_one_range(
+            qf, keys.reshape(-1).view(np.uint8), keys, kc, s32, np.float64(np.float32(scale)), out, 0, NH
+        )
+    return out.reshape(1, NH, D)
 
 
 def attend_rows(
@@ -311,10 +437,11 @@ def round_f16(x: np.ndarray) -> np.ndarray:
 
 
 @njit(**_JIT)
-def _gather_one(ring16, lo, n0, new16, comp16, sel, keys):
+def _gather_one(ring16, lo, n0, new16, comp16, sel, keys, kc):
     """One token's keys as float32 rows in attend_rows' column order: the window's ring rows
     of positions lo .. n0 - 1 (position p at ring row p % W), the token's own row, then the
-    compressed rows ``sel`` (ascending)."""
+    compressed rows ``sel`` (ascending); when D % 16 == 0 also chunk-major into kc float32
+    [D * n] (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l], the value sums' layout)."""
     W, D = ring16.shape
     n = 0
     for p in range(lo, n0):
@@ -330,6 +457,11 @@ def _gather_one(ring16, lo, n0, new16, comp16, sel, keys):
         for d in range(D):
             keys[n, d] = _f16_bits_to_f32(comp16[c, d])
         n += 1
+    if D % 16 == 0:
+        for i in range(n):
+            for c in range(D // 16):
+                for e in range(16):
+                    kc[(c * n + i) * 16 + e] = keys[i, c * 16 + e]
 
 
 def attend_one(
@@ -376,6 +508,7 @@ def attend_one(
         raise ValueError(f"attend_one: selected rows {idx.min()}..{idx.max()} outside {comp.shape[0]}")
     n = n0 - lo + 1 + idx.shape[0]
     keys = np.empty((n, D), np.float32)
+    kc = np.empty(n * D if D % 16 == 0 else 1, np.float32)
     _gather_one(
         ring.view(np.uint16),
         lo,
@@ -384,9 +517,9 @@ def attend_one(
         np.ascontiguousarray(comp, dtype=np.float16).view(np.uint16),
         idx,
         keys,
+        kc,
     )
-    cols = np.arange(n, dtype=np.int64).reshape(1, n)
-    return _attend_keys(q, keys, cols, np.array([n], np.int64), sinks, scale, pool)
+    return _attend_one_keys(q, keys, kc, sinks, scale, pool)
 
 
 # ---------------------------------------------------------------------------------------
@@ -516,7 +649,9 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
     pre = np.empty(C, np.float32)
     for t in range(T):
         tb = t % _MIX_TOKENS
-        if T == 1 and M == 24 and f32_table:  # one token, V4's 4 streams: the 24 sums in registers (the same bits)
+        if (
+            T == 1 and M == 24 and f32_table
+        ):  # one token, V4's 4 streams: the 24 sums in registers (the same bits)
             mix_rows_f64(xn_flat, t * K, fnT_flat, K, 24, acc)
         elif tb == 0:  # the mixes of the next _MIX_TOKENS tokens in one pass over fnT
             nt = min(_MIX_TOKENS, T - t)
@@ -579,12 +714,36 @@ def _hc_pre_item(items_ptr, i, op_ptr):
     eps = view_f32(op[P_EPS], 4).view(np.float64)
     if op[P_F64]:  # two call sites: numba types each table's dtype apart
         fnT64 = view_f32(op[P_FNT], 2 * C * H * M).view(np.float64).reshape((C * H, M))
-        _hc_pre_rows(x[t0:t1], fnT64, scale, base, eps[0], eps[1], op[P_ITERS], xn[t0:t1], h[t0:t1],
-                     post[t0:t1], comb[t0:t1], False)
+        _hc_pre_rows(
+            x[t0:t1],
+            fnT64,
+            scale,
+            base,
+            eps[0],
+            eps[1],
+            op[P_ITERS],
+            xn[t0:t1],
+            h[t0:t1],
+            post[t0:t1],
+            comb[t0:t1],
+            False,
+        )
     else:
         fnT32 = view_f32(op[P_FNT], C * H * M).reshape((C * H, M))
-        _hc_pre_rows(x[t0:t1], fnT32, scale, base, eps[0], eps[1], op[P_ITERS], xn[t0:t1], h[t0:t1],
-                     post[t0:t1], comb[t0:t1], True)
+        _hc_pre_rows(
+            x[t0:t1],
+            fnT32,
+            scale,
+            base,
+            eps[0],
+            eps[1],
+            op[P_ITERS],
+            xn[t0:t1],
+            h[t0:t1],
+            post[t0:t1],
+            comb[t0:t1],
+            True,
+        )
 
 
 _POOL_MIN_TOKENS = 8  # hc_pre / hc_post steps of fewer tokens run on the calling thread

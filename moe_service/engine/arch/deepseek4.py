@@ -614,11 +614,11 @@ class Deepseek4(Architecture):
         else:
             proj.update(zip(qr_names, be.linear(lw, qr_names, qr), strict=True))
         pool = getattr(getattr(be.m, "ops", None), "pool", None)
-        if T > 1:  # multi-token steps: per-head rms, rope and float16 rounding in place, pooled (the same bits)
-            q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # a fresh array
-            q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool)
-        else:
-            q = ops.rope_last(ops.rms(_np(proj["attn_q_b"]).reshape(T, NH, D), hp.rms_eps), pos, cos, sin)
+        # per-head rms, rope and float16 rounding in place in one compiled pass (the bits of
+        # ds4_ops.rms, ds4_ops.rope_last, then astype(float16)), pooled over the tokens of a
+        # multi-token step; the attention takes q rounded to float16 values
+        q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # the step's own array
+        q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool if T > 1 else None)
         kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
@@ -675,14 +675,10 @@ class Deepseek4(Architecture):
                 comp_rows, comp_mask = comp, visible
             else:
                 comp_rows = comp_mask = None
-            qh = q[a:e] if T > 1 else q[a:e].astype(np.float16).astype(np.float32)  # (T > 1: rounded above)
-            # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows
-            out[a:e] = dc.attend_rows(qh, win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
+            # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows (q rounded above)
+            out[a:e] = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
                                       pool)
-        if T > 1:
-            o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool)
-        else:
-            o = ops.rope_last(out, pos, cos, sin, inverse=True)
+        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool if T > 1 else None)  # the inverse rope
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
         if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
@@ -699,8 +695,8 @@ class Deepseek4(Architecture):
         state updates): the raw ring written in place and read from there
         (ds4_compiled.attend_one), every visible compressed row attended on ratio-128 layers,
         and on ratio-4 layers the indexer's scores computed (ds4_indexer.index_one) only when
-        there are more visible rows than its top_k (else top-k keeps them all). q [NH, D], kv [D] float32.
-        Returns float32 [NH, D]."""
+        there are more visible rows than its top_k (else top-k keeps them all). q [NH, D] float32
+        (rounded to float16 values), kv [D] float32. Returns float32 [NH, D]."""
         from moe_service.engine import ds4_compiled as dc
         from moe_service.engine import ds4_indexer
 
@@ -726,8 +722,7 @@ class Deepseek4(Architecture):
                 kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:a + 1])
                 if nb > hp.indexer_top_k:  # compiled, float64 (ds4_indexer.index_one: _top_k's choice)
                     sel = ds4_indexer.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
-        qh = dc.round_f16(q[None])  # as q[a:e].astype(float16).astype(float32), compiled
-        o = dc.attend_one(qh, ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
+        o = dc.attend_one(q[None], ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
         return o[0]
 
     def _compress(self, state, ring_kv, ring_sc, comp_key, s, n0, kv_new, sc_new, ratio, norm_w, cos, sin):
@@ -781,10 +776,47 @@ class Deepseek4(Architecture):
         else:
             k = be.m.routing.k if be.m.routing is not None else hp.n_expert_used
             ids, w = ops.route(probs, k, _np(lw.router_bias), None, hp.weights_norm, hp.weights_scale)
-        y = be.moe(lw, h, np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32))
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        w = np.ascontiguousarray(w, dtype=np.float32)
         lim = hp.clamp_shexp[il]
         act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
+        shared = self._shared_expert(be, lw, act) if h.shape[0] == 1 else None
+        if shared is not None:  # a decode step: the shared expert in the routed experts' dispatch
+            return moe_with_shared(be, lw, h, ids, w, shared)
+        y = be.moe(lw, h, ids, w)
         return y + be.glu_ffn(lw, h, ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"), act=act)
+
+    def _shared_expert(self, be, lw, act):
+        """The layer's shared expert as the fused MoE step runs it (moe.SharedExpert), or None
+        where it runs apart (glu_ffn): not the CPU path, the fused step off, the clamp off
+        (glu_ffn's SiLU is another kernel), a bias, or partner formats the step cannot share.
+        Cached on the layer."""
+        d = lw.ds4
+        if "shared" in d:
+            return d["shared"]
+        sh = None
+        ops = getattr(be.m, "ops", None)
+        step = getattr(ops, "moe_step", None)
+        names = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+        if (type(be).__name__ == "CpuPath" and step is not None and getattr(ops, "fused_moe", False)
+                and lw.experts is not None and act.kind == ACT_SWIGLU_CLAMP and all(n in lw.mats for n in names)
+                and not any(n + ".bias" in lw.vecs for n in names)):
+            from moe_service.engine.moe import SharedExpert
+
+            gate, up, down = (lw.mats[n] for n in names)
+            cand = SharedExpert.of_mats(gate, up, down, act=act.kind, alpha=act.alpha, limit=act.limit)
+            sh = cand if step.can_share(lw.experts, cand) else None
+        d["shared"] = sh
+        return sh
+
+
+def moe_with_shared(be, lw, h, ids: np.ndarray, w: np.ndarray, shared) -> np.ndarray:
+    """The routed experts plus the shared expert in one dispatch of the fused MoE step (CPU
+    path): the bits of ``be.moe(lw, h, ids, w) + be.glu_ffn(lw, h, shexp names, act)`` at T = 1,
+    one pool dispatch and three phase barriers fewer. h float32 [T, H] -> float32 [T, H]."""
+    m = be.m
+    return m.ops.moe_step.forward(m.weights.arena, np.ascontiguousarray(h, dtype=np.float32), ids, w, lw.experts,
+                                  fused=True, shared=shared)
 
 
 _H_PROJ: dict[int, tuple[str, ...]] = {
