@@ -26,9 +26,8 @@ prompt token. Parts:
                      multi-token step q's rope and float16 rounding too: one fused pass)
     rope             q / kv rope, inverse rope of the output
     router           router logits, sqrt-softplus, top-k routing
-    moe              the routed experts (fused MoE step; with the shared expert where a
-                     decode step runs it in the same dispatch)
-    shared expert    the shared expert's gate/up/down (when a dispatch of its own)
+    moe              the routed experts (fused MoE step)
+    shared expert    the shared expert's gate/up/down
     glue             the rest of the layer (numpy in the attention: rings, masks, concatenates)
 
 Command (the numbers depend on the machine's load: compare runs made back to back)::
@@ -200,9 +199,6 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
             patch(ds4_indexer, name, outer("indexer top-k"))
     patch(deepseek4, "_top_k", outer("indexer top-k"))
     patch(deepseek4.Deepseek4, "_compress", outer("compressor"))
-    # a decode step's shared expert in the routed experts' dispatch (where this tree has it):
-    # both in "moe", "shared expert" then 0
-    patch(deepseek4, "moe_with_shared", outer("moe"))
     orig_block = deepseek4.Deepseek4._block
     saved.append((deepseek4.Deepseek4, "_block", orig_block))
     deepseek4.Deepseek4._block = timer.wrap_layer(orig_block)

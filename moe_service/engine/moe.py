@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import carray, njit
+from numba import njit
 
 from moe_service.engine import quant as _q
 from moe_service.engine.quant import (
@@ -57,7 +57,7 @@ from moe_service.engine.quant import (
     view_u8,
 )
 
-__all__ = ["MoE", "ExpertWeights", "SharedExpert", "assign_items", "ACT_SILU", "ACT_SWIGLU_OAI", "ACT_SWIGLU_CLAMP",
+__all__ = ["MoE", "ExpertWeights", "assign_items", "ACT_SILU", "ACT_SWIGLU_OAI", "ACT_SWIGLU_CLAMP",
            "K_MOE_FIRST", "K_MOE_LAST", "run_moe_item", "group_pairs"]
 
 ACT_SILU = 0
@@ -109,29 +109,7 @@ M_U_ROWB = 46
 M_D_ROWB = 47
 M_P = 48
 M_KERNELS = 49  # address of quant's kernel table
-# The shared expert run in the same dispatch (MoE.forward(shared=...)): its items are K_CALL
-# items (pool.CALL_ITEM_SIG, the functions below), so the pool's cached code is unchanged.
-M_SH_I = 56  # the shared expert's width Is
-M_SH_G_OFF = 57  # arena byte offsets of its gate / up / down matrices
-M_SH_U_OFF = 58
-M_SH_D_OFF = 59
-M_SH_G_TYPE = 60
-M_SH_U_TYPE = 61
-M_SH_D_TYPE = 62
-M_SH_G_ROWB = 63
-M_SH_U_ROWB = 64
-M_SH_D_ROWB = 65
-M_SH_ACT = 66
-M_SH_ALPHA = 67  # float32 bits
-M_SH_LIMIT = 68  # float32 bits
-M_SH_D_PARTNER = 69
-M_SH_GU = 70  # float32 [T, 2 Is]: gate outputs (then act) in [:, :Is], up outputs in [:, Is:]
-M_SH_Y = 71  # float32 [T, H]
-M_SH_TOK = 72  # int64 [T]: arange(T)
-M_SH_HQ = 73  # 5 addresses: down-partner arrays [T, Is]
-OP_LEN = 80
-
-_K_CALL = 4  # pool.K_CALL (pool imports this module: the value, not the name)
+OP_LEN = 56
 
 # A typed zero: a literal 0 argument would make numba compile a second specialization of
 # matmul_rows (Literal[int] instead of int64) and double the cold compile time.
@@ -288,136 +266,6 @@ def run_moe_item(items, i, op):
         _item_qh(op, ld(items, b + 1), ld(items, b + 2))
     elif kind == K_MOE_COMBINE:
         _item_combine(op, ld(items, b + 1), ld(items, b + 2), ld(items, b + 3), ld(items, b + 4))
-
-
-# ---------------------------------------------------------------------------------------
-# The shared expert's items (K_CALL: fn(items, i, op), pool.CALL_ITEM_SIG). Each is the
-# computation CpuPath.glu_ffn makes through pool.matmul at the same T (x quantized to the
-# partner by the QX items, matmul_rows per row, act_value, the act output quantized per
-# row, matmul_rows), so the same bits; the combine adds the shared output to the routed sum
-# last, as ``routed + shared`` in float32 did.
-# ---------------------------------------------------------------------------------------
-
-
-def _sh_gateup_item(items_ptr, i, op_ptr):
-    """(K_CALL, fn, r_lo, r_hi): the shared expert's gate and up rows r_lo..r_hi for every
-    token, then the activation on them in place (phase 1)."""
-    it = carray(items_ptr, (i + 1) * 8)
-    op = carray(op_ptr, OP_LEN)
-    r_lo, r_hi = it[i * 8 + 2], it[i * 8 + 3]
-    n_tok, h, is_w = op[M_T], op[M_H], op[M_SH_I]
-    arena = view_u8(op[M_ARENA], 1)
-    gu = view_f32(op[M_SH_GU], n_tok * 2 * is_w)
-    tok = view_i64(op[M_SH_TOK], n_tok)
-    gf, gq, gd, gs, gb = _partner_views(op, M_XG, n_tok, h)
-    kernels = view_i64(op[M_KERNELS], 64)
-    _q.matmul_rows(arena, op[M_SH_G_OFF], op[M_SH_G_TYPE], h, op[M_SH_G_ROWB], r_lo, r_hi, gf, gq, gd, gs, gb,
-                   tok, tok, gu, 2 * is_w, _ZERO, kernels)
-    _q.matmul_rows(arena, op[M_SH_U_OFF], op[M_SH_U_TYPE], h, op[M_SH_U_ROWB], r_lo, r_hi, gf, gq, gd, gs, gb,
-                   tok, tok, gu, 2 * is_w, is_w, kernels)
-    kind = op[M_SH_ACT]
-    alpha = bits_f32(op[M_SH_ALPHA])
-    limit = bits_f32(op[M_SH_LIMIT])
-    for t in range(n_tok):
-        row = t * 2 * is_w
-        for r in range(r_lo, r_hi):
-            gu[row + r] = act_value(kind, gu[row + r], gu[row + is_w + r], alpha, limit)
-
-
-def _sh_qh_item(items_ptr, i, op_ptr):
-    """(K_CALL, fn, t_lo, t_hi): the shared activation rows of tokens t_lo..t_hi in the down
-    partner format (phase 2)."""
-    it = carray(items_ptr, (i + 1) * 8)
-    op = carray(op_ptr, OP_LEN)
-    t_lo, t_hi = it[i * 8 + 2], it[i * 8 + 3]
-    n_tok, is_w = op[M_T], op[M_SH_I]
-    gu = view_f32(op[M_SH_GU], n_tok * 2 * is_w)
-    xf, xq, xd, xs, xbs = _partner_views(op, M_SH_HQ, n_tok, is_w)
-    partner = op[M_SH_D_PARTNER]
-    for t in range(t_lo, t_hi):
-        _q.quantize_partner_row(partner, gu, t * 2 * is_w, is_w, xf, xq, xd, xs, xbs, t)
-
-
-def _sh_down_item(items_ptr, i, op_ptr):
-    """(K_CALL, fn, r_lo, r_hi): the shared expert's down rows r_lo..r_hi (phase 3)."""
-    it = carray(items_ptr, (i + 1) * 8)
-    op = carray(op_ptr, OP_LEN)
-    r_lo, r_hi = it[i * 8 + 2], it[i * 8 + 3]
-    n_tok, h, is_w = op[M_T], op[M_H], op[M_SH_I]
-    arena = view_u8(op[M_ARENA], 1)
-    y = view_f32(op[M_SH_Y], n_tok * h)
-    tok = view_i64(op[M_SH_TOK], n_tok)
-    xf, xq, xd, xs, xbs = _partner_views(op, M_SH_HQ, n_tok, is_w)
-    _q.matmul_rows(arena, op[M_SH_D_OFF], op[M_SH_D_TYPE], is_w, op[M_SH_D_ROWB], r_lo, r_hi, xf, xq, xd, xs, xbs,
-                   tok, tok, y, h, _ZERO, view_i64(op[M_KERNELS], 64))
-
-
-def _sh_combine_item(items_ptr, i, op_ptr):
-    """(K_CALL, fn, t_lo, t_hi, c_lo, c_hi): K_MOE_COMBINE's sum (the same order), then the
-    shared expert's output added (phase 4)."""
-    it = carray(items_ptr, (i + 1) * 8)
-    op = carray(op_ptr, OP_LEN)
-    b = i * 8
-    t_lo, t_hi, c_lo, c_hi = it[b + 2], it[b + 3], it[b + 4], it[b + 5]
-    h, k_n, n_pairs, n_tok = op[M_H], op[M_K], op[M_P], op[M_T]
-    y = view_f32(op[M_Y], n_pairs * h)
-    ysh = view_f32(op[M_SH_Y], n_tok * h)
-    out = view_f32(op[M_OUT], n_tok * h)
-    w = view_f32(op[M_W], n_tok * k_n)
-    slot_pair = view_i64(op[M_SLOT_PAIR], n_tok * k_n)
-    for t in range(t_lo, t_hi):
-        p = slot_pair[t * k_n]
-        wk = w[t * k_n]
-        for c in range(c_lo, c_hi):
-            out[t * h + c] = y[p * h + c] * wk
-        for k in range(1, k_n):  # ((y0 w0 + y1 w1) + y2 w2) + ...: ggml's order
-            p = slot_pair[t * k_n + k]
-            wk = w[t * k_n + k]
-            for c in range(c_lo, c_hi):
-                out[t * h + c] = out[t * h + c] + y[p * h + c] * wk
-        for c in range(c_lo, c_hi):
-            out[t * h + c] = out[t * h + c] + ysh[t * h + c]
-
-
-@njit(nogil=True, cache=True)
-def merge_shared_items(items, bounds, extra, extra_key, comb_fn, k_call):
-    """A planned step's items int64 [n, 8] sorted by (phase, node) with bounds int64
-    [P, N, 2], plus ``extra`` items [m, 8] each going to (phase, node) = divmod(extra_key,
-    N) after that queue's own items; every K_MOE_COMBINE item becomes (k_call, comb_fn,
-    its fields). Returns (items, bounds) of the merged step."""
-    n_ph, n_nodes = bounds.shape[0], bounds.shape[1]
-    n_keys = n_ph * n_nodes
-    cnt = np.zeros(n_keys + 1, np.int64)
-    for k in range(n_keys):
-        cnt[k + 1] = bounds[k // n_nodes, k % n_nodes, 1] - bounds[k // n_nodes, k % n_nodes, 0]
-    for j in range(extra.shape[0]):
-        cnt[extra_key[j] + 1] += 1
-    for k in range(n_keys):
-        cnt[k + 1] += cnt[k]
-    out = np.zeros((cnt[n_keys], 8), np.int64)
-    nb = np.empty((n_ph, n_nodes, 2), np.int64)
-    pos = np.empty(n_keys, np.int64)
-    for k in range(n_keys):
-        nb[k // n_nodes, k % n_nodes, 0] = cnt[k]
-        nb[k // n_nodes, k % n_nodes, 1] = cnt[k + 1]
-        d = cnt[k]
-        for src in range(bounds[k // n_nodes, k % n_nodes, 0], bounds[k // n_nodes, k % n_nodes, 1]):
-            if items[src, 0] == K_MOE_COMBINE:
-                out[d, 0] = k_call
-                out[d, 1] = comb_fn
-                for c in range(1, 6):
-                    out[d, c + 1] = items[src, c]
-            else:
-                for c in range(8):
-                    out[d, c] = items[src, c]
-            d += 1
-        pos[k] = d
-    for j in range(extra.shape[0]):
-        k = extra_key[j]
-        for c in range(8):
-            out[pos[k], c] = extra[j, c]
-        pos[k] += 1
-    return out, nb
 
 
 # ---------------------------------------------------------------------------------------
@@ -723,37 +571,6 @@ class ExpertWeights:
     limit: float = 7.0
 
 
-@dataclass(frozen=True)
-class SharedExpert:
-    """A dense expert every token runs beside the routed ones (DeepSeek's shared expert),
-    computed in the routed experts' dispatch by ``MoE.forward(shared=...)``: out = routed +
-    down(act(gate x, up x)), the bits of CpuPath.glu_ffn's pool matmuls plus the float32 add.
-
-    gate / up: (arena byte offset, GGML type) of [Is, H] matrices; down: of [H, Is]; n_ff: Is;
-    act / alpha / limit: its activation (act_value's kinds). Build with :meth:`of_mats`."""
-
-    gate: tuple[int, int]
-    up: tuple[int, int]
-    down: tuple[int, int]
-    n_ff: int
-    n_embd: int
-    act: int
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    @staticmethod
-    def of_mats(gate, up, down, act: int, alpha: float = 1.702, limit: float = 7.0) -> SharedExpert:
-        """From three QMat-like weights (``offset``, ``ggml_type``, ``n_rows``, ``n_cols``);
-        ValueError when their shapes do not make one FFN."""
-        if gate.n_rows != up.n_rows or gate.n_cols != up.n_cols or down.n_cols != gate.n_rows \
-                or down.n_rows != gate.n_cols:
-            raise ValueError(f"shared expert: gate {gate.n_rows}x{gate.n_cols}, up {up.n_rows}x{up.n_cols}, "
-                             f"down {down.n_rows}x{down.n_cols} do not make one FFN")
-        return SharedExpert((int(gate.offset), int(gate.ggml_type)), (int(up.offset), int(up.ggml_type)),
-                            (int(down.offset), int(down.ggml_type)), int(gate.n_rows), int(gate.n_cols), int(act),
-                            float(alpha), float(limit))
-
-
 @dataclass
 class _Scratch:
     n_tok: int
@@ -803,22 +620,17 @@ class MoE:
         self.max_item_bytes = int(max_item_bytes)
         self._scratch: dict[tuple, _Scratch] = {}
         self._static: dict[int, tuple] = {}  # id(spec) -> (spec, op indices, values): _fill_static
-        self._sh_plans: dict[tuple, tuple] = {}  # (id(shared), T, H, workers, nodes) -> its fields, items, buffers
         self._lock = threading.Lock()  # the scratch buffers serve one step at a time
 
     # -- public ----------------------------------------------------------------------------
 
     def forward(self, arena: np.ndarray, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, experts,
-                *, fused: bool = True, shared: SharedExpert | None = None) -> np.ndarray:
+                *, fused: bool = True) -> np.ndarray:
         """out float32 [T, H] = sum_k w[t,k] * down_e(act(gate_e x_t, up_e x_t)), e = ids[t,k].
 
         arena: uint8 [*] (the weight store's arena); x float32 [T, H]; ids int32 [T, K];
         weights float32 [T, K]; experts: ExpertWeights (or the engine's ExpertSet).
         fused=False runs the single-threaded reference path (the kill switch).
-        ``shared``: a shared expert added to the sum (:class:`SharedExpert`), run in the same
-        dispatch (its rows as items of the gate/up, down and combine phases); only on the
-        fused path, and only when its partner formats are the routed experts' (check with
-        :meth:`can_share`): ValueError otherwise.
         Raises ValueError for inconsistent shapes or an expert id outside [0, E).
         """
         x2 = _as_2d(x, np.float32)
@@ -829,15 +641,12 @@ class MoE:
             raise ValueError(f"x has {x2.shape[1]} columns, the experts' hidden size is {spec.h}")
         if ids2.shape != w2.shape or ids2.shape[0] != x2.shape[0]:
             raise ValueError(f"ids {ids2.shape}, weights {w2.shape} and x {x2.shape} disagree on [T, K]")
-        if shared is not None and not (fused and self.can_share(experts, shared)):
-            raise ValueError("a shared expert runs only in the fused step, with the routed experts' partner "
-                             "formats (MoE.can_share)")
         if not fused or self.pool is None:
             _check_ids(ids2, spec.n_expert)
             return self._reference(arena, x2, ids2, w2, spec)
         try:
             with self._lock:
-                return self._fused(arena, x2, ids2, w2, spec, shared)
+                return self._fused(arena, x2, ids2, w2, spec)
         except ValueError:
             _check_ids(ids2, spec.n_expert)  # group_pairs refused an id: say which
             raise
@@ -875,21 +684,7 @@ class MoE:
 
     # -- fused -------------------------------------------------------------------------------
 
-    def can_share(self, experts, shared: SharedExpert) -> bool:
-        """Whether ``shared`` can run in this step's dispatch: a pool, its hidden size the
-        experts', its gate and up read the routed gate/up partner format (x is quantized
-        once) and its types have kernels."""
-        if self.pool is None:
-            return False
-        spec = _Spec.of(experts)
-        try:
-            parts = [int(_q.block_format(t).partner) for t in (shared.gate[1], shared.up[1], shared.down[1])]
-        except Exception:  # noqa: BLE001 - a type without a block format: not shareable
-            return False
-        return (shared.n_embd == spec.h and parts[0] == parts[1] == spec.partner_g == spec.partner_u
-                and shared.n_ff % 16 == 0)
-
-    def _fused(self, arena, x, ids, w, spec, shared: SharedExpert | None = None) -> np.ndarray:
+    def _fused(self, arena, x, ids, w, spec) -> np.ndarray:
         pool = self.pool
         n_tok, k_n = ids.shape
         sc = self._get_scratch(n_tok, k_n, spec)
@@ -901,73 +696,9 @@ class MoE:
             *spec.copies["down"], spec.fused, spec.partner_g != spec.partner_u, spec.node_index(pool.node_ids),
             pool.n_nodes, pool.n_workers, self.chunks_per_worker, self.min_chunk_rows, spec.cost_gu, spec.cost_d,
             self.token_cost, self.max_item_bytes)
-        if shared is not None:
-            extra, extra_key, comb_fn, keep = self._shared_plan(sc.op, shared, n_tok, spec.h, pool)
-            items, bounds = merge_shared_items(items, bounds, extra, extra_key, comb_fn, _K_CALL)
         pool.run_arrays(items, bounds, sc.op)
         del pair_tok, slot_pair  # op pointed at them: alive until the step has run
         return out
-
-    def _shared_plan(self, op, shared: SharedExpert, n_tok: int, h: int, pool):
-        """Write the shared expert's fields and buffers into op; returns its items int64 [m, 8]
-        with their (phase, node) keys, the combine function's address and the buffers (kept
-        per shape, as the routed experts' scratch)."""
-        key = (id(shared), n_tok, h, pool.n_workers, pool.n_nodes)
-        hit = self._sh_plans.get(key)
-        if hit is None or hit[0] is not shared:
-            hit = self._sh_plans[key] = (shared, *self._build_shared_plan(shared, n_tok, h, pool))
-        _, idx, vals, extra, extra_key, comb_fn, keep = hit
-        op[idx] = vals
-        return extra, extra_key, comb_fn, keep
-
-    def _build_shared_plan(self, shared: SharedExpert, n_tok: int, h: int, pool):
-        from moe_service.engine import pool as _pool
-
-        is_w = shared.n_ff
-        types = (shared.gate[1], shared.up[1], shared.down[1])
-        kernels = _q.ensure_kernels(types)
-        partner_d = int(_q.block_format(shared.down[1]).partner)
-        hq = _q._alloc_partner(partner_d, n_tok, is_w)
-        gu = np.zeros(n_tok * 2 * is_w, np.float32)
-        ysh = np.zeros(n_tok * h, np.float32)
-        tok = np.arange(n_tok, dtype=np.int64)
-        f = {M_SH_I: is_w, M_SH_G_OFF: shared.gate[0], M_SH_U_OFF: shared.up[0], M_SH_D_OFF: shared.down[0],
-             M_SH_G_TYPE: types[0], M_SH_U_TYPE: types[1], M_SH_D_TYPE: types[2],
-             M_SH_G_ROWB: _q.row_bytes(types[0], h), M_SH_U_ROWB: _q.row_bytes(types[1], h),
-             M_SH_D_ROWB: _q.row_bytes(types[2], is_w), M_SH_ACT: shared.act,
-             M_SH_ALPHA: f32_bits_py(shared.alpha), M_SH_LIMIT: f32_bits_py(shared.limit),
-             M_SH_D_PARTNER: partner_d, M_SH_GU: gu.ctypes.data, M_SH_Y: ysh.ctypes.data,
-             M_SH_TOK: tok.ctypes.data, M_KERNELS: kernels.ctypes.data}
-        for j, a in enumerate((hq.xf, hq.xq, hq.xd, hq.xs, hq.xbs)):
-            f[M_SH_HQ + j] = a.ctypes.data
-        idx = np.array(sorted(f), np.int64)
-        vals = np.array([int(f[i]) for i in sorted(f)], np.int64)
-        # row chunks: enough items for every worker, none streaming more than max_item_bytes
-        n_nodes, n_workers = pool.n_nodes, pool.n_workers
-        gu_bytes = is_w * (_q.row_bytes(types[0], h) + _q.row_bytes(types[1], h))
-        d_bytes = h * _q.row_bytes(types[2], is_w)
-        lim = max(1, self.max_item_bytes)
-        ch_gu = max(1, min(max(n_workers, -(-gu_bytes // lim)), is_w // self.min_chunk_rows))
-        ch_d = max(1, min(max(n_workers, -(-d_bytes // lim)), h // self.min_chunk_rows))
-        fn_gu, fn_qh, fn_d = (_pool.call_item_address(fn) for fn in (_sh_gateup_item, _sh_qh_item, _sh_down_item))
-        rows: list[list[int]] = []
-        keys: list[int] = []
-        for c in range(ch_gu):
-            rows.append([_K_CALL, fn_gu, _chunk_edge(c, ch_gu, is_w), _chunk_edge(c + 1, ch_gu, is_w)])
-            keys.append(1 * n_nodes + c % n_nodes)
-        step_t = max(1, -(-n_tok // n_workers))
-        for c, t in enumerate(range(0, n_tok, step_t)):
-            rows.append([_K_CALL, fn_qh, t, min(n_tok, t + step_t)])
-            keys.append(2 * n_nodes + c % n_nodes)
-        for c in range(ch_d):
-            rows.append([_K_CALL, fn_d, _chunk_edge(c, ch_d, h), _chunk_edge(c + 1, ch_d, h)])
-            keys.append(3 * n_nodes + c % n_nodes)
-        extra = np.zeros((len(rows), 8), np.int64)
-        for j, r in enumerate(rows):
-            extra[j, : len(r)] = r
-        comb_fn = _pool.call_item_address(_sh_combine_item)
-        keep = (hq, gu, ysh, tok, kernels)
-        return idx, vals, extra, np.array(keys, np.int64), comb_fn, keep
 
     def _get_scratch(self, n_tok, k_n, spec) -> _Scratch:
         key = (n_tok, k_n, spec.h, spec.i_w, spec.partner_g, spec.partner_u, spec.partner_d)

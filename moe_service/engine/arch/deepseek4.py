@@ -776,47 +776,10 @@ class Deepseek4(Architecture):
         else:
             k = be.m.routing.k if be.m.routing is not None else hp.n_expert_used
             ids, w = ops.route(probs, k, _np(lw.router_bias), None, hp.weights_norm, hp.weights_scale)
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        w = np.ascontiguousarray(w, dtype=np.float32)
+        y = be.moe(lw, h, np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32))
         lim = hp.clamp_shexp[il]
         act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
-        shared = self._shared_expert(be, lw, act) if h.shape[0] == 1 else None
-        if shared is not None:  # a decode step: the shared expert in the routed experts' dispatch
-            return moe_with_shared(be, lw, h, ids, w, shared)
-        y = be.moe(lw, h, ids, w)
         return y + be.glu_ffn(lw, h, ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"), act=act)
-
-    def _shared_expert(self, be, lw, act):
-        """The layer's shared expert as the fused MoE step runs it (moe.SharedExpert), or None
-        where it runs apart (glu_ffn): not the CPU path, the fused step off, the clamp off
-        (glu_ffn's SiLU is another kernel), a bias, or partner formats the step cannot share.
-        Cached on the layer."""
-        d = lw.ds4
-        if "shared" in d:
-            return d["shared"]
-        sh = None
-        ops = getattr(be.m, "ops", None)
-        step = getattr(ops, "moe_step", None)
-        names = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
-        if (type(be).__name__ == "CpuPath" and step is not None and getattr(ops, "fused_moe", False)
-                and lw.experts is not None and act.kind == ACT_SWIGLU_CLAMP and all(n in lw.mats for n in names)
-                and not any(n + ".bias" in lw.vecs for n in names)):
-            from moe_service.engine.moe import SharedExpert
-
-            gate, up, down = (lw.mats[n] for n in names)
-            cand = SharedExpert.of_mats(gate, up, down, act=act.kind, alpha=act.alpha, limit=act.limit)
-            sh = cand if step.can_share(lw.experts, cand) else None
-        d["shared"] = sh
-        return sh
-
-
-def moe_with_shared(be, lw, h, ids: np.ndarray, w: np.ndarray, shared) -> np.ndarray:
-    """The routed experts plus the shared expert in one dispatch of the fused MoE step (CPU
-    path): the bits of ``be.moe(lw, h, ids, w) + be.glu_ffn(lw, h, shexp names, act)`` at T = 1,
-    one pool dispatch and three phase barriers fewer. h float32 [T, H] -> float32 [T, H]."""
-    m = be.m
-    return m.ops.moe_step.forward(m.weights.arena, np.ascontiguousarray(h, dtype=np.float32), ids, w, lw.experts,
-                                  fused=True, shared=shared)
 
 
 _H_PROJ: dict[int, tuple[str, ...]] = {
