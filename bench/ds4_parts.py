@@ -70,15 +70,17 @@ PARTS = (
 
 
 class PartTimer:
-    """Exclusive wall time per (compress ratio, part) of wrapped calls made inside a layer.
+    """Exclusive time per (compress ratio, part) of wrapped calls made inside a layer, by
+    ``clock()`` (seconds; wall time by default, bench.layer_parts offers the thread's CPU time).
 
     ``wrap(fn, label)``: ``label(args)`` names the part (None: not timed here, its time
     stays in the caller's part); a wrapped call inside another wrapped call is subtracted
     from the outer one. ``layer`` wraps the architecture's block: its inclusive time minus
     the parts' is ``glue``."""
 
-    def __init__(self, ratios: list[int]):
+    def __init__(self, ratios: list[int], clock: Callable[[], float] = time.perf_counter):
         self.ratios = ratios
+        self.clock = clock
         self.on = False
         self.ratio = 0
         self.stack: list[float] = []
@@ -92,11 +94,11 @@ class PartTimer:
             if part is None:
                 return fn(*a, **k)
             self.stack.append(0.0)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*a, **k)
             finally:
-                dt = time.perf_counter() - t0
+                dt = self.clock() - t0
                 child = self.stack.pop()
                 self.excl[(self.ratio, part)] += dt - child
                 self.stack[-1] += dt
@@ -109,9 +111,9 @@ class PartTimer:
                 return fn(arch, be, lw, x, st)
             self.ratio = self.ratios[lw.index]
             self.stack = [0.0]
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = fn(arch, be, lw, x, st)
-            dt = time.perf_counter() - t0
+            dt = self.clock() - t0
             self.layer_s[self.ratio] += dt
             self.layer_calls[self.ratio] += 1
             self.excl[(self.ratio, "glue")] += dt - self.stack.pop()

@@ -71,48 +71,6 @@ OUTSIDE = ("embed", "head", "step glue")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-class ClockPartTimer(PartTimer):
-    """bench.ds4_parts.PartTimer with the clock of one's choice (``clock()`` -> seconds; one
-    compress-ratio key, 0, for the llama family)."""
-
-    def __init__(self, ratios: list[int], clock: Callable[[], float] = time.perf_counter):
-        super().__init__(ratios)
-        self.clock = clock
-
-    def wrap(self, fn: Callable, label: Callable[[tuple], str | None]) -> Callable:
-        def timed(*a: Any, **k: Any) -> Any:
-            part = label(a) if self.on and self.stack else None
-            if part is None:
-                return fn(*a, **k)
-            self.stack.append(0.0)
-            t0 = self.clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                dt = self.clock() - t0
-                child = self.stack.pop()
-                self.excl[(self.ratio, part)] += dt - child
-                self.stack[-1] += dt
-
-        return timed
-
-    def wrap_layer(self, fn: Callable) -> Callable:
-        def timed(arch: Any, be: Any, lw: Any, x: Any, st: Any) -> Any:
-            if not self.on:
-                return fn(arch, be, lw, x, st)
-            self.ratio = self.ratios[lw.index]
-            self.stack = [0.0]
-            t0 = self.clock()
-            out = fn(arch, be, lw, x, st)
-            dt = self.clock() - t0
-            self.layer_s[self.ratio] += dt
-            self.layer_calls[self.ratio] += 1
-            self.excl[(self.ratio, "glue")] += dt - self.stack.pop()
-            return out
-
-        return timed
-
-
 class StepTimer:
     """Wall time of Model.step and of the wrapped calls made in it outside the layers
     (``outside`` part -> seconds); ``layers_s`` the layers' inclusive time."""
@@ -245,7 +203,7 @@ def profile(
     try:
         model = Model(catalog, weights, ops, n_seq=2 if prefill else 1, n_ctx=depth + n_decode + 8)
         n_layer = len(model.layers)
-        timer = ClockPartTimer([0] * n_layer, tick)
+        timer = PartTimer([0] * n_layer, tick)
         steps = StepTimer(timer, tick)
         restore = instrument(timer, steps)
         try:
