@@ -319,9 +319,10 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.ds4_parts", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, required=True, help="a deepseek4 GGUF file")
+def add_profile_args(ap: argparse.ArgumentParser, model_help: str) -> None:
+    """The options bench.ds4_parts and bench.layer_parts share: --model, --threads, --depth,
+    --decode, --prefill, --ubatch."""
+    ap.add_argument("--model", type=Path, required=True, help=model_help)
     ap.add_argument("--threads", type=int, default=0, help="worker threads (default: usable CPUs)")
     ap.add_argument("--depth", type=int, default=512, help="tokens prefilled before the timed steps")
     ap.add_argument("--decode", type=int, default=16, help="decode steps timed")
@@ -329,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill", action="store_true", help="time the --depth-token prefill instead of decode steps"
     )
     ap.add_argument("--ubatch", type=int, default=128, help="prefill step size in tokens (default 128)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ds4_parts", description=__doc__.split("\n\n")[0])
+    add_profile_args(ap, "a deepseek4 GGUF file")
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     a = ap.parse_args(argv)
     if not a.model.is_file():

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.ds4_parts import PartTimer
+from bench.ds4_parts import PartTimer, add_profile_args
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 PARTS = (
@@ -282,14 +282,7 @@ def format_table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.layer_parts", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, required=True, help="a llama / qwen2 / qwen3 / qwen3moe GGUF file")
-    ap.add_argument("--threads", type=int, default=0, help="worker threads (default: usable CPUs)")
-    ap.add_argument("--depth", type=int, default=512, help="tokens prefilled before the timed steps")
-    ap.add_argument("--decode", type=int, default=16, help="decode steps timed")
-    ap.add_argument(
-        "--prefill", action="store_true", help="time the --depth-token prefill instead of decode steps"
-    )
-    ap.add_argument("--ubatch", type=int, default=128, help="prefill step size in tokens (default 128)")
+    add_profile_args(ap, "a llama / qwen2 / qwen3 / qwen3moe GGUF file")
     ap.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
