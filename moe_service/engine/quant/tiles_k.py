@@ -763,9 +763,17 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
 
 
 def _hsum_i32(builder, vs):
-    """<len(vs) x i32>: lane t = the (exact) sum of the 8 lanes of vs[t] (len a power of 2)."""
+    """<len(vs) x i32>: lane t = the (exact) sum of the 8 lanes of vs[t] (len a power of 2).
+    One vector: halves folded (vextracti128 / vpshufd + vpaddd, 1 uop each), where the
+    even/odd form compiles to vphaddd (3 uops on Zen); several: the even/odd form, which
+    sums them side by side. Integer sums: the same result either way."""
     x = _cat(builder, vs) if len(vs) > 1 else vs[0]
     n = x.type.count
+    if len(vs) == 1:
+        while n > 1:
+            x = builder.add(_shuf(builder, x, range(n // 2)), _shuf(builder, x, range(n // 2, n)))
+            n //= 2
+        return x
     while n > len(vs):
         x = builder.add(_shuf(builder, x, range(0, n, 2)), _shuf(builder, x, range(1, n, 2)))
         n //= 2
