@@ -421,9 +421,24 @@ def _sign_masks(builder, p, off):
     return [_sign_bits(builder, words[2 * g:2 * g + 2]) for g in range(4)]
 
 
-def _sign_masks_of(builder, signs32):
+def _sign_masks_of(builder, signs32, in_lane=False):
     """_sign_masks of the computed sign bytes <32 x i8> ``signs32``: each 32 elements' 4 bytes
-    broadcast by vpermd (a stack slot and broadcast loads measured slower: IQ3_XXS +20%)."""
+    broadcast by vpermd (a stack slot and broadcast loads measured slower: IQ3_XXS +20%).
+    ``in_lane`` (AVX2): signs32's 16-byte halves duplicated to both lanes once (two vpermq),
+    then each 32 elements' sign bytes spread by one in-lane vpshufb (as _scales16), where
+    the broadcast and the spread took two or three shuffles; the same masks. Measured at
+    T = 1 (Zen 3, one thread, L2-hot, ns per 32 weights, three alternated rounds): IQ3_XXS
+    3.77-3.91 -> 3.63-3.71, but IQ2_XXS 2.77-2.81 -> 2.96-3.07 and IQ2_XS 2.65-2.88 ->
+    2.79-2.96: only IQ3_XXS takes it."""
+    if in_lane and not _VNNI:
+        dup = [_shuf(builder, signs32, [16 * q + j for _ in range(2) for j in range(16)]) for q in range(2)]
+        bit = _cvec(_I8, [1 << (j % 8) for j in range(32)])
+        halves = []
+        for h in range(8):
+            mask = _cvec(_I8, [4 * (h % 4) + j // 8 for j in range(32)])
+            b = _call(builder, "llvm.x86.avx2.pshuf.b", _vt(_I8, 32), [dup[h // 4], mask])
+            halves.append(builder.icmp_unsigned("==", builder.and_(b, bit), bit))
+        return [_concat(builder, halves[2 * g], halves[2 * g + 1]) for g in range(4)]
     w8 = builder.bitcast(signs32, _vt(_I32, 8))
     words = [_shuf(builder, w8, [h] * 8) for h in range(8)]
     return [_sign_bits(builder, words[2 * g:2 * g + 2]) for g in range(4)]
@@ -514,7 +529,7 @@ def _iq3_xxs_pieces(builder, f, o):
     idx = _scalar_loads(builder, o, [f.qs + k for k in range(64)], _I8)
     signs, sc16 = _aux_fields(builder, _ldv(builder, o, f.off("scales_signs"), _vt(_I32, 8)), by_shift=False)
     return KPieces(_grid_values(builder, f.name, idx), _scales16(builder, sc16, in_lane=False), None, None,
-                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks_of(builder, signs))
+                   _d_times(builder, o, 0, (0.25, 0.0)), _sign_masks_of(builder, signs, in_lane=True))
 
 
 @_weight_side("IQ2_XS")
