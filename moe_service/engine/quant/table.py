@@ -25,6 +25,7 @@ from moe_service.engine.quant.ir import (
     ld_f16,
     st,
 )
+from moe_service.engine.quant.ladder import tile_ladder
 from moe_service.engine.quant.tiles32 import OFFSET, _tile32_codegen
 from moe_service.engine.quant.tiles_iq import mmq_unpacked, opaque_int, takes_unpacked
 from moe_service.engine.quant.tiles_k import UNPACKED, _tilek_codegen
@@ -96,20 +97,9 @@ _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold
 
 @njit(**_JIT_INLINE)
 def _items(fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out, out_stride, ocol):
-    """n_w weight rows at byte wo x every item, in tiles of 8 (see _A8), 4, 2, 1 items."""
-    i = 0
-    if _a8(fmt):
-        while i + 8 <= n_items:
-            _tile(fmt, n_w, 8, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
-            i += 8
-    while i + 4 <= n_items:
-        _tile(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
-        i += 4
-    if i + 2 <= n_items:
-        _tile(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
-        i += 2
-    if i < n_items:
-        _tile(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
+    """n_w weight rows at byte wo x every item, in tiles of 8 (see _A8), 4, 2, 1 items (ladder.py)."""
+    tile_ladder(_tile, _a8(fmt), fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, n_items, out,
+                out_stride, ocol)
 
 
 @intrinsic

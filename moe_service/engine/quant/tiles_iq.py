@@ -1,7 +1,7 @@
 """The AVX2 multi-item matmul of the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
 IQ3_XXS, IQ3_S): each weight row unpacked once into a scratch buffer, then dotted with the
-items in tiles of 8, 4, 2, 1 (see tiles_k.py's "Unpacked rows" section). The results equal
-those of the tiles over the GGUF blocks bit for bit (the same int32 lanes, the same float
+items in tiles of 8, 4, 2, 1 (ladder.tile_ladder; see tiles_k.py's "Unpacked rows" section). The
+results equal those of the tiles over the GGUF blocks bit for bit (the same int32 lanes, the same float
 steps); table.py's kernels take this path from tiles_k.UNPACKED_MIN_ITEMS items on."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from moe_service.engine.quant.ir import _JIT, _JIT_INLINE
+from moe_service.engine.quant.ladder import tile_ladder
 from moe_service.engine.quant.tiles_k import (
     UNPACKED_BLOCK_BYTES,
     UNPACKED_MIN_ITEMS,
@@ -69,23 +70,6 @@ def _tile_unpacked(typingctx, fmt, n_w, n_a, buf, wo, rb, nb, xq, xd, xbs, a_row
     return sig, _tilek_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value, unpacked=True)
 
 
-@njit(**_JIT_INLINE)
-def _items_unpacked(fmt, buf, nb, xq, xd, xbs, a_rows, o_rows, n_items, out, out_stride, ocol):
-    """The unpacked row in buf x every item, in tiles of 8, 4, 2, 1 items."""
-    i = 0
-    while i + 8 <= n_items:
-        _tile_unpacked(fmt, 1, 8, buf, 0, 0, nb, xq, xd, xbs, a_rows, i, o_rows, out, out_stride, ocol)
-        i += 8
-    if i + 4 <= n_items:
-        _tile_unpacked(fmt, 1, 4, buf, 0, 0, nb, xq, xd, xbs, a_rows, i, o_rows, out, out_stride, ocol)
-        i += 4
-    if i + 2 <= n_items:
-        _tile_unpacked(fmt, 1, 2, buf, 0, 0, nb, xq, xd, xbs, a_rows, i, o_rows, out, out_stride, ocol)
-        i += 2
-    if i < n_items:
-        _tile_unpacked(fmt, 1, 1, buf, 0, 0, nb, xq, xd, xbs, a_rows, i, o_rows, out, out_stride, ocol)
-
-
 @njit(**_JIT)
 def mmq_unpacked(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xbs, a_rows, o_rows, n_items, out,
                  out_stride, out_col):
@@ -95,4 +79,5 @@ def mmq_unpacked(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xbs,
     buf = np.empty(nb * UNPACKED_BLOCK_BYTES + 64, np.uint8)
     for r in range(row_lo, row_hi):
         _unpack_row(fmt, arena, w_off + r * row_bytes_, row_bytes_, nb, buf)
-        _items_unpacked(fmt, buf, nb, xq, xd, xbs, a_rows, o_rows, n_items, out, out_stride, out_col + r)
+        tile_ladder(_tile_unpacked, True, fmt, 1, buf, 0, 0, nb, xq, xd, xbs, a_rows, o_rows, n_items, out,
+                    out_stride, out_col + r)
