@@ -565,17 +565,39 @@ class Deepseek4(Architecture):
         if "hc_attn_fnT" not in d:  # the mixing matrices as the compiled hc_pre reads them
             d["hc_attn_fnT"], d["hc_ffn_fnT"] = dc.mix_table(d["hc_attn_fn"]), dc.mix_table(d["hc_ffn_fn"])
         # compiled ds4_ops.hc_pre / hc_post (ds4_compiled; the same formulas)
-        # multi-token steps spread the tokens over the worker pool (the same bits)
-        pool = getattr(getattr(be.m, "ops", None), "pool", None) if T > 1 else None
-        h, post, comb = dc.hc_pre(xs, d["hc_attn_fnT"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters, pool)
+        # multi-token steps spread the tokens over the worker pool (the same bits); a decode
+        # step spreads hc_pre's mixing-table read over it (ds4_decode.HcPreOne, the same bits)
+        wp = getattr(getattr(be.m, "ops", None), "pool", None)
+        pool = wp if T > 1 else None
+        h, post, comb = self._hc_pre(d, "hc_attn", xs, wp)
         h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
         xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb, pool)
-        h, post, comb = dc.hc_pre(xs, d["hc_ffn_fnT"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters, pool)
+        h, post, comb = self._hc_pre(d, "hc_ffn", xs, wp)
         h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
         xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb, pool)
         return _back(be, xs.reshape(T, C * H))
+
+    def _hc_pre(self, d: dict, name: str, xs: np.ndarray, wp: Any):
+        """ds4_compiled.hc_pre of the mix ``name`` ("hc_attn", "hc_ffn") on xs [T, C, H]: one
+        token on a pool of 2+ workers with a float32 table through ds4_decode.HcPreOne (its
+        split table kept in the layer's dict), else on the pool for multi-token steps."""
+        from moe_service.engine import ds4_compiled as dc
+
+        hp, T = self.hp, xs.shape[0]
+        fnT = d[f"{name}_fnT"]
+        M = fnT.shape[1]
+        shares = min(wp.n_workers, 3) if wp is not None else 1  # 8+ columns a share: the sums in registers
+        while shares > 1 and M % shares:
+            shares -= 1
+        if T == 1 and shares > 1 and fnT.dtype == np.float32:
+            one = d.get(f"{name}_one")
+            if one is None or one.n_shares != shares:
+                from moe_service.engine import ds4_decode
+
+                one = d[f"{name}_one"] = ds4_decode.HcPreOne(fnT, shares, hp.rms_eps, wp.n_nodes)
+            return one(xs, d[f"{name}_scale"], d[f"{name}_base"], hp.hc_eps, hp.hc_iters, wp)
+        return dc.hc_pre(xs, fnT, d[f"{name}_scale"], d[f"{name}_base"], hp.rms_eps, hp.hc_eps, hp.hc_iters,
+                         wp if T > 1 else None)
 
     def final_norm(self, be, x, w):
         from moe_service.engine import ds4_ops as ops
