@@ -196,6 +196,12 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
             "heads_inplace",
             lambda a: None if len(timer.stack) != 1 else "norms" if a[5] else "rope",
         )
+    try:  # one token's pooled forms (moe_service.engine.ds4_decode), where this tree has them
+        from moe_service.engine import ds4_decode
+    except ImportError:
+        ds4_decode = None
+    if ds4_decode is not None:  # its attention prepares q and inverse-ropes the output (norms, rope)
+        patch(ds4_decode, "attend_one", outer("attention"))
     try:  # the compiled indexer (moe_service.engine.ds4_indexer), where this tree has it
         from moe_service.engine import ds4_indexer
     except ImportError:

@@ -17,13 +17,21 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray, njit
+from numba import carray, njit, types
 
 from moe_service.engine import pool as _pool
-from moe_service.engine.ds4_compiled import _hc_pre_tail
+from moe_service.engine.cpu_layers import _f16_bits_to_f32
+from moe_service.engine.ds4_compiled import (
+    _ONE_HEADS,
+    _POOL_MIN_MACS,
+    _attend_one_range,
+    _hc_pre_tail,
+    _heads_rows,
+)
 from moe_service.engine.ds4_ops import _rms_rows
-from moe_service.engine.quant.ir import mix_rows_f64, view_f32
+from moe_service.engine.quant.ir import _addr_view, mix_rows_f64, view_f32, view_i64
 
+view_u16 = _addr_view(types.uint16)
 _JIT = {"nogil": True, "cache": True, "fastmath": False, "error_model": "numpy"}
 
 
@@ -128,3 +136,214 @@ class HcPreOne:
             comb[0],
         )
         return h, post, comb
+
+
+# ---------------------------------------------------------------------------------------
+# one token's attention with its query preparation and the output's inverse rope
+
+
+@njit(**_JIT)
+def _gather_rows(ring16, lo, n0, new16, comp16, sel, keys, kc, r0, r1):
+    """Rows r0..r1 of ds4_compiled._gather_one's keys (the same values in the same places):
+    row i < n0 - lo is the ring row of position lo + i, row n0 - lo the token's own row,
+    then the compressed rows sel[i - (n0 - lo + 1)]; keys float32 [n, D], and when D % 16
+    == 0 kc float32 [D * n] chunk-major (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l])."""
+    W, D = ring16.shape
+    n = keys.shape[0]
+    nw = n0 - lo
+    for i in range(r0, r1):
+        if i < nw:
+            src = ring16[(lo + i) % W]
+        elif i == nw:
+            src = new16
+        else:
+            src = comp16[sel[i - nw - 1]]
+        for d in range(D):
+            keys[i, d] = _f16_bits_to_f32(src[d])
+        if D % 16 == 0:
+            for c in range(D // 16):
+                for e in range(16):
+                    kc[(c * n + i) * 16 + e] = keys[i, c * 16 + e]
+
+
+@njit(**_JIT)
+def _attend_heads(q, pos, cos, sin, eps, keys, kc, sinks, scale, out, h0, h1):
+    """Heads h0..h1 of one token: q's rows prepared in place as ds4_compiled.heads_inplace
+    prepares them (per-head rms, rope, float16 rounding), the attention of
+    ds4_compiled._attend_one_range over every key row, then the output rows' inverse rope
+    (heads_inplace's mode 1). q, out float32 [NH * D] (out written for these heads)."""
+    D = keys.shape[1]
+    qv = q[h0 * D : h1 * D].reshape((1, h1 - h0, D))
+    ov = out[h0 * D : h1 * D].reshape((1, h1 - h0, D))
+    _heads_rows(qv, pos, cos, sin, eps, 0, 0, 1)
+    _attend_one_range(q, keys.reshape(-1).view(np.uint8), keys, kc, sinks, scale, out, h0, h1)
+    _heads_rows(ov, pos, cos, sin, eps, 1, 0, 1)
+
+
+(
+    F_Q,
+    F_POS,
+    F_COS,
+    F_SIN,
+    F_NCTX,
+    F_HALF,
+    F_EPS,
+    F_RING,
+    F_W,
+    F_LO,
+    F_N0,
+    F_NEW,
+    F_COMP,
+    F_NC,
+    F_SEL,
+    F_NS,
+    F_KEYS,
+    F_KC,
+    F_N,
+    F_D,
+    F_NH,
+    F_SINKS,
+    F_SCALE,
+    F_OUT,
+    F_LEN,
+) = range(25)
+
+
+def _gather_item(items_ptr, i, op_ptr):
+    """Key rows [it[2], it[3]) of a pooled :func:`attend_one` (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, F_LEN)
+    b = i * _pool.ITEM_W
+    W, D, n, nc, ns = op[F_W], op[F_D], op[F_N], op[F_NC], op[F_NS]
+    ring16 = view_u16(op[F_RING], W * D).reshape((W, D))
+    new16 = view_u16(op[F_NEW], D)
+    comp16 = view_u16(op[F_COMP], max(1, nc) * D).reshape((max(1, nc), D))
+    sel = view_i64(op[F_SEL], max(1, ns))
+    keys = view_f32(op[F_KEYS], n * D).reshape((n, D))
+    kc = view_f32(op[F_KC], n * D if D % 16 == 0 else 1)
+    _gather_rows(ring16, op[F_LO], op[F_N0], new16, comp16, sel, keys, kc, it[b + 2], it[b + 3])
+
+
+def _heads_item(items_ptr, i, op_ptr):
+    """Heads [it[2], it[3]) of a pooled :func:`attend_one` (a K_CALL item, pool.CALL_ITEM_SIG)."""
+    it = carray(items_ptr, (i + 1) * _pool.ITEM_W)
+    op = carray(op_ptr, F_LEN)
+    b = i * _pool.ITEM_W
+    NH, D, n, n_ctx, half = op[F_NH], op[F_D], op[F_N], op[F_NCTX], op[F_HALF]
+    q = view_f32(op[F_Q], NH * D)
+    pos = view_i64(op[F_POS], 1)
+    cos = view_f32(op[F_COS], n_ctx * half).reshape((n_ctx, half))
+    sin = view_f32(op[F_SIN], n_ctx * half).reshape((n_ctx, half))
+    words = view_f32(op[F_EPS], 4).view(np.float64)  # eps, scale
+    keys = view_f32(op[F_KEYS], n * D).reshape((n, D))
+    kc = view_f32(op[F_KC], n * D if D % 16 == 0 else 1)
+    sinks = view_f32(op[F_SINKS], NH)
+    out = view_f32(op[F_OUT], NH * D)
+    _attend_heads(q, pos, cos, sin, words[0], keys, kc, sinks, words[1], out, it[b + 2], it[b + 3])
+
+
+def attend_one(
+    q: np.ndarray,
+    pos: int,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    eps: float,
+    ring: np.ndarray,
+    lo: int,
+    n0: int,
+    new: np.ndarray,
+    comp: np.ndarray | None,
+    sel: np.ndarray | None,
+    sinks: np.ndarray,
+    scale: float,
+    pool: Any = None,
+) -> np.ndarray:
+    """One token's attention from its raw query to its output, bit for bit
+    ``heads_inplace(attend_one(heads_inplace(q, queries=True), ...), queries=False)`` of
+    :mod:`moe_service.engine.ds4_compiled` in one pool job: phase 1 gathers the key rows
+    (ranges of rows per worker), phase 2 gives each worker whole heads, whose q rows it
+    prepares (per-head rms, rope, float16 rounding), attends and inverse-ropes. q float32
+    [NH, D] C-contiguous, prepared in place; pos the token's position (n0); cos / sin float32
+    [n_ctx, R/2]; the rest as ds4_compiled.attend_one's. Returns float32 [1, NH, D]. On the
+    calling thread when the pool has one worker or the step is small. ValueError for shapes
+    that do not agree, IndexError for a position outside the tables."""
+    NH, D = q.shape
+    W = ring.shape[0]
+    if comp is None:
+        comp = np.zeros((0, D), np.float16)
+    idx = (
+        np.arange(comp.shape[0], dtype=np.int64) if sel is None else np.ascontiguousarray(sel, dtype=np.int64)
+    )
+    c32 = np.ascontiguousarray(cos, dtype=np.float32)
+    s32 = np.ascontiguousarray(sin, dtype=np.float32)
+    half = c32.shape[1]
+    if (
+        q.dtype != np.float32
+        or not q.flags.c_contiguous
+        or ring.ndim != 2
+        or ring.shape[1] != D
+        or new.shape != (D,)
+        or comp.shape[1:] != (D,)
+        or sinks.shape != (NH,)
+        or not (max(0, n0 - W + 1) <= lo <= n0)
+        or s32.shape != c32.shape
+        or not 0 < 2 * half <= D
+        or cos.dtype != np.float32
+    ):
+        raise ValueError(
+            f"ds4_decode.attend_one: q {q.shape} {q.dtype}, ring {ring.shape}, new {new.shape}, compressed "
+            f"{comp.shape}, window {lo}..{n0}, sinks {sinks.shape}, tables {cos.shape} do not agree"
+        )
+    if not 0 <= pos < c32.shape[0]:
+        raise IndexError(f"ds4_decode.attend_one: position {pos} outside the tables' {c32.shape[0]} rows")
+    if idx.size and (idx.min() < 0 or idx.max() >= comp.shape[0]):
+        raise ValueError(
+            f"ds4_decode.attend_one: selected rows {idx.min()}..{idx.max()} outside {comp.shape[0]}"
+        )
+    n = n0 - lo + 1 + idx.shape[0]
+    keys = np.empty((n, D), np.float32)
+    kc = np.empty(n * D if D % 16 == 0 else 1, np.float32)
+    out = np.empty(NH * D, np.float32)
+    ring16 = np.ascontiguousarray(ring).view(np.uint16)
+    new16 = np.ascontiguousarray(new, dtype=np.float16).view(np.uint16)
+    comp16 = np.ascontiguousarray(comp, dtype=np.float16).view(np.uint16)
+    s_w = np.ascontiguousarray(sinks, dtype=np.float32)
+    p = np.array([pos], np.int64)
+    qf = q.reshape(-1)
+    n_workers = pool.n_workers if pool is not None else 1
+    if n_workers > 1 and NH > 1 and n * NH * D >= _POOL_MIN_MACS:
+        words = np.array([eps, np.float32(scale)], np.float64)
+        sel_w = idx if idx.size else np.zeros(1, np.int64)
+        comp_w = comp16 if comp16.shape[0] else np.zeros((1, D), np.uint16)
+        op = np.zeros(F_LEN, np.int64)
+        op[F_Q], op[F_POS], op[F_COS], op[F_SIN] = (
+            qf.ctypes.data,
+            p.ctypes.data,
+            c32.ctypes.data,
+            s32.ctypes.data,
+        )
+        op[F_NCTX], op[F_HALF], op[F_EPS] = c32.shape[0], half, words.ctypes.data
+        op[F_RING], op[F_W], op[F_LO], op[F_N0], op[F_NEW] = ring16.ctypes.data, W, lo, n0, new16.ctypes.data
+        op[F_COMP], op[F_NC], op[F_SEL], op[F_NS] = (
+            comp_w.ctypes.data,
+            comp16.shape[0],
+            sel_w.ctypes.data,
+            idx.size,
+        )
+        op[F_KEYS], op[F_KC], op[F_N], op[F_D], op[F_NH] = keys.ctypes.data, kc.ctypes.data, n, D, NH
+        op[F_SINKS], op[F_OUT] = s_w.ctypes.data, out.ctypes.data
+        rstep = -(-n // n_workers)
+        g = _pool.call_item_address(_gather_item)
+        gather = [(_pool.K_CALL, g, r, min(n, r + rstep)) for r in range(0, n, rstep)]
+        # whole 4-head groups, at least one item per worker (as ds4_compiled._attend_one_keys)
+        step = max(4, min(_ONE_HEADS, -(-NH // n_workers) // 4 * 4))
+        f = _pool.call_item_address(_heads_item)
+        heads = [(_pool.K_CALL, f, h, min(NH, h + step)) for h in range(0, NH, step)]
+        job = _pool.Job.build([_pool._spread(gather, pool.n_nodes), _pool._spread(heads, pool.n_nodes)], op)
+        pool.run_arrays(job.items, job.bounds, job.op)
+    else:
+        _gather_rows(ring16, lo, n0, new16, comp16, idx, keys, kc, 0, n)
+        _attend_heads(
+            qf, p, c32, s32, np.float64(eps), keys, kc, s_w, np.float64(np.float32(scale)), out, 0, NH
+        )
+    return out.reshape(1, NH, D)

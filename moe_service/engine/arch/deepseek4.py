@@ -638,9 +638,12 @@ class Deepseek4(Architecture):
         pool = getattr(getattr(be.m, "ops", None), "pool", None)
         # per-head rms, rope and float16 rounding in place in one compiled pass (the bits of
         # ds4_ops.rms, ds4_ops.rope_last, then astype(float16)), pooled over the tokens of a
-        # multi-token step; the attention takes q rounded to float16 values
+        # multi-token step; the attention takes q rounded to float16 values. One token (T = 1):
+        # that and the output's inverse rope are done in the attention's pool job
+        # (ds4_decode.attend_one, the same bits)
         q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # the step's own array
-        q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool if T > 1 else None)
+        if T > 1:
+            q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool)
         kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
@@ -661,7 +664,7 @@ class Deepseek4(Architecture):
             n = e - a
             if n == 1:  # a decode step: the window read in place, the indexer only when it must choose
                 out[a] = self._attend_one(be, lw, state, q[a], kv[a], comp_in, idx_in, a, s, n0, ratio, cos, sin,
-                                          pool)
+                                          pool, int(pos[a]) if T == 1 else -1)
                 continue
             new = kv[a:e].astype(np.float16)
             p = pos[a:e]
@@ -700,7 +703,7 @@ class Deepseek4(Architecture):
             # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows (q rounded above)
             out[a:e] = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
                                       pool)
-        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool if T > 1 else None)  # the inverse rope
+        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
         if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
@@ -711,14 +714,16 @@ class Deepseek4(Architecture):
         (y,) = be.linear(lw, ("attn_output_b",), oa)
         return y
 
-    def _attend_one(self, be, lw, state, q, kv, comp_in, idx_in, a, s, n0, ratio, cos, sin, pool):
+    def _attend_one(self, be, lw, state, q, kv, comp_in, idx_in, a, s, n0, ratio, cos, sin, pool, p_raw=-1):
         """One token of slot ``s`` at position n0 (a span of one: a decode step), as the span
         loop of :meth:`_attention` computes it (the same keys in the same order, the same
         state updates): the raw ring written in place and read from there
         (ds4_compiled.attend_one), every visible compressed row attended on ratio-128 layers,
         and on ratio-4 layers the indexer's scores computed (ds4_indexer.index_one) only when
         there are more visible rows than its top_k (else top-k keeps them all). q [NH, D] float32
-        (rounded to float16 values), kv [D] float32. Returns float32 [NH, D]."""
+        (rounded to float16 values), kv [D] float32. Returns float32 [NH, D]. ``p_raw`` >= 0: q
+        is raw (the token at that position, alone in its step), prepared in place, and the
+        output comes inverse-roped (ds4_decode.attend_one: the same bits)."""
         from moe_service.engine import ds4_compiled as dc
         from moe_service.engine import ds4_indexer
 
@@ -744,6 +749,12 @@ class Deepseek4(Architecture):
                 kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:a + 1])
                 if nb > hp.indexer_top_k:  # compiled, float64 (ds4_indexer.index_one: _top_k's choice)
                     sel = ds4_indexer.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
+        if p_raw >= 0:
+            from moe_service.engine import ds4_decode
+
+            o = ds4_decode.attend_one(q, p_raw, cos, sin, hp.rms_eps, ring[s], lo, n0, new, comp, sel, d["attn_sinks"],
+                                      1.0 / np.sqrt(hp.head_dim), pool)
+            return o[0]
         o = dc.attend_one(q[None], ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
         return o[0]
 

@@ -47,4 +47,52 @@ def test_hc_pre_one_refuses_what_does_not_fit(pool):
     with pytest.raises(ValueError, match="shares"):
         dd.HcPreOne(table, 5, 1e-6)
     with pytest.raises(ValueError, match="do not fit"):
-        dd.HcPreOne(table, 2, 1e-6)(np.zeros((2, 4, 16), np.float32), np.ones(3), np.zeros(24), 1e-6, 20, pool)
+        dd.HcPreOne(table, 2, 1e-6)(
+            np.zeros((2, 4, 16), np.float32), np.ones(3), np.zeros(24), 1e-6, 20, pool
+        )
+
+
+@pytest.mark.parametrize(
+    "NH, D, W, n0, Nc, n_sel, R",
+    [
+        (64, 512, 128, 4000, 1000, 512, 64),
+        (64, 512, 128, 300, 75, None, 64),
+        (8, 48, 8, 5, 0, None, 8),
+        (6, 40, 16, 40, 10, 4, 8),
+    ],
+)
+def test_attend_one_is_heads_then_attention_then_inverse_rope(NH, D, W, n0, Nc, n_sel, R, pool):
+    """One token from its raw query: the bits of ds4_compiled's heads_inplace (q), attend_one
+    and heads_inplace (the output's inverse rope), pooled (rows gathered by ranges, heads by
+    items) or on the calling thread; D not a multiple of 16 takes the plain value sums."""
+    rng = np.random.default_rng(NH + D + n0)
+    q = (rng.standard_normal((NH, D)) * 2).astype(np.float32)
+    ring = rng.standard_normal((W, D)).astype(np.float16)
+    new = rng.standard_normal(D).astype(np.float16)
+    comp = rng.standard_normal((Nc, D)).astype(np.float16) if Nc else None
+    sel = np.sort(rng.choice(Nc, n_sel, replace=False)) if n_sel else None
+    ang = rng.random((n0 + 10, R // 2)).astype(np.float32) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    sinks = rng.standard_normal(NH).astype(np.float32)
+    lo = max(0, n0 - W + 1)
+    qq = dc.heads_inplace(q.copy()[None], np.array([n0]), cos, sin, 1e-6, True)
+    o = dc.attend_one(qq, ring, lo, n0, new, comp, sel, sinks, 1 / np.sqrt(D))
+    want = dc.heads_inplace(np.ascontiguousarray(o), np.array([n0]), cos, sin, 1e-6, False)
+    for p in (None, pool):
+        q_in = q.copy()
+        got = dd.attend_one(q_in, n0, cos, sin, 1e-6, ring, lo, n0, new, comp, sel, sinks, 1 / np.sqrt(D), p)
+        assert np.array_equal(got, want)
+        assert np.array_equal(q_in, qq[0])  # q prepared in place, as heads_inplace leaves it
+
+
+def test_attend_one_refuses_what_does_not_fit():
+    q = np.zeros((4, 32), np.float32)
+    ring = np.zeros((8, 32), np.float16)
+    cs = np.ones((10, 4), np.float32)
+    args = (cs, cs, 1e-6, ring, 3, 5, np.zeros(32, np.float16), None, None, np.zeros(4, np.float32), 0.1)
+    with pytest.raises(ValueError, match="do not agree"):
+        dd.attend_one(q[:, :16].copy(), 5, *args)
+    with pytest.raises(IndexError, match="outside the tables"):
+        dd.attend_one(q, 10, *args)
+    with pytest.raises(ValueError, match="selected rows"):
+        dd.attend_one(q, 5, *args[:7], np.zeros((3, 32), np.float16), np.array([3]), *args[9:])
