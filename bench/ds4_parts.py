@@ -202,6 +202,7 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
         ds4_decode = None
     if ds4_decode is not None:  # its attention prepares q and inverse-ropes the output (norms, rope)
         patch(ds4_decode, "attend_one", outer("attention"))
+        patch(ds4_decode, "route_one", outer("router"))
     try:  # the compiled indexer (moe_service.engine.ds4_indexer), where this tree has it
         from moe_service.engine import ds4_indexer
     except ImportError:

@@ -28,7 +28,7 @@ from moe_service.engine.ds4_compiled import (
     _hc_pre_tail,
     _heads_rows,
 )
-from moe_service.engine.ds4_ops import _rms_rows
+from moe_service.engine.ds4_ops import _pairwise_sum, _rms_rows
 from moe_service.engine.quant.ir import _addr_view, mix_rows_f64, view_f32, view_i64
 
 view_u16 = _addr_view(types.uint16)
@@ -347,3 +347,86 @@ def attend_one(
             qf, p, c32, s32, np.float64(eps), keys, kc, s_w, np.float64(np.float32(scale)), out, 0, NH
         )
     return out.reshape(1, NH, D)
+
+
+# ---------------------------------------------------------------------------------------
+# one token's routing
+
+
+@njit(**_JIT)
+def _route_one(probs, k, bias, fixed, norm, scale, ids, w):
+    """ds4_ops.route for one token, compiled: probs float32 [E]; the experts of ``fixed`` int64
+    [K] when it has K entries (a hash layer), else the k largest of probs + bias (float32
+    sums; bias float32 [E] or empty), ties to the lower id and NaNs last in id order (numpy's
+    stable argsort of the negated scores); w = probs of the chosen, divided when ``norm`` by
+    max(their float64 sum (numpy's pairwise order), 2^-14) in float64 and rounded to float32,
+    then times ``scale`` (float32) when scale is not 0 or 1. ids int32 [K], w float32 [K]
+    (written)."""
+    E = probs.shape[0]
+    K = ids.shape[0]
+    if fixed.shape[0] == K:
+        for j in range(K):
+            ids[j] = fixed[j]
+    else:
+        sel = np.empty(E, np.float32)
+        taken = np.zeros(E, np.bool_)
+        for e in range(E):
+            sel[e] = probs[e] + bias[e] if bias.shape[0] == E else probs[e]
+        for j in range(k):
+            best = -1
+            for e in range(
+                E
+            ):  # the largest not taken, the lower id on ties; NaN only when nothing else is left
+                if taken[e] or sel[e] != sel[e]:
+                    continue
+                if best < 0 or sel[e] > sel[best]:
+                    best = e
+            if best < 0:
+                for e in range(E):
+                    if not taken[e]:
+                        best = e
+                        break
+            taken[best] = True
+            ids[j] = best
+    for j in range(K):
+        w[j] = probs[ids[j]]
+    if norm:
+        w64 = np.empty(K, np.float64)
+        for j in range(K):
+            w64[j] = np.float64(w[j])
+        frames = np.empty((64, 3), np.int64)
+        left = np.empty(64, np.float64)
+        s = _pairwise_sum(w64, 0, K, frames, left)
+        den = s if s != s or s > 6.103515625e-5 else 6.103515625e-5
+        for j in range(K):
+            w[j] = np.float32(w64[j] / den)
+    if scale != 0.0 and scale != 1.0:
+        f = np.float32(scale)
+        for j in range(K):
+            w[j] = w[j] * f
+
+
+def route_one(
+    probs: np.ndarray, k: int, bias: np.ndarray | None, fixed_ids: np.ndarray | None, norm: bool, scale: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """``ds4_ops.route`` for a one-token step, the same bits (:func:`_route_one`): probs float32
+    [1, E]; fixed_ids [1, K] (hash layers) or None. Returns (ids int32 [1, K], w float32
+    [1, K]). ValueError for shapes that do not agree."""
+    p = np.ascontiguousarray(probs, dtype=np.float32)
+    E = p.shape[-1]
+    if fixed_ids is not None:
+        fx = np.ascontiguousarray(fixed_ids, dtype=np.int64).reshape(-1)
+        K = fx.shape[0]
+        if fx.size and (fx.min() < 0 or fx.max() >= E):
+            raise ValueError(f"route_one: fixed expert ids {fx.min()}..{fx.max()} outside {E} experts")
+    else:
+        fx, K = np.zeros(0, np.int64), int(k)
+    if p.shape[0] != 1 or p.ndim != 2 or not 0 < K <= E or (bias is not None and np.shape(bias) != (E,)):
+        raise ValueError(
+            f"route_one: probs {p.shape}, {K} experts a token, bias {np.shape(bias)} do not agree"
+        )
+    b = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+    ids = np.empty((1, K), np.int32)
+    w = np.empty((1, K), np.float32)
+    _route_one(p[0], K, b, fx, bool(norm), float(scale), ids[0], w[0])
+    return ids, w

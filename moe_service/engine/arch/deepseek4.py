@@ -799,16 +799,20 @@ class Deepseek4(Architecture):
         return comp[s, :last]
 
     def _ffn(self, be, lw, h, st):
+        from moe_service.engine import ds4_decode
         from moe_service.engine import ds4_ops as ops
 
         hp, d, il = self.hp, lw.ds4, lw.index
         probs = ops.sqrt_softplus(np.asarray(be.router_logits(lw, h), dtype=np.float32))
+        # one token: compiled (ds4_decode.route_one, ds4_ops.route's bits) where the bias is float32
         if il < hp.hash_layers:
-            ids, w = ops.route(probs, hp.n_expert_used, None, d["tid2eid"][st.tokens], hp.weights_norm,
-                               hp.weights_scale)
+            route = ds4_decode.route_one if probs.shape[0] == 1 else ops.route
+            ids, w = route(probs, hp.n_expert_used, None, d["tid2eid"][st.tokens], hp.weights_norm, hp.weights_scale)
         else:
             k = be.m.routing.k if be.m.routing is not None else hp.n_expert_used
-            ids, w = ops.route(probs, k, _np(lw.router_bias), None, hp.weights_norm, hp.weights_scale)
+            bias = _np(lw.router_bias)
+            route = ds4_decode.route_one if probs.shape[0] == 1 and bias.dtype == np.float32 else ops.route
+            ids, w = route(probs, k, bias, None, hp.weights_norm, hp.weights_scale)
         y = be.moe(lw, h, np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32))
         lim = hp.clamp_shexp[il]
         act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()

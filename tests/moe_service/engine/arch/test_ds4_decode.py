@@ -96,3 +96,39 @@ def test_attend_one_refuses_what_does_not_fit():
         dd.attend_one(q, 10, *args)
     with pytest.raises(ValueError, match="selected rows"):
         dd.attend_one(q, 5, *args[:7], np.zeros((3, 32), np.float16), np.array([3]), *args[9:])
+
+
+def test_route_one_is_route_bit_for_bit():
+    """Random gates with ties (repeated values, +-0), a NaN, bias or not, hash-layer ids,
+    norm and scale on and off: ds4_ops.route's ids and weights exactly."""
+    rng = np.random.default_rng(7)
+    for case in range(400):
+        E = int(rng.choice([8, 16, 64, 256]))
+        K = int(rng.integers(1, min(E, 12) + 1))
+        probs = ds4_ops.sqrt_softplus(rng.standard_normal((1, E)).astype(np.float32) * 3)
+        if case % 3 == 0:  # ties
+            probs[0, rng.integers(0, E, E // 2)] = probs[0, 0]
+            probs[0, 1] = 0.0
+            probs[0, 2] = -0.0
+        if case % 17 == 0:
+            probs[0, rng.integers(0, E)] = np.nan
+        bias = (rng.standard_normal(E) * 0.1).astype(np.float32) if case % 2 else None
+        fixed = rng.integers(0, E, (1, K)).astype(np.int32) if case % 5 == 0 else None
+        norm = bool(case % 4)
+        scale = float(rng.choice([0.0, 1.0, 1.5, 2.5]))
+        with np.errstate(invalid="ignore"):
+            want = ds4_ops.route(probs, K, bias, fixed, norm, scale)
+            got = dd.route_one(probs, K, bias, fixed, norm, scale)
+        assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+        assert np.array_equal(got[0], want[0]), case
+        assert np.array_equal(got[1], want[1], equal_nan=True), case
+
+
+def test_route_one_refuses_what_does_not_fit():
+    probs = np.ones((1, 8), np.float32)
+    with pytest.raises(ValueError, match="do not agree"):
+        dd.route_one(np.ones((2, 8), np.float32), 2, None, None, True, 1.0)
+    with pytest.raises(ValueError, match="do not agree"):
+        dd.route_one(probs, 9, None, None, True, 1.0)
+    with pytest.raises(ValueError, match="outside 8 experts"):
+        dd.route_one(probs, 2, None, np.array([[1, 8]]), True, 1.0)
