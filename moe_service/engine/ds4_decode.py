@@ -421,10 +421,9 @@ def route_one(
             raise ValueError(f"route_one: fixed expert ids {fx.min()}..{fx.max()} outside {E} experts")
     else:
         fx, K = np.zeros(0, np.int64), int(k)
-    if p.shape[0] != 1 or p.ndim != 2 or not 0 < K <= E or (bias is not None and np.shape(bias) != (E,)):
-        raise ValueError(
-            f"route_one: probs {p.shape}, {K} experts a token, bias {np.shape(bias)} do not agree"
-        )
+    b_shape = None if bias is None else bias.shape
+    if p.shape[0] != 1 or p.ndim != 2 or not 0 < K <= E or b_shape not in (None, (E,)):
+        raise ValueError(f"route_one: probs {p.shape}, {K} experts a token, bias {b_shape} do not agree")
     b = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     ids = np.empty((1, K), np.int32)
     w = np.empty((1, K), np.float32)
