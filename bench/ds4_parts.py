@@ -34,6 +34,10 @@ Command (the numbers depend on the machine's load: compare runs made back to bac
 
     PYTHONPATH=. python -m bench.ds4_parts --model V4.gguf --depth 512 --decode 16 --threads 2 [--json OUT]
     PYTHONPATH=. python -m bench.ds4_parts --model V4.gguf --prefill --depth 2048 --threads 2 [--ubatch 128]
+    PYTHONPATH=. python -m bench.ds4_parts --model V4.gguf --depth 512 --threads 1 --clock cpu
+
+``--clock cpu`` (with ``--threads 1``: every kernel then runs on the calling thread) times that
+thread's CPU seconds (time.thread_time), which a shared host's preemption does not inflate.
 """
 
 from __future__ import annotations
@@ -192,6 +196,13 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
             "heads_inplace",
             lambda a: None if len(timer.stack) != 1 else "norms" if a[5] else "rope",
         )
+    try:  # one token's pooled forms (moe_service.engine.ds4_decode), where this tree has them
+        from moe_service.engine import ds4_decode
+    except ImportError:
+        ds4_decode = None
+    if ds4_decode is not None:  # its attention prepares q and inverse-ropes the output (norms, rope)
+        patch(ds4_decode, "attend_one", outer("attention"))
+        patch(ds4_decode, "route_one", outer("router"))
     try:  # the compiled indexer (moe_service.engine.ds4_indexer), where this tree has it
         from moe_service.engine import ds4_indexer
     except ImportError:
@@ -200,6 +211,7 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
         for name in ("index_one", "lid_top_k"):
             patch(ds4_indexer, name, outer("indexer top-k"))
     patch(deepseek4, "_top_k", outer("indexer top-k"))
+    patch(deepseek4.Deepseek4, "_hc_pre", outer("hc pre"))  # where this tree has it (ds4_decode)
     patch(deepseek4.Deepseek4, "_compress", outer("compressor"))
     orig_block = deepseek4.Deepseek4._block
     saved.append((deepseek4.Deepseek4, "_block", orig_block))
@@ -212,11 +224,29 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
     return restore
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 def profile(
-    path: Path, threads: int, depth: int, n_decode: int, ubatch: int = 128, prefill: bool = False
+    path: Path,
+    threads: int,
+    depth: int,
+    n_decode: int,
+    ubatch: int = 128,
+    prefill: bool = False,
+    clock: str = "wall",
 ) -> dict:
     """Per-part ms per layer per decoded token at ``depth``, or (``prefill``) per-part ms per
-    layer of the ``depth``-token prefill (see the module docstring)."""
+    layer of the ``depth``-token prefill (see the module docstring), on ``clock``
+    (:data:`CLOCKS`: "cpu" is the calling thread's CPU time and needs ``threads`` 1).
+    SystemExit naming the clock when it does not fit."""
+    if clock not in CLOCKS:
+        raise SystemExit(f"bench.ds4_parts: --clock {clock}: expected one of {', '.join(CLOCKS)}")
+    if clock == "cpu" and threads != 1:
+        raise SystemExit(
+            f"bench.ds4_parts: --clock cpu times the calling thread: it needs --threads 1 (got {threads})"
+        )
+    tick = CLOCKS[clock]
     import torch
 
     torch.set_num_threads(1)
@@ -234,7 +264,7 @@ def profile(
     try:
         model = Model(catalog, weights, ops, n_seq=2 if prefill else 1, n_ctx=depth + n_decode + 8)
         ratios = list(model.arch.hp.compress_ratios[: model.arch.hp.n_layer])
-        timer = PartTimer(ratios)
+        timer = PartTimer(ratios, tick)
         restore = instrument(timer)
         try:
             ids = depth_ids(catalog, depth + 1)
@@ -244,10 +274,10 @@ def profile(
                 model.kv.free(w)
                 timer.on = True
             s = model.kv.alloc()
-            t0 = time.perf_counter()
+            t0 = tick()
             for a in range(0, depth, ubatch):
                 model.step([(s, ids[a : min(depth, a + ubatch)])], want_logits=[a + ubatch >= depth])
-            prefill_s = time.perf_counter() - t0
+            prefill_s = tick() - t0
             timer.on = False
             step_s = prefill_s
             if not prefill:
@@ -255,10 +285,10 @@ def profile(
                 for _ in range(2):  # warm-up: the decode shapes compiled, the caches touched
                     tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
                 timer.on = True
-                t0 = time.perf_counter()
+                t0 = tick()
                 for _ in range(n_decode):
                     tok = int(np.argmax(model.step([(s, [tok])])[0].numpy()))
-                step_s = (time.perf_counter() - t0) / n_decode
+                step_s = (tick() - t0) / n_decode
                 timer.on = False
         finally:
             restore()
@@ -281,6 +311,7 @@ def profile(
         "model": str(path),
         "mode": "prefill" if prefill else "decode",
         "threads": threads,
+        "clock": clock,
         "depth": depth,
         "ubatch": ubatch,
         "n_decode": 0 if prefill else n_decode,
@@ -299,14 +330,14 @@ def format_table(r: dict) -> str:
         d = max(1, r["depth"])
         head = [
             f"deepseek4 prefill by part: {Path(r['model']).name}, {r['depth']} tokens in {r['ubatch']}-token steps, "
-            f"{r['threads']} thread(s), prefill {r['step_ms'] / 1e3:.2f} s, load average {r['load_average'][0]:.2f}",
+            f"{r['threads']} thread(s), {r.get('clock', 'wall')} clock, prefill {r['step_ms'] / 1e3:.2f} s, load average {r['load_average'][0]:.2f}",
             "ms per layer for the whole prefill (and the mean in us per layer per token)",
             f"{'part':18s}" + "".join(f"{c:>10s}" for c in cols) + f"{'us/token':>10s}",
         ]
     else:
         head = [
             f"deepseek4 decode step by part: {Path(r['model']).name}, depth {r['depth']}, {r['n_decode']} steps, "
-            f"{r['threads']} thread(s), step {r['step_ms']:.1f} ms, load average {r['load_average'][0]:.2f}",
+            f"{r['threads']} thread(s), {r.get('clock', 'wall')} clock, step {r['step_ms']:.1f} ms, load average {r['load_average'][0]:.2f}",
             "ms per layer per decoded token",
             f"{'part':18s}" + "".join(f"{c:>10s}" for c in cols),
         ]
@@ -335,12 +366,20 @@ def add_profile_args(ap: argparse.ArgumentParser, model_help: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ds4_parts", description=__doc__.split("\n\n")[0])
     add_profile_args(ap, "a deepseek4 GGUF file")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall seconds (default), or the calling thread's CPU seconds (cpu: needs --threads 1)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     a = ap.parse_args(argv)
     if not a.model.is_file():
         print(f"bench.ds4_parts: {a.model} does not exist", file=sys.stderr)
         return 2
-    r = profile(a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill)
+    r = profile(
+        a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill, a.clock
+    )
     print(format_table(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))

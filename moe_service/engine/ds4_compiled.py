@@ -649,9 +649,7 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
     pre = np.empty(C, np.float32)
     for t in range(T):
         tb = t % _MIX_TOKENS
-        if (
-            T == 1 and M == 24 and f32_table
-        ):  # one token, V4's 4 streams: the 24 sums in registers (the same bits)
+        if T == 1 and M == 24 and f32_table:  # one token, V4's 4 streams: 24 sums in registers
             mix_rows_f64(xn_flat, t * K, fnT_flat, K, 24, acc)
         elif tb == 0:  # the mixes of the next _MIX_TOKENS tokens in one pass over fnT
             nt = min(_MIX_TOKENS, T - t)
@@ -663,32 +661,43 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
                     v = np.float64(xn[t + u, k])
                     for m in range(M):
                         acc[u, m] += v * np.float64(fnT[k, m])
-        for m in range(M):
-            mixes[m] = np.float32(acc[tb, m])
-        for i in range(C):
-            pre[i] = _sigmoid32(mixes[i] * scale[0] + base[i]) + np.float32(eps_hc)
-            post[t, i] = np.float32(2.0) * _sigmoid32(mixes[C + i] * scale[1] + base[C + i])
-        for a in range(C):  # softmax over dst, + eps (ds4_ops.sinkhorn's first step)
-            mx = -np.inf
-            for b in range(C):
-                c[0, a, b] = np.float64(mixes[2 * C + a * C + b] * scale[2] + base[2 * C + a * C + b])
-                mx = max(mx, c[0, a, b])
-            for b in range(C):
-                c[0, a, b] = np.exp(c[0, a, b] - mx)
-            tot = c[0, a, 0]
-            for b in range(1, C):
-                tot += c[0, a, b]
-            for b in range(C):
-                c[0, a, b] = c[0, a, b] / tot + eps_hc
-        _sinkhorn_iters(c, iters, eps_hc)
-        for a in range(C):
-            for b in range(C):
-                comb[t, a, b] = np.float32(c[0, a, b])
-        for j in range(H):
-            s = pre[0] * x[t, 0, j]
-            for i in range(1, C):
-                s += pre[i] * x[t, i, j]
-            h[t, j] = s
+        _hc_pre_tail(acc[tb], x[t], scale, base, eps_hc, iters, mixes, c, pre, h[t], post[t], comb[t])
+
+
+@njit(**_JIT)
+def _hc_pre_tail(acc, x, scale, base, eps_hc, iters, mixes, c, pre, h, post, comb):
+    """One token's hc_pre after its mixes: acc float64 [M] (the mixes' sums), x float32 [C, H]
+    -> h [H], post [C], comb [C, C] float32 (pre's sigmoids, the Sinkhorn normalisation and
+    h = sum_i pre[i] x[i], as ds4_ops.hc_pre). Scratch: mixes float32 [M], c float64
+    [1, C, C], pre float32 [C]."""
+    C, H = x.shape
+    M = acc.shape[0]
+    for m in range(M):
+        mixes[m] = np.float32(acc[m])
+    for i in range(C):
+        pre[i] = _sigmoid32(mixes[i] * scale[0] + base[i]) + np.float32(eps_hc)
+        post[i] = np.float32(2.0) * _sigmoid32(mixes[C + i] * scale[1] + base[C + i])
+    for a in range(C):  # softmax over dst, + eps (ds4_ops.sinkhorn's first step)
+        mx = -np.inf
+        for b in range(C):
+            c[0, a, b] = np.float64(mixes[2 * C + a * C + b] * scale[2] + base[2 * C + a * C + b])
+            mx = max(mx, c[0, a, b])
+        for b in range(C):
+            c[0, a, b] = np.exp(c[0, a, b] - mx)
+        tot = c[0, a, 0]
+        for b in range(1, C):
+            tot += c[0, a, b]
+        for b in range(C):
+            c[0, a, b] = c[0, a, b] / tot + eps_hc
+    _sinkhorn_iters(c, iters, eps_hc)
+    for a in range(C):
+        for b in range(C):
+            comb[a, b] = np.float32(c[0, a, b])
+    for j in range(H):
+        s = pre[0] * x[0, j]
+        for i in range(1, C):
+            s += pre[i] * x[i, j]
+        h[j] = s
 
 
 (P_X, P_FNT, P_F64, P_SCALE, P_BASE, P_EPS, P_ITERS, P_XN, P_H, P_POST, P_COMB, P_T, P_C, P_H_DIM, P_LEN) = (

@@ -565,17 +565,39 @@ class Deepseek4(Architecture):
         if "hc_attn_fnT" not in d:  # the mixing matrices as the compiled hc_pre reads them
             d["hc_attn_fnT"], d["hc_ffn_fnT"] = dc.mix_table(d["hc_attn_fn"]), dc.mix_table(d["hc_ffn_fn"])
         # compiled ds4_ops.hc_pre / hc_post (ds4_compiled; the same formulas)
-        # multi-token steps spread the tokens over the worker pool (the same bits)
-        pool = getattr(getattr(be.m, "ops", None), "pool", None) if T > 1 else None
-        h, post, comb = dc.hc_pre(xs, d["hc_attn_fnT"], d["hc_attn_scale"], d["hc_attn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters, pool)
+        # multi-token steps spread the tokens over the worker pool (the same bits); a decode
+        # step spreads hc_pre's mixing-table read over it (ds4_decode.HcPreOne, the same bits)
+        wp = getattr(getattr(be.m, "ops", None), "pool", None)
+        pool = wp if T > 1 else None
+        h, post, comb = self._hc_pre(d, "hc_attn", xs, wp)
         h = be.rmsnorm(_back(be, h), lw.vecs["attn_norm"], hp.rms_eps)
         xs = dc.hc_post(_np(self._attention(be, lw, h, st)), xs, post, comb, pool)
-        h, post, comb = dc.hc_pre(xs, d["hc_ffn_fnT"], d["hc_ffn_scale"], d["hc_ffn_base"], hp.rms_eps,
-                                  hp.hc_eps, hp.hc_iters, pool)
+        h, post, comb = self._hc_pre(d, "hc_ffn", xs, wp)
         h = be.rmsnorm(_back(be, h), lw.vecs["ffn_norm"], hp.rms_eps)
         xs = dc.hc_post(_np(self._ffn(be, lw, h, st)), xs, post, comb, pool)
         return _back(be, xs.reshape(T, C * H))
+
+    def _hc_pre(self, d: dict, name: str, xs: np.ndarray, wp: Any):
+        """ds4_compiled.hc_pre of the mix ``name`` ("hc_attn", "hc_ffn") on xs [T, C, H]: one
+        token on a pool of 2+ workers with a float32 table through ds4_decode.HcPreOne (its
+        split table kept in the layer's dict), else on the pool for multi-token steps."""
+        from moe_service.engine import ds4_compiled as dc
+
+        hp, T = self.hp, xs.shape[0]
+        fnT = d[f"{name}_fnT"]
+        M = fnT.shape[1]
+        shares = min(wp.n_workers, 3) if wp is not None else 1  # 8+ columns a share: the sums in registers
+        while shares > 1 and M % shares:
+            shares -= 1
+        if T == 1 and shares > 1 and fnT.dtype == np.float32:
+            one = d.get(f"{name}_one")
+            if one is None or one.n_shares != shares:
+                from moe_service.engine import ds4_decode
+
+                one = d[f"{name}_one"] = ds4_decode.HcPreOne(fnT, shares, hp.rms_eps, wp.n_nodes)
+            return one(xs, d[f"{name}_scale"], d[f"{name}_base"], hp.hc_eps, hp.hc_iters, wp)
+        return dc.hc_pre(xs, fnT, d[f"{name}_scale"], d[f"{name}_base"], hp.rms_eps, hp.hc_eps, hp.hc_iters,
+                         wp if T > 1 else None)
 
     def final_norm(self, be, x, w):
         from moe_service.engine import ds4_ops as ops
@@ -616,9 +638,12 @@ class Deepseek4(Architecture):
         pool = getattr(getattr(be.m, "ops", None), "pool", None)
         # per-head rms, rope and float16 rounding in place in one compiled pass (the bits of
         # ds4_ops.rms, ds4_ops.rope_last, then astype(float16)), pooled over the tokens of a
-        # multi-token step; the attention takes q rounded to float16 values
+        # multi-token step; the attention takes q rounded to float16 values. One token (T = 1):
+        # that and the output's inverse rope are done in the attention's pool job
+        # (ds4_decode.attend_one, the same bits)
         q = np.ascontiguousarray(_np(proj["attn_q_b"]), dtype=np.float32).reshape(T, NH, D)  # the step's own array
-        q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool if T > 1 else None)
+        if T > 1:
+            q = dc.heads_inplace(q, pos, cos, sin, hp.rms_eps, True, pool)
         kv = _np(be.rmsnorm(proj["attn_kv"], lw.vecs["attn_kv_a_norm"], hp.rms_eps))
         kv = ops.rope_last(kv[:, None, :], pos, cos, sin)[:, 0, :]
         comp_in = idx_in = None
@@ -639,7 +664,7 @@ class Deepseek4(Architecture):
             n = e - a
             if n == 1:  # a decode step: the window read in place, the indexer only when it must choose
                 out[a] = self._attend_one(be, lw, state, q[a], kv[a], comp_in, idx_in, a, s, n0, ratio, cos, sin,
-                                          pool)
+                                          pool, int(pos[a]) if T == 1 else -1)
                 continue
             new = kv[a:e].astype(np.float16)
             p = pos[a:e]
@@ -678,7 +703,7 @@ class Deepseek4(Architecture):
             # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows (q rounded above)
             out[a:e] = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
                                       pool)
-        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool if T > 1 else None)  # the inverse rope
+        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
         if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
@@ -689,14 +714,16 @@ class Deepseek4(Architecture):
         (y,) = be.linear(lw, ("attn_output_b",), oa)
         return y
 
-    def _attend_one(self, be, lw, state, q, kv, comp_in, idx_in, a, s, n0, ratio, cos, sin, pool):
+    def _attend_one(self, be, lw, state, q, kv, comp_in, idx_in, a, s, n0, ratio, cos, sin, pool, p_raw=-1):
         """One token of slot ``s`` at position n0 (a span of one: a decode step), as the span
         loop of :meth:`_attention` computes it (the same keys in the same order, the same
         state updates): the raw ring written in place and read from there
         (ds4_compiled.attend_one), every visible compressed row attended on ratio-128 layers,
         and on ratio-4 layers the indexer's scores computed (ds4_indexer.index_one) only when
         there are more visible rows than its top_k (else top-k keeps them all). q [NH, D] float32
-        (rounded to float16 values), kv [D] float32. Returns float32 [NH, D]."""
+        (rounded to float16 values), kv [D] float32. Returns float32 [NH, D]. ``p_raw`` >= 0: q
+        is raw (the token at that position, alone in its step), prepared in place, and the
+        output comes inverse-roped (ds4_decode.attend_one: the same bits)."""
         from moe_service.engine import ds4_compiled as dc
         from moe_service.engine import ds4_indexer
 
@@ -722,6 +749,12 @@ class Deepseek4(Architecture):
                 kvc.note_ring(s, il, "iring_sc", n0, idx_in[1][a:a + 1])
                 if nb > hp.indexer_top_k:  # compiled, float64 (ds4_indexer.index_one: _top_k's choice)
                     sel = ds4_indexer.index_one(idx_in[2][a], idx_in[3][a], ik, nb, hp.indexer_top_k, pool)
+        if p_raw >= 0:
+            from moe_service.engine import ds4_decode
+
+            o = ds4_decode.attend_one(q, p_raw, cos, sin, hp.rms_eps, ring[s], lo, n0, new, comp, sel, d["attn_sinks"],
+                                      1.0 / np.sqrt(hp.head_dim), pool)
+            return o[0]
         o = dc.attend_one(q[None], ring[s], lo, n0, new, comp, sel, d["attn_sinks"], 1.0 / np.sqrt(hp.head_dim), pool)
         return o[0]
 
@@ -766,16 +799,20 @@ class Deepseek4(Architecture):
         return comp[s, :last]
 
     def _ffn(self, be, lw, h, st):
+        from moe_service.engine import ds4_decode
         from moe_service.engine import ds4_ops as ops
 
         hp, d, il = self.hp, lw.ds4, lw.index
         probs = ops.sqrt_softplus(np.asarray(be.router_logits(lw, h), dtype=np.float32))
+        # one token: compiled (ds4_decode.route_one, ds4_ops.route's bits) where the bias is float32
         if il < hp.hash_layers:
-            ids, w = ops.route(probs, hp.n_expert_used, None, d["tid2eid"][st.tokens], hp.weights_norm,
-                               hp.weights_scale)
+            route = ds4_decode.route_one if probs.shape[0] == 1 else ops.route
+            ids, w = route(probs, hp.n_expert_used, None, d["tid2eid"][st.tokens], hp.weights_norm, hp.weights_scale)
         else:
             k = be.m.routing.k if be.m.routing is not None else hp.n_expert_used
-            ids, w = ops.route(probs, k, _np(lw.router_bias), None, hp.weights_norm, hp.weights_scale)
+            bias = _np(lw.router_bias)
+            route = ds4_decode.route_one if probs.shape[0] == 1 and bias.dtype == np.float32 else ops.route
+            ids, w = route(probs, k, bias, None, hp.weights_norm, hp.weights_scale)
         y = be.moe(lw, h, np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32))
         lim = hp.clamp_shexp[il]
         act = MoEAct(ACT_SWIGLU_CLAMP, limit=lim) if lim > 1e-6 else MoEAct()
