@@ -233,8 +233,8 @@ def test_score_dot_products_sum_in_ggml_order(d):
 @pytest.mark.parametrize("nr", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128, 576])
 def test_multi_row_scores_equal_one_row_scores(d, nr, tile):
-    """The prefill K pass's rows-per-key kernels (2 to 4 rows; 16 keys per call at D = 64 and
-    128, then key by key) give the 16-lane scores bit for bit, over the float16 cache read in
+    """The prefill K pass's rows-per-key kernels (2 to 4 rows; 16 keys per call at D = 64,
+    128 and 576, then key by key) give the 16-lane scores bit for bit, over the float16 cache read in
     place (two KV heads per position: a key every 2 x D) and over a widened float32 tile."""
     rng = np.random.default_rng(d + nr)
     n, L = 27, 31  # keys 2..26: one call of 16 keys, then 9 one by one
