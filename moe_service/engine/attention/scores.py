@@ -183,7 +183,11 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
     elif d == 576:
         while j16 + 16 <= jb:
             ko = k0 + j16 * kstride
-            if nr == 4:
+            if nr == 6:
+                _dot16_heads_keys(qb, qo, d, 6, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            elif nr == 5:
+                _dot16_heads_keys(qb, qo, d, 5, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            elif nr == 4:
                 _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
             elif nr == 3:
                 _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
@@ -191,7 +195,13 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
                 _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
             j16 += 16
     for j in range(j16, jb):
-        if nr == 4:
+        if nr > 4:  # (D = 576: five or six rows, as four then the rest)
+            _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 4)
+            if nr == 6:
+                _dot16_rows(qb, qo + 4 * d, d, kb, k0 + j * kstride, d // 16, s, so + 4 * L + j, L, 2)
+            else:
+                _dot16_rows(qb, qo + 4 * d, d, kb, k0 + j * kstride, d // 16, s, so + 4 * L + j, L, 1)
+        elif nr == 4:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 4)
         elif nr == 3:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 3)
