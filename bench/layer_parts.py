@@ -1,5 +1,6 @@
 """Where a decode step or a prefill of the llama-family architectures (llama, qwen2, qwen3,
-qwen3moe: moe_service/engine/arch/llama.py's block) spends its time, per part of the layer,
+qwen3moe: moe_service/engine/arch/llama.py's block) or of deepseek2 (DeepSeek V2/V3, Kimi K2:
+moe_service/engine/arch/deepseek2.py's MLA block) spends its time, per part of the layer,
 and outside the layers (embedding, output norm and head).
 
 The companion of bench/ds4_parts.py (DeepSeek V4), with its timer (:class:`bench.ds4_parts.PartTimer`:
@@ -10,7 +11,10 @@ the ``--depth``-token prefill itself (``--ubatch``-token steps from an empty slo
 untimed warm-up prefill of one step on another slot): milliseconds per layer for the whole
 prefill, and microseconds per layer per prompt token. Parts:
 
-    attn proj      attn_q/k/v (one dispatch) and attn_output matmuls (be.linear; biases in it)
+    attn proj      attn_q/k/v (one dispatch) and attn_output matmuls (be.linear; biases in it;
+                   deepseek2: attn_q_a + attn_kv_a_mqa, attn_q_b, attn_output)
+    mla heads      deepseek2's per-head matmuls (be.head_linear: q_nope through W_kb, the
+                   latent output through W_vb) and the prefill's per-head K/V decompression
     qk norm        the per-head RMSNorm of q and k (qwen3, qwen3moe)
     rope           q and k rope
     kv write       the step's keys and values into the cache (attention.store)
@@ -19,6 +23,7 @@ prefill, and microseconds per layer per prompt token. Parts:
     router         router logits and the top-k routing
     experts        the routed experts (fused MoE step)
     dense ffn      a dense layer's gate/up/down
+    shared expert  deepseek2's shared experts' gate/up/down
     glue           the rest of the layer (head reshapes, residual adds, the output buffer)
 
 and per step, outside the layers (milliseconds per step, decode; per prefill, prefill):
@@ -54,9 +59,10 @@ import numpy as np
 
 from bench.ds4_parts import PartTimer, add_profile_args
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "deepseek2")
 PARTS = (
     "attn proj",
+    "mla heads",
     "qk norm",
     "rope",
     "kv write",
@@ -65,6 +71,7 @@ PARTS = (
     "router",
     "experts",
     "dense ffn",
+    "shared expert",
     "glue",
 )
 OUTSIDE = ("embed", "head", "step glue")
@@ -114,10 +121,10 @@ class StepTimer:
 
 
 def instrument(timer: PartTimer, steps: StepTimer | None = None) -> Callable[[], None]:
-    """Wrap the llama family's parts (class and module attributes, so calls made through
-    them are timed); returns the function that puts the originals back."""
+    """Wrap the llama family's and deepseek2's parts (class and module attributes, so calls
+    made through them are timed); returns the function that puts the originals back."""
     from moe_service.engine import attention
-    from moe_service.engine.arch import llama
+    from moe_service.engine.arch import deepseek2, llama
     from moe_service.engine.model import CpuPath, Model
 
     saved: list[tuple[Any, str, Any]] = []
@@ -136,6 +143,12 @@ def instrument(timer: PartTimer, steps: StepTimer | None = None) -> Callable[[],
             return None
         return "dense ffn" if a[2][0].startswith("ffn_") else "attn proj"
 
+    def ffn_label(a: tuple) -> str | None:
+        if len(timer.stack) != 1:
+            return None
+        names = a[3] if len(a) > 3 else ("ffn_gate",)
+        return "shared expert" if names[0].endswith("_shexp") else "dense ffn"
+
     def part(label: Callable[[tuple], str | None]) -> Callable[[Any], Callable]:
         return lambda f: timer.wrap(f, label)
 
@@ -145,10 +158,12 @@ def instrument(timer: PartTimer, steps: StepTimer | None = None) -> Callable[[],
     patch(CpuPath, "rope", part(outer("rope")))
     patch(CpuPath, "route", part(outer("router")))
     patch(CpuPath, "moe", part(outer("experts")))
-    patch(CpuPath, "glu_ffn", part(outer("dense ffn")))
+    patch(CpuPath, "glu_ffn", part(ffn_label))
+    patch(CpuPath, "head_linear", part(outer("mla heads")))
     patch(attention, "store", part(lambda a: "kv write"))
     patch(attention, "attend", part(lambda a: "attention"))
     patch(llama.Llama, "block", timer.wrap_layer)
+    patch(deepseek2.Deepseek2, "block", timer.wrap_layer)
     if steps is not None:
         patch(Model, "step", steps.wrap_step)
         patch(CpuPath, "embed", lambda f: steps.wrap(f, "embed"))
@@ -282,7 +297,7 @@ def format_table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.layer_parts", description=__doc__.split("\n\n")[0])
-    add_profile_args(ap, "a llama / qwen2 / qwen3 / qwen3moe GGUF file")
+    add_profile_args(ap, "a llama / qwen2 / qwen3 / qwen3moe / deepseek2 GGUF file")
     ap.add_argument(
         "--clock",
         choices=sorted(CLOCKS),

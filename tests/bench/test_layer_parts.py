@@ -74,3 +74,33 @@ def test_parts_add_up_to_the_layer_and_the_step(tmp_path, prefill, clock):
 def test_cpu_clock_needs_one_thread(tmp_path):
     with pytest.raises(SystemExit, match="--threads 1"):
         profile(tmp_path / "never-opened.gguf", threads=2, depth=8, n_decode=1, clock="cpu")
+
+
+@needs_smollm2
+@pytest.mark.parametrize("prefill", [False, True])
+def test_deepseek2_parts_add_up(tmp_path, prefill):
+    """A deepseek2 (MLA) file: its per-head matmuls are 'mla heads', its shared experts 'shared
+    expert', its leading dense layer 'dense ffn'; the parts still add up to the layer."""
+    from moe_service.synth_deepseek2 import write_deepseek2
+
+    path = write_deepseek2(tmp_path / "d.gguf", "tiny-deepseek2", expert_type="Q8_0", seed=3, n_layer=2)
+    r = profile(path, threads=1, depth=20, n_decode=2, ubatch=8, prefill=prefill, clock="cpu")
+    assert r["arch"] == "deepseek2" and r["n_layer"] == 2
+    table = r["parts_ms_per_layer"]
+    assert set(table) == set(PARTS)
+    assert sum(table.values()) == pytest.approx(r["layer_ms"], rel=1e-6)
+    for part in (
+        "attn proj",
+        "mla heads",
+        "rope",
+        "kv write",
+        "attention",
+        "norms",
+        "router",
+        "experts",
+        "dense ffn",
+        "shared expert",
+    ):
+        assert table[part] > 0, part
+    assert table["qk norm"] == 0.0
+    assert "layer total" in format_table(r)

@@ -33,8 +33,9 @@ accumulators stay in registers: :func:`_pv_heads16`). A decode reads a float16 c
 place (each key once for two to four heads of the group: :func:`_dot64_heads_keys8`),
 prefetching the rows ``_KV_PREFETCH_KEYS`` keys ahead. A
 prefill widens each key and value tile once into a contiguous float32 tile that all the
-task's rows read, and scores 16 keys x two to four heads of a token per call
-(:func:`_dot16_heads_keys`). A Q8_0 cache is always widened to a float32 tile. These
+task's rows read, and scores 16 keys x two to four heads of a token per call, up to six
+for a latent cache's 576 dims (:func:`_dot16_heads_keys`; its P.V then takes six heads per
+value row). A Q8_0 cache is always widened to a float32 tile. These
 kernels hold 16 float32 lanes per vector where the 512-bit kernels run (``_SCORE_LANES``),
 else 8; each lane's sum is the same either way. Online mode
 widens K and V tiles (float32, about one L1d) once each. Small steps run on the calling

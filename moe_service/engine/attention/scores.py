@@ -157,8 +157,10 @@ def _score_keys(qb, qo, kb, k0, kstride, s, so, ja, jb, d, scale, wide):
 def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, nr):
     """:func:`_score_keys` (16 lanes, D a multiple of 16) for the ``nr`` (2 to 4) query rows at
     qb[qo], qb[qo + d], ... whose scores go to s[so + j], s[so + L + j], ...: each key read
-    once for the rows (D = 64 or 128: 16 keys per :func:`_dot16_heads_keys` call, the rest
-    one by one, :func:`_dot16_rows`); mrow[r0 .. r0 + nr - 1] raised to the rows' maxima."""
+    once for the rows (D = 64, 128 or 576, a latent MLA cache: 16 keys per
+    :func:`_dot16_heads_keys` call, the rest one by one, :func:`_dot16_rows`); mrow[r0 .. r0 +
+    nr - 1] raised to the rows' maxima. (D = 576, one thread, V3 shapes, 128 new tokens at
+    depth 1024 with Dv = 16: 19.8 -> 19.3 ns per (row, key) for scores and softmax, a shared host.)"""
     j16 = ja
     if d == 128 or d == 64:
         while j16 + 16 <= jb:  # (16 keys per call: 5% faster than 8 at D = 128; 32 slower)
@@ -178,8 +180,28 @@ def _score_keys4(qb, qo, d, kb, k0, kstride, s, so, L, ja, jb, scale, mrow, r0, 
                 else:
                     _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 4, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
             j16 += 16
+    elif d == 576:
+        while j16 + 16 <= jb:
+            ko = k0 + j16 * kstride
+            if nr == 6:
+                _dot16_heads_keys(qb, qo, d, 6, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            elif nr == 5:
+                _dot16_heads_keys(qb, qo, d, 5, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            elif nr == 4:
+                _dot16_heads_keys(qb, qo, d, 4, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            elif nr == 3:
+                _dot16_heads_keys(qb, qo, d, 3, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            else:
+                _dot16_heads_keys(qb, qo, d, 2, kb, ko, kstride, 36, s, so + j16, L, 16, _KEYS_PER_PASS, scale, mrow, r0)
+            j16 += 16
     for j in range(j16, jb):
-        if nr == 4:
+        if nr > 4:  # (D = 576: five or six rows, as four then the rest)
+            _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 4)
+            if nr == 6:
+                _dot16_rows(qb, qo + 4 * d, d, kb, k0 + j * kstride, d // 16, s, so + 4 * L + j, L, 2)
+            else:
+                _dot16_rows(qb, qo + 4 * d, d, kb, k0 + j * kstride, d // 16, s, so + 4 * L + j, L, 1)
+        elif nr == 4:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 4)
         elif nr == 3:
             _dot16_rows(qb, qo, d, kb, k0 + j * kstride, d // 16, s, so + j, L, 3)

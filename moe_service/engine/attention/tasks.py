@@ -193,7 +193,7 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
             if not values and not wide and d % 16 == 0:  # prefill: two to four heads of the token per K read
                 while hh0 + 2 <= gh:
                     r = tt * gh + hh0
-                    nr = min(4, gh - hh0)
+                    nr = min(6 if d == 576 else 4, gh - hh0)
                     _score_keys4(qb, r * d, d, tile, -j0 * d, d, sc, so + r * L, L, jlo, jhi, scale, mrow, r, nr)
                     hh0 += nr
             elif not values and wide and fmt == FMT_F16 and gh >= 8 and d == 576:  # a latent cache: K widened once
@@ -207,7 +207,8 @@ def _tile_pass(op, values, qb, seq, p0, nq, gh, g, kp_lo, kp_hi, sc, so, L, mrow
             elif values and fmt == FMT_F16 and n_dim % 16 == 0:  # the token's heads per V read
                 r = tt * gh
                 if tiled:
-                    _pv_heads_f16(acc, ao + r * n_dim, gh, sc, so + r * L, L, tile, -j0 * n_dim, n_dim, jlo, jhi, n_dim)
+                    _pv_heads_f16(acc, ao + r * n_dim, gh, sc, so + r * L, L, tile, -j0 * n_dim, n_dim, jlo, jhi, n_dim,
+                                  n_dim >= 256)  # (six heads per value read: a latent cache's 512 dims)
                 else:
                     _pv_heads_f16(acc, ao + r * n_dim, gh, sc, so + r * L, L, c16, base, pos, jlo, jhi, n_dim)
                 hh0 = gh

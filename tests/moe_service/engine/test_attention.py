@@ -230,12 +230,14 @@ def test_score_dot_products_sum_in_ggml_order(d):
 
 
 @pytest.mark.parametrize("tile", [False, True])
-@pytest.mark.parametrize("nr", [2, 3, 4])
+@pytest.mark.parametrize("nr", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("d", [64, 128, 576])
 def test_multi_row_scores_equal_one_row_scores(d, nr, tile):
-    """The prefill K pass's rows-per-key kernels (2 to 4 rows; 16 keys per call at D = 64 and
-    128, then key by key) give the 16-lane scores bit for bit, over the float16 cache read in
+    """The prefill K pass's rows-per-key kernels (2 to 4 rows, 2 to 6 at D = 576; 16 keys per
+    call at D = 64, 128 and 576, then key by key) give the 16-lane scores bit for bit, over the float16 cache read in
     place (two KV heads per position: a key every 2 x D) and over a widened float32 tile."""
+    if nr > 4 and d != 576:
+        pytest.skip("five or six rows per key read: the latent cache (D = 576) only")
     rng = np.random.default_rng(d + nr)
     n, L = 27, 31  # keys 2..26: one call of 16 keys, then 9 one by one
     k16 = (rng.standard_normal((n, 2, d)) * 3).astype(np.float16)
@@ -280,8 +282,16 @@ def test_group_decode_kernels_equal_row_kernels(d, gh):
         assert mrow[r] == mx
         p[r * L + 3:r * L + n] = rng.random(n - 3).astype(np.float16)
         values._pv_exact(acc_rows, r * d, p, r * L, vb, d, kstride, 3, n, d)
+    acc_six = acc_group.copy()
     values._pv_heads_f16(acc_group, 0, gh, p, 0, L, vb, d, kstride, 3, n, d)
     assert np.array_equal(acc_group, acc_rows), (d, gh)
+    # six rows per value read (a prefill's float32 tile of a latent cache): the same sums
+    tile = v16[:, 1].astype(np.float32).reshape(-1)
+    acc_tile = acc_six.copy()
+    for r in range(gh):
+        values._pv_exact(acc_tile, r * d, p, r * L, tile, 0, d, 3, n, d)
+    values._pv_heads_f16(acc_six, 0, gh, p, 0, L, tile, 0, d, 3, n, d, True)
+    assert np.array_equal(acc_six, acc_tile), (d, gh)
 
 
 @pytest.mark.parametrize("n", [8, 13, 16])
