@@ -226,7 +226,7 @@ def measure_decode(path: str | Path, threads: int = 2, n_decode: int = 64, n_pro
 def measure_depth(path: str | Path, ids: list[int], threads: int = 2, n_decode: int = 32, n_batch: int = 512,
                   flash_attn: bool = False) -> dict[str, PeerResult]:
     """Long-context speed: prefill of ``ids`` (the depth D = len(ids), in n_batch-token
-    batches) and then ``n_decode`` single-token evals at depth D..D+n_decode. Returns
+    batches), one untimed single-token eval, then ``n_decode`` timed ones at depth D+1..D+n_decode. Returns
     {"prefill": PeerResult tok/s, "decode": PeerResult tok/s}; ``flash_attn``: llama.cpp's
     flash-attention path (llama-cpp-python's default is off)."""
     path = Path(path)
@@ -248,6 +248,7 @@ def measure_depth(path: str | Path, ids: list[int], threads: int = 2, n_decode: 
         llm.eval(list(ids))
         t_prefill = time.perf_counter() - t0
         steps = [ids[i % depth] for i in range(n_decode)]
+        llm.eval([ids[-1]])  # one untimed step at this depth, as bench.decode's side takes
         t0 = time.perf_counter()
         for t in steps:
             llm.eval([t])
