@@ -352,7 +352,7 @@ def format_table(r: dict) -> str:
 
 def add_profile_args(ap: argparse.ArgumentParser, model_help: str) -> None:
     """The options bench.ds4_parts and bench.layer_parts share: --model, --threads, --depth,
-    --decode, --prefill, --ubatch."""
+    --decode, --prefill, --ubatch, --clock, --json."""
     ap.add_argument("--model", type=Path, required=True, help=model_help)
     ap.add_argument("--threads", type=int, default=0, help="worker threads (default: usable CPUs)")
     ap.add_argument("--depth", type=int, default=512, help="tokens prefilled before the timed steps")
@@ -361,11 +361,6 @@ def add_profile_args(ap: argparse.ArgumentParser, model_help: str) -> None:
         "--prefill", action="store_true", help="time the --depth-token prefill instead of decode steps"
     )
     ap.add_argument("--ubatch", type=int, default=128, help="prefill step size in tokens (default 128)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.ds4_parts", description=__doc__.split("\n\n")[0])
-    add_profile_args(ap, "a deepseek4 GGUF file")
     ap.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -373,17 +368,27 @@ def main(argv: list[str] | None = None) -> int:
         help="wall seconds (default), or the calling thread's CPU seconds (cpu: needs --threads 1)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
-    a = ap.parse_args(argv)
+
+
+def profile_main(prog: str, a: argparse.Namespace, profile_fn: Callable[..., dict],
+                 format_fn: Callable[[dict], str]) -> int:
+    """The part profilers' main after parsing :func:`add_profile_args`' options: exit 2 with
+    one line for a missing --model, else ``profile_fn``'s table printed (and --json written)."""
     if not a.model.is_file():
-        print(f"bench.ds4_parts: {a.model} does not exist", file=sys.stderr)
+        print(f"{prog}: {a.model} does not exist", file=sys.stderr)
         return 2
-    r = profile(
-        a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill, a.clock
-    )
-    print(format_table(r))
+    r = profile_fn(a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill,
+                   a.clock)
+    print(format_fn(r))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ds4_parts", description=__doc__.split("\n\n")[0])
+    add_profile_args(ap, "a deepseek4 GGUF file")
+    return profile_main("bench.ds4_parts", ap.parse_args(argv), profile, format_table)
 
 
 if __name__ == "__main__":

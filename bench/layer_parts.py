@@ -47,7 +47,6 @@ Command (the numbers depend on the machine's load: compare runs made back to bac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -57,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.ds4_parts import PartTimer, add_profile_args
+from bench.ds4_parts import CLOCKS, PartTimer, add_profile_args, profile_main
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "deepseek2")
 PARTS = (
@@ -75,7 +74,6 @@ PARTS = (
     "glue",
 )
 OUTSIDE = ("embed", "head", "step glue")
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 class StepTimer:
@@ -298,24 +296,7 @@ def format_table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.layer_parts", description=__doc__.split("\n\n")[0])
     add_profile_args(ap, "a llama / qwen2 / qwen3 / qwen3moe / deepseek2 GGUF file")
-    ap.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="wall seconds (default), or the calling thread's CPU seconds (needs --threads 1)",
-    )
-    ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
-    a = ap.parse_args(argv)
-    if not a.model.is_file():
-        print(f"bench.layer_parts: {a.model} does not exist", file=sys.stderr)
-        return 2
-    r = profile(
-        a.model, a.threads or len(os.sched_getaffinity(0)), a.depth, a.decode, a.ubatch, a.prefill, a.clock
-    )
-    print(format_table(r))
-    if a.json:
-        a.json.write_text(json.dumps(r, indent=1))
-    return 0
+    return profile_main("bench.layer_parts", ap.parse_args(argv), profile, format_table)
 
 
 if __name__ == "__main__":
