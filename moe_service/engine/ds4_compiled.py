@@ -187,7 +187,7 @@ def _attend_one_range(q, keys8, keys, kc, sinks, scale, out, h0, h1):
     sums by 16 dims for every head (the keys' 16-dim column, contiguous in kc, read from L2
     for each 4 heads). q, out float32 [NH * D]; keys8: keys' bytes; kc float32 [D * n]: the
     keys chunk-major (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l]; read when D % 16 == 0),
-    made once by the caller (:func:`_gather_one`) for every range."""
+    made once by the caller (:func:`_gather_rows`) for every range."""
     n, D = keys.shape
     nh = h1 - h0
     n1 = max(1, n)
@@ -437,28 +437,26 @@ def round_f16(x: np.ndarray) -> np.ndarray:
 
 
 @njit(**_JIT)
-def _gather_one(ring16, lo, n0, new16, comp16, sel, keys, kc):
-    """One token's keys as float32 rows in attend_rows' column order: the window's ring rows
-    of positions lo .. n0 - 1 (position p at ring row p % W), the token's own row, then the
-    compressed rows ``sel`` (ascending); when D % 16 == 0 also chunk-major into kc float32
-    [D * n] (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l], the value sums' layout)."""
+def _gather_rows(ring16, lo, n0, new16, comp16, sel, keys, kc, r0, r1):
+    """Rows r0..r1 of one token's keys as float32 rows in attend_rows' column order: row
+    i < n0 - lo is the window's ring row of position lo + i (position p at ring row p % W),
+    row n0 - lo the token's own row, then the compressed rows sel[i - (n0 - lo + 1)]
+    (ascending); keys float32 [n, D], and when D % 16 == 0 also chunk-major into kc float32
+    [D * n] (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l], the value sums' layout). Row
+    ranges are independent: ds4_decode.attend_one gathers them on several workers."""
     W, D = ring16.shape
-    n = 0
-    for p in range(lo, n0):
-        rr = p % W
+    n = keys.shape[0]
+    nw = n0 - lo
+    for i in range(r0, r1):
+        if i < nw:
+            src = ring16[(lo + i) % W]
+        elif i == nw:
+            src = new16
+        else:
+            src = comp16[sel[i - nw - 1]]
         for d in range(D):
-            keys[n, d] = _f16_bits_to_f32(ring16[rr, d])
-        n += 1
-    for d in range(D):
-        keys[n, d] = _f16_bits_to_f32(new16[d])
-    n += 1
-    for j in range(sel.shape[0]):
-        c = sel[j]
-        for d in range(D):
-            keys[n, d] = _f16_bits_to_f32(comp16[c, d])
-        n += 1
-    if D % 16 == 0:
-        for i in range(n):
+            keys[i, d] = _f16_bits_to_f32(src[d])
+        if D % 16 == 0:
             for c in range(D // 16):
                 for e in range(16):
                     kc[(c * n + i) * 16 + e] = keys[i, c * 16 + e]
@@ -509,7 +507,7 @@ def attend_one(
     n = n0 - lo + 1 + idx.shape[0]
     keys = np.empty((n, D), np.float32)
     kc = np.empty(n * D if D % 16 == 0 else 1, np.float32)
-    _gather_one(
+    _gather_rows(
         ring.view(np.uint16),
         lo,
         n0,
@@ -518,6 +516,8 @@ def attend_one(
         idx,
         keys,
         kc,
+        0,
+        n,
     )
     return _attend_one_keys(q, keys, kc, sinks, scale, pool)
 

@@ -20,11 +20,11 @@ import numpy as np
 from numba import carray, njit, types
 
 from moe_service.engine import pool as _pool
-from moe_service.engine.cpu_layers import _f16_bits_to_f32
 from moe_service.engine.ds4_compiled import (
     _ONE_HEADS,
     _POOL_MIN_MACS,
     _attend_one_range,
+    _gather_rows,
     _hc_pre_tail,
     _heads_rows,
 )
@@ -140,30 +140,6 @@ class HcPreOne:
 
 # ---------------------------------------------------------------------------------------
 # one token's attention with its query preparation and the output's inverse rope
-
-
-@njit(**_JIT)
-def _gather_rows(ring16, lo, n0, new16, comp16, sel, keys, kc, r0, r1):
-    """Rows r0..r1 of ds4_compiled._gather_one's keys (the same values in the same places):
-    row i < n0 - lo is the ring row of position lo + i, row n0 - lo the token's own row,
-    then the compressed rows sel[i - (n0 - lo + 1)]; keys float32 [n, D], and when D % 16
-    == 0 kc float32 [D * n] chunk-major (kc[(c * n + i) * 16 + l] = keys[i, c * 16 + l])."""
-    W, D = ring16.shape
-    n = keys.shape[0]
-    nw = n0 - lo
-    for i in range(r0, r1):
-        if i < nw:
-            src = ring16[(lo + i) % W]
-        elif i == nw:
-            src = new16
-        else:
-            src = comp16[sel[i - nw - 1]]
-        for d in range(D):
-            keys[i, d] = _f16_bits_to_f32(src[d])
-        if D % 16 == 0:
-            for c in range(D // 16):
-                for e in range(16):
-                    kc[(c * n + i) * 16 + e] = keys[i, c * 16 + e]
 
 
 @njit(**_JIT)
