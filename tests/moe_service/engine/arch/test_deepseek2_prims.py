@@ -181,6 +181,34 @@ def test_head_matmul_with_a_head_stride_and_bounds():
         mla.head_matmul(w, (DN + 1) * rb, quant.GGML_Q8_0, NH, DV, C, x, head_stride_bytes=(DN + DV) * rb)
 
 
+
+@pytest.mark.parametrize("ggml_type", [quant.GGML_Q8_0, quant.GGML_Q6_K])
+def test_head_matmul_in_place_sources_and_the_pool_equal_per_head_matmuls(ggml_type):
+    """Rows quantized head-major from x read in place (a column slice of a wider array, as
+    q[:, :, :Dn]; a transposed view), a float64 x (copied), on the pool or the calling thread:
+    every (token, head) equals the single-tensor matmul of that head, bit for bit."""
+    from moe_service.engine.pool import WorkerPool
+
+    rng = np.random.default_rng(5)
+    NH, R, C, T = 8, 64, 256, 64  # T * R * C = 2^20: the pooled path
+    w = quant.random_blocks(rng, ggml_type, NH * R, C, scale=0.02)
+    rb = quant.row_bytes(ggml_type, C)
+    wide = rng.standard_normal((T, NH, C + 64)).astype(np.float32)
+    sources = {"column slice": wide[:, :, :C], "transposed": np.ascontiguousarray(wide[:, :, :C].transpose(1, 0, 2))
+               .transpose(1, 0, 2), "float64": wide[:, :, :C].astype(np.float64)}
+    want = np.stack([quant.matmul(w, h * R * rb, ggml_type, R, C, np.ascontiguousarray(wide[:, h, :C]))
+                     for h in range(NH)], axis=1)
+    pool = WorkerPool(n_threads=2)
+    try:
+        for name, x in sources.items():
+            for p in (None, pool):
+                got = mla.head_matmul(w, 0, ggml_type, NH, R, C, x, pool=p)
+                assert got.shape == (T, NH, R), name
+                np.testing.assert_array_equal(got, want, err_msg=f"{name}, pool {p is not None}")
+    finally:
+        pool.close()
+
+
 # ----------------------------------------------------------------------------- latent attention
 def test_latent_attention_matches_float64():
     """vc is kc (V = first Rkv dims of each cache row), one KV head for all query heads."""
