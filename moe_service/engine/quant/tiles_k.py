@@ -882,8 +882,8 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
         for p in mvec:
             builder.store(ir.Constant(mty, [0.0] * n_a), p)
         z16 = ir.Constant(_vt(_I32, 16), [0] * 16)
-        ahead = (_IQ1SAhead(builder, f, wrow[0], nb)
-                 if (n_w, n_a) == (1, 1) and not unpacked and not _VNNI and f.name == "IQ1_S" else None)
+        ahead = ([_IQ1SAhead(builder, f, wrow[k], nb) for k in range(n_w)]
+                 if n_a == 1 and not unpacked and not _VNNI and f.name == "IQ1_S" else None)
 
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
@@ -900,7 +900,7 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
                                        ir.Constant(_I32, 0))
             bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
             if ahead is not None:
-                wk = [ahead.pieces(builder, b, wb[0])]
+                wk = [ahead[k].pieces(builder, b, wb[k]) for k in range(n_w)]
             else:
                 wk = [_kq_pieces(builder, fmt, wb[k]) if not unpacked else _unpacked_pieces(builder, wb[k])
                       for k in range(n_w)]
