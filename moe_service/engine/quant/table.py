@@ -94,13 +94,13 @@ def _a8(typingctx, fmt):
 
 _T1_PAIRS = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.name == "IQ1_S")
 """Formats whose one-item matmul takes its weight rows two per tile (AVX2, IQ1_S): the two
-rows' unpacking (table loads, index arithmetic) and their dots interleave in one loop, which
-the out-of-order core overlaps better than one row's chain after another's (tiles_k
-_IQ1SAhead keeps each row's index slot off the chain). Measured on Zen 3, one thread, T = 1,
-256 rows x 2048 hot in L2, CPU time, best of 5 x 200 calls, alternated: IQ1_S 2.70-2.75 ->
-2.55-2.57 ns per 32 weights (without _IQ1SAhead two rows measured no gain: docs/iq-decode-notes.md);
-IQ2_XXS 2.76-2.78 -> 2.93-2.98 (slower: not taken). The same results bit for bit: each
-row's integer lanes and float steps are the one-row tile's."""
+rows' unpacking (table loads, index arithmetic) and dots interleave in one loop, which the
+out-of-order core overlaps better than one row's chain after another's (each row's indices
+one super-block ahead: tiles_k._IndicesAhead). Measured on Zen 3, one thread, T = 1, 256
+rows x 2048 hot in L2, CPU time, best of 5 x 200 calls, alternated, ns per 32 weights:
+IQ1_S 2.70-2.75 -> 2.55-2.57 (without _IndicesAhead two rows measured no gain:
+docs/iq-decode-notes.md); IQ2_XXS 2.76-2.78 -> 2.93-2.98 (not taken). The same results bit
+for bit: each row's integer lanes and float steps are the one-row tile's."""
 
 
 @intrinsic
