@@ -92,14 +92,15 @@ def _a8(typingctx, fmt):
     return types.boolean(fmt), codegen
 
 
-_T1_PAIRS = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.name == "IQ1_S")
-"""Formats whose one-item matmul takes its weight rows two per tile (AVX2, IQ1_S): the two
+_T1_PAIRS = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "IQ1_M"))
+"""Formats whose one-item matmul takes its weight rows two per tile (AVX2, IQ1_S, IQ1_M): the two
 rows' unpacking (table loads, index arithmetic) and dots interleave in one loop, which the
 out-of-order core overlaps better than one row's chain after another's (each row's indices
 one super-block ahead: tiles_k._IndicesAhead). Measured on Zen 3, one thread, T = 1, 256
 rows x 2048 hot in L2, CPU time, best of 5 x 200 calls, alternated, ns per 32 weights:
 IQ1_S 2.70-2.75 -> 2.55-2.57 (without _IndicesAhead two rows measured no gain:
-docs/iq-decode-notes.md); IQ2_XXS 2.76-2.78 -> 2.93-2.98 (not taken). The same results bit
+docs/iq-decode-notes.md); IQ1_M 3.24-3.41 -> 3.10-3.26; not taken: IQ2_XXS 2.76-2.78 ->
+2.93-2.98, IQ2_S 2.84-2.87 -> 2.85, IQ3_S 3.67-3.77 -> 3.79-3.90. The same results bit
 for bit: each row's integer lanes and float steps are the one-row tile's."""
 
 
