@@ -787,3 +787,16 @@ def index_scores16_f64(typingctx, q, w, n_heads, dim, kt, out):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _slot_fields(builder, slot):
+    """i64 scalars: the lanes of the <n x i16> stored at pointer ``slot``, read back 64 bits at
+    a time and split in general registers (tiles_k._spilled's read side; the slot's address
+    through an empty asm, so LLVM keeps the loads instead of lane extracts)."""
+    qp = builder.bitcast(builder.asm(ir.FunctionType(slot.type, [slot.type]), "", "=r,0", [slot], False),
+                         _I64.as_pointer())
+    out = []
+    for j in range(slot.type.pointee.count // 4):
+        w = builder.load(builder.gep(qp, [_ci(j)]))
+        out += [builder.and_(builder.lshr(w, _ci(16 * m)) if m else w, _ci(0xFFFF)) for m in range(4)]
+    return out

@@ -92,6 +92,31 @@ def _a8(typingctx, fmt):
     return types.boolean(fmt), codegen
 
 
+_T1_PAIRS = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "IQ1_M"))
+"""Formats whose one-item matmul takes its weight rows two per tile (AVX2, IQ1_S, IQ1_M): the two
+rows' unpacking (table loads, index arithmetic) and dots interleave in one loop, which the
+out-of-order core overlaps better than one row's chain after another's (each row's indices
+one super-block ahead: tiles_k._IndicesAhead). Measured on Zen 3, one thread, T = 1, 256
+rows x 2048 hot in L2, CPU time, best of 5 x 200 calls, alternated, ns per 32 weights:
+IQ1_S 2.70-2.75 -> 2.55-2.57 (without _IndicesAhead two rows measured no gain:
+docs/iq-decode-notes.md); IQ1_M 3.24-3.41 -> 3.10-3.26; not taken: IQ2_XXS 2.76-2.78 ->
+2.93-2.98, IQ2_S 2.84-2.87 -> 2.85, IQ3_S 3.67-3.77 -> 3.79-3.90. The same results bit
+for bit: each row's integer lanes and float steps are the one-row tile's."""
+
+
+@intrinsic
+def _t1_pairs(typingctx, fmt):
+    """Whether the literal format ``fmt`` is in _T1_PAIRS, as a constant."""
+    if not isinstance(fmt, types.IntegerLiteral):
+        return None
+    val = fmt.literal_value in _T1_PAIRS
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(1), int(val))
+
+    return types.boolean(fmt), codegen
+
+
 _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
 
 
@@ -151,8 +176,14 @@ def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, x
     """A quantized format's rows [row_lo, row_hi) (nb blocks each) x items: weight rows in
     tiles of _R_TILE (then single rows), each tile read from memory once and dotted with
     every item; a single item of a ``sequential_t1`` format (formats.SEQUENTIAL_T1_NOTE:
-    a plain stream beats 4 side-by-side rows when memory-bound) goes row by row."""
+    a plain stream beats 4 side-by-side rows when memory-bound) goes row by row, of a
+    _T1_PAIRS format two rows per tile."""
     r = row_lo
+    if n_items == 1 and _t1_pairs(fmt):
+        while r + 2 <= row_hi:
+            _tile(fmt, 2, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, 0, o_rows, out,
+                  out_stride, out_col + r)
+            r += 2
     if not (n_items == 1 and sequential_t1):
         while r + _R_TILE <= row_hi:
             _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
