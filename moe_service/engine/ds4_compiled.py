@@ -649,7 +649,8 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
     pre = np.empty(C, np.float32)
     for t in range(T):
         tb = t % _MIX_TOKENS
-        if T == 1 and M == 24 and f32_table:  # one token, V4's 4 streams: 24 sums in registers
+        if M == 24 and f32_table:  # V4's 4 streams: a token's 24 sums in registers, one pass over fnT
+            tb = 0
             mix_rows_f64(xn_flat, t * K, fnT_flat, K, 24, acc)
         elif tb == 0:  # the mixes of the next _MIX_TOKENS tokens in one pass over fnT
             nt = min(_MIX_TOKENS, T - t)
