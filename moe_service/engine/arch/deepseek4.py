@@ -701,8 +701,11 @@ class Deepseek4(Architecture):
             else:
                 comp_rows = comp_mask = None
             # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows (q rounded above)
-            out[a:e] = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
-                                      pool)
+            o_span = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D), pool)
+            if n == T:  # the step's only span (a prefill step): its array is the output, no 16 MB copy
+                out = o_span
+            else:
+                out[a:e] = o_span
         o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
         G = hp.o_groups
         og = o.reshape(T, G, NH * D // G)
