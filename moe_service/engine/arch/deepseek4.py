@@ -706,20 +706,23 @@ class Deepseek4(Architecture):
                 out = o_span
             else:
                 out[a:e] = o_span
-        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
         G = hp.o_groups
-        og = o.reshape(T, G, NH * D // G)
         if lw.ds4.get("o_a_heads") is not None and T > 1:
-            # CPU, several tokens: each group's [T, NH*D/G] rows contiguous, one matmul per group
+            # CPU, several tokens: the inverse rope also writes each group's [T, NH*D/G] rows
+            # contiguous (ds4_compiled.inverse_rope_groups, pooled), then one matmul per group
             # (its multi-token tiles; the same results as head_linear's per-group rows: 11% less
             # CPU for attn_output_a at 128 tokens on V4-Flash shapes, where head_linear's rows
             # of one group are G rows apart)
-            ogc = np.ascontiguousarray(og.transpose(1, 0, 2))
+            ogc = dc.inverse_rope_groups(out, pos, cos, sin, G, pool)
             oa = np.empty((T, G * hp.o_lora_rank), np.float32)
             Ro = hp.o_lora_rank
             for g in range(G):
                 oa[:, g * Ro:(g + 1) * Ro] = be.linear(lw, (f"attn_output_a.{g}",), ogc[g])[0]
-        elif lw.ds4.get("o_a_heads") is not None:  # CPU, one token: the G group matmuls in one pool dispatch
+            (y,) = be.linear(lw, ("attn_output_b",), oa)
+            return y
+        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
+        og = o.reshape(T, G, NH * D // G)
+        if lw.ds4.get("o_a_heads") is not None:  # CPU, one token: the G group matmuls in one pool dispatch
             oa = be.head_linear(lw.ds4["o_a_heads"], og).reshape(T, G * hp.o_lora_rank)
         else:
             oa = be.concat([be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0]
