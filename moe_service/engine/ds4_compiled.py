@@ -641,13 +641,21 @@ def _heads(x, p, c32, s32, eps, mode, pool, gout):
 
 
 def inverse_rope_groups(
-    x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, groups: int, pool: Any = None
+    x: np.ndarray,
+    pos: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    groups: int,
+    pool: Any = None,
+    buf: np.ndarray | None = None,
 ) -> np.ndarray:
     """``heads_inplace(x, pos, cos, sin, eps, False, pool)`` (the output's inverse rope, in
     place on x float32 [T, NH, D]) that also returns the result group-major, float32
     [groups, T, NH // groups * D] (group g: heads g * NH // groups ..; deepseek4's
     attn_output_a input, one contiguous matrix per group), copied in the same pooled pass.
-    ValueError as heads_inplace, and when groups does not divide NH."""
+    ``buf``: float32 scratch of at least x.size values to write the result into (a view of
+    it is returned; a fresh array otherwise). ValueError as heads_inplace, and when groups
+    does not divide NH."""
     if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
         raise ValueError(
             f"inverse_rope_groups: x must be C-contiguous float32 [T, NH, D], got {x.dtype} {x.shape}"
@@ -655,7 +663,10 @@ def inverse_rope_groups(
     T, NH, D = x.shape
     if groups < 1 or NH % groups:
         raise ValueError(f"inverse_rope_groups: {groups} groups do not divide {NH} heads")
-    gout = np.empty((groups, T, NH // groups * D), np.float32)
+    if buf is not None and buf.dtype == np.float32 and buf.ndim == 1 and buf.size >= x.size:
+        gout = buf[: x.size].reshape(groups, T, NH // groups * D)
+    else:
+        gout = np.empty((groups, T, NH // groups * D), np.float32)
     heads_inplace(x, pos, cos, sin, 0.0, False, pool, _gout=gout)
     return gout
 

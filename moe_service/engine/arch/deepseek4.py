@@ -713,7 +713,12 @@ class Deepseek4(Architecture):
             # (its multi-token tiles; the same results as head_linear's per-group rows: 11% less
             # CPU for attn_output_a at 128 tokens on V4-Flash shapes, where head_linear's rows
             # of one group are G rows apart)
-            ogc = dc.inverse_rope_groups(out, pos, cos, sin, G, pool)
+            # the group-major rows in a scratch kept by the model (a fresh 16 MB array per step
+            # page-faults); used up by the matmuls below, before any other layer's step
+            buf = getattr(self, "_o_groups_buf", None)
+            if buf is None or buf.size < out.size:
+                buf = self._o_groups_buf = np.empty(out.size, np.float32)
+            ogc = dc.inverse_rope_groups(out, pos, cos, sin, G, pool, buf)
             oa = np.empty((T, G * hp.o_lora_rank), np.float32)
             Ro = hp.o_lora_rank
             for g in range(G):

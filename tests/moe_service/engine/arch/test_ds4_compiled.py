@@ -237,6 +237,9 @@ def test_inverse_rope_groups_is_heads_inplace_group_major(T, NH, D, R, G, pool):
         assert np.array_equal(xx, want)
         assert out.shape == (G, T, NH // G * D)
         assert np.array_equal(out, want.reshape(T, G, NH // G * D).transpose(1, 0, 2))
+        buf = np.full(x.size + 5, np.nan, np.float32)  # a scratch larger than needed: a view of it
+        assert np.array_equal(dc.inverse_rope_groups(x.copy(), pos, cos, sin, G, p, buf), out)
+        assert np.array_equal(buf[: x.size], out.reshape(-1))
     with pytest.raises(ValueError, match="divide"):
         dc.inverse_rope_groups(x.copy(), pos, cos, sin, 5, pool)
 
