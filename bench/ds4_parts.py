@@ -187,6 +187,7 @@ def instrument(timer: PartTimer) -> Callable[[], None]:
             ("attend_one", "attention"),
             ("hc_pre", "hc pre"),
             ("hc_post", "hc post"),
+            ("inverse_rope_groups", "rope"),  # the output's inverse rope + its group-major copy
         ):
             patch(ds4_compiled, name, outer(part))
         # multi-token steps: q's per-head rms + rope + float16 rounding in one pass (norms),

@@ -545,7 +545,21 @@ def _heads_rows(x, pos, cos, sin, eps, mode, t0, t1):
         _rope_last_rows(xs, pos[t0:t1], cos, sin, True)
 
 
-(E_X, E_POS, E_COS, E_SIN, E_EPS, E_MODE, E_T, E_NH, E_D, E_NCTX, E_HALF, E_LEN) = range(12)
+@njit(**_JIT)
+def _group_rows(x, out, t0, t1):
+    """Tokens t0..t1 of x float32 [T, NH, D] copied group-major into out float32
+    [G, T, NH // G * D]: out[g, t] = the heads g * NH // G .. of token t, back to back."""
+    T, NH, D = x.shape
+    G = out.shape[0]
+    hg = NH // G
+    for t in range(t0, t1):
+        for g in range(G):
+            for h in range(hg):
+                for d in range(D):
+                    out[g, t, h * D + d] = x[t, g * hg + h, d]
+
+
+(E_X, E_POS, E_COS, E_SIN, E_EPS, E_MODE, E_T, E_NH, E_D, E_NCTX, E_HALF, E_GOUT, E_G, E_LEN) = range(14)
 
 
 def _heads_item(items_ptr, i, op_ptr):
@@ -560,6 +574,10 @@ def _heads_item(items_ptr, i, op_ptr):
     sin = view_f32(op[E_SIN], n_ctx * half).reshape((n_ctx, half))
     eps = view_f32(op[E_EPS], 2).view(np.float64)[0]
     _heads_rows(x, pos, cos, sin, eps, op[E_MODE], it[b + 2], it[b + 3])
+    if op[E_GOUT]:  # the rows also copied group-major (inverse_rope_groups)
+        G = op[E_G]
+        gout = view_f32(op[E_GOUT], T * NH * D).reshape((G, T, NH // G * D))
+        _group_rows(x, gout, it[b + 2], it[b + 3])
 
 
 def heads_inplace(
@@ -570,6 +588,7 @@ def heads_inplace(
     eps: float,
     queries: bool,
     pool: Any = None,
+    _gout: np.ndarray | None = None,
 ) -> np.ndarray:
     """In place on x float32 [T, NH, D] (C-contiguous): ``queries``: ds4_ops.rms per head,
     ds4_ops.rope_last, then rounded to float16 and back (deepseek4's q as attend_rows takes
@@ -592,7 +611,14 @@ def heads_inplace(
         raise IndexError(
             f"heads_inplace: positions {p.min()}..{p.max()} outside the tables' {c32.shape[0]} rows"
         )
-    mode = 0 if queries else 1
+    return _heads(x, p, c32, s32, eps, 0 if queries else 1, pool, _gout)
+
+
+def _heads(x, p, c32, s32, eps, mode, pool, gout):
+    """heads_inplace's work on checked arrays; gout float32 [G, T, NH // G * D] or None: also
+    the rows group-major (_group_rows), in the same pass over the tokens."""
+    T, NH, D = x.shape
+    half = c32.shape[1]
     if pool is not None and pool.n_workers > 1 and T >= _POOL_MIN_TOKENS:
         eps_w = np.array([eps], np.float64)
         op = np.zeros(E_LEN, np.int64)
@@ -604,10 +630,45 @@ def heads_inplace(
         )
         op[E_EPS], op[E_MODE], op[E_T], op[E_NH], op[E_D] = eps_w.ctypes.data, mode, T, NH, D
         op[E_NCTX], op[E_HALF] = c32.shape[0], half
+        if gout is not None:
+            op[E_GOUT], op[E_G] = gout.ctypes.data, gout.shape[0]
         _run_token_ranges(pool, _heads_item, op, T)
     else:
         _heads_rows(x, p, c32, s32, np.float64(eps), mode, 0, T)
+        if gout is not None:
+            _group_rows(x, gout, 0, T)
     return x
+
+
+def inverse_rope_groups(
+    x: np.ndarray,
+    pos: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    groups: int,
+    pool: Any = None,
+    buf: np.ndarray | None = None,
+) -> np.ndarray:
+    """``heads_inplace(x, pos, cos, sin, eps, False, pool)`` (the output's inverse rope, in
+    place on x float32 [T, NH, D]) that also returns the result group-major, float32
+    [groups, T, NH // groups * D] (group g: heads g * NH // groups ..; deepseek4's
+    attn_output_a input, one contiguous matrix per group), copied in the same pooled pass.
+    ``buf``: float32 scratch of at least x.size values to write the result into (a view of
+    it is returned; a fresh array otherwise). ValueError as heads_inplace, and when groups
+    does not divide NH."""
+    if x.dtype != np.float32 or x.ndim != 3 or not x.flags.c_contiguous:
+        raise ValueError(
+            f"inverse_rope_groups: x must be C-contiguous float32 [T, NH, D], got {x.dtype} {x.shape}"
+        )
+    T, NH, D = x.shape
+    if groups < 1 or NH % groups:
+        raise ValueError(f"inverse_rope_groups: {groups} groups do not divide {NH} heads")
+    if buf is not None and buf.dtype == np.float32 and buf.ndim == 1 and buf.size >= x.size:
+        gout = buf[: x.size].reshape(groups, T, NH // groups * D)
+    else:
+        gout = np.empty((groups, T, NH // groups * D), np.float32)
+    heads_inplace(x, pos, cos, sin, 0.0, False, pool, _gout=gout)
+    return gout
 
 
 # ---------------------------------------------------------------------------------------
@@ -649,7 +710,8 @@ def _hc_pre_rows(x, fnT, scale, base, eps_rms, eps_hc, iters, xn, h, post, comb,
     pre = np.empty(C, np.float32)
     for t in range(T):
         tb = t % _MIX_TOKENS
-        if T == 1 and M == 24 and f32_table:  # one token, V4's 4 streams: 24 sums in registers
+        if M == 24 and f32_table:  # V4's 4 streams: a token's 24 sums in registers, one pass over fnT
+            tb = 0
             mix_rows_f64(xn_flat, t * K, fnT_flat, K, 24, acc)
         elif tb == 0:  # the mixes of the next _MIX_TOKENS tokens in one pass over fnT
             nt = min(_MIX_TOKENS, T - t)

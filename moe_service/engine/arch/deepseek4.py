@@ -701,12 +701,33 @@ class Deepseek4(Architecture):
             else:
                 comp_rows = comp_mask = None
             # compiled: ds4_ops.attend_sinks on the window rows then the compressed rows (q rounded above)
-            out[a:e] = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D),
-                                      pool)
-        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
+            o_span = dc.attend_rows(q[a:e], win, comp_rows, mask, comp_mask, d["attn_sinks"], 1.0 / np.sqrt(D), pool)
+            if n == T:  # the step's only span (a prefill step): its array is the output, no 16 MB copy
+                out = o_span
+            else:
+                out[a:e] = o_span
         G = hp.o_groups
+        if lw.ds4.get("o_a_heads") is not None and T > 1:
+            # CPU, several tokens: the inverse rope also writes each group's [T, NH*D/G] rows
+            # contiguous (ds4_compiled.inverse_rope_groups, pooled), then one matmul per group
+            # (its multi-token tiles; the same results as head_linear's per-group rows: 11% less
+            # CPU for attn_output_a at 128 tokens on V4-Flash shapes, where head_linear's rows
+            # of one group are G rows apart)
+            # the group-major rows in a scratch kept by the model (a fresh 16 MB array per step
+            # page-faults); used up by the matmuls below, before any other layer's step
+            buf = getattr(self, "_o_groups_buf", None)
+            if buf is None or buf.size < out.size:
+                buf = self._o_groups_buf = np.empty(out.size, np.float32)
+            ogc = dc.inverse_rope_groups(out, pos, cos, sin, G, pool, buf)
+            oa = np.empty((T, G * hp.o_lora_rank), np.float32)
+            Ro = hp.o_lora_rank
+            for g in range(G):
+                oa[:, g * Ro:(g + 1) * Ro] = be.linear(lw, (f"attn_output_a.{g}",), ogc[g])[0]
+            (y,) = be.linear(lw, ("attn_output_b",), oa)
+            return y
+        o = dc.heads_inplace(out, pos, cos, sin, hp.rms_eps, False, pool) if T > 1 else out  # the inverse rope
         og = o.reshape(T, G, NH * D // G)
-        if lw.ds4.get("o_a_heads") is not None:  # CPU: the G group matmuls in one pool dispatch
+        if lw.ds4.get("o_a_heads") is not None:  # CPU, one token: the G group matmuls in one pool dispatch
             oa = be.head_linear(lw.ds4["o_a_heads"], og).reshape(T, G * hp.o_lora_rank)
         else:
             oa = be.concat([be.linear(lw, (f"attn_output_a.{g}",), _back(be, np.ascontiguousarray(og[:, g])))[0]

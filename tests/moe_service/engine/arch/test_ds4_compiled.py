@@ -221,6 +221,29 @@ def test_heads_inplace_is_rms_rope_and_float16_rounding(T, NH, D, R, pool):
         dc.heads_inplace(x.copy(), pos + 300, cos, sin, 1e-6, True)
 
 
+@pytest.mark.parametrize("T, NH, D, R, G", [(9, 64, 512, 64, 8), (16, 6, 48, 8, 3), (3, 4, 64, 16, 1)])
+def test_inverse_rope_groups_is_heads_inplace_group_major(T, NH, D, R, G, pool):
+    """The output's inverse rope with the rows also written group-major (deepseek4's
+    attn_output_a input): x as heads_inplace leaves it, and out[g, t] the heads of group g."""
+    rng = np.random.default_rng(T + NH + D + G)
+    x = rng.standard_normal((T, NH, D)).astype(np.float32)
+    pos = rng.integers(0, 300, T)
+    ang = rng.random((300, R // 2)).astype(np.float32) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    want = ds4_ops.rope_last(x, pos, cos, sin, inverse=True)
+    for p in (None, pool):
+        xx = x.copy()
+        out = dc.inverse_rope_groups(xx, pos, cos, sin, G, p)
+        assert np.array_equal(xx, want)
+        assert out.shape == (G, T, NH // G * D)
+        assert np.array_equal(out, want.reshape(T, G, NH // G * D).transpose(1, 0, 2))
+        buf = np.full(x.size + 5, np.nan, np.float32)  # a scratch larger than needed: a view of it
+        assert np.array_equal(dc.inverse_rope_groups(x.copy(), pos, cos, sin, G, p, buf), out)
+        assert np.array_equal(buf[: x.size], out.reshape(-1))
+    with pytest.raises(ValueError, match="divide"):
+        dc.inverse_rope_groups(x.copy(), pos, cos, sin, 5, pool)
+
+
 def test_attend_rows_multi_token_step_rows_as_alone(pool):
     """A prefill-sized step (odd key counts, an odd head count at the pool's split): every
     (token, head) row the same bits as that token alone, pooled or not."""
