@@ -88,7 +88,7 @@ def item_address() -> int:
     return _pool.call_item_address(_item)
 
 
-def _source(x: np.ndarray, n_head: int, n_cols: int) -> tuple[np.ndarray, int, int, int]:
+def _source(x: np.ndarray, n_head: int, n_cols: int) -> tuple[np.ndarray, int, int, int, int]:
     """x float32 [T, NH, n_cols] as (the array to keep alive, its data address, size in elements
     from that address, token stride, head stride in elements): read in place when its rows
     are contiguous float32 (a column slice of q, the attention's output), else a copy."""
