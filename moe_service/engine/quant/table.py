@@ -168,8 +168,11 @@ def _mmq_blocked(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux
     KiB L2, and every weight row streamed them from L3; in blocks, an item block stays in L2
     while the row block's rows (from memory once, then L2) pass over it. The item blocks
     start at multiples of 8, so every (row, item) gets the same tile as row by row: the same
-    results bit for bit. Measured (Zen 3, one thread, shared host, CPU time, best of 7, ns per
-    32 weights per token, Q6_K, T = 128): 7168 columns 0.85-0.88 -> see the commit."""
+    results bit for bit. Measured (Zen 3, one thread, shared host, ns per 32 weights per token,
+    T = 128, python bench/kernels.py --formats Q6_K --tokens 128 --threads 1 --cols 7168):
+    Q6_K 0.91-0.93 -> 0.66-0.72; Q4_K / Q5_K at 7168 columns (CPU time) 0.90-0.98 -> 0.74-0.75;
+    2048 columns (activations in L2 already) unchanged (docs/v3-prefill-notes.md). The
+    32-element formats' 4-item tiles gained ~4% in blocks (Q8_0, 7168 columns): not taken."""
     ib = _item_block(nb)
     rblk = max(1, _ROW_BLOCK_BYTES // row_bytes_)
     for r0 in range(row_lo, row_hi, rblk):
@@ -353,7 +356,8 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
     Quantized formats run in tiles of 4 weight rows x 4 items (AVX2: 1 row x up to 4 items, 8
     for the K-quants; see the tile sections): each weight row is read from memory once per
-    call and each block unpacked once per tile.
+    call and each block unpacked once per tile (AVX2 K-quants at many items: in L2-sized row x
+    item blocks, _mmq_blocked).
     The caller validates types, offsets and shapes; a type whose kernel is not compiled
     writes nothing.
     """
