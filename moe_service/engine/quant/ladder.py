@@ -18,16 +18,27 @@ def tile_ladder(
     items: ``tile(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out,
     out_stride, ocol)`` for n_a = 8 (while ``a8``, a constant), 4, 2, 1 items from item i0
     (table._tile's contract: out[o_rows[i0 + t] * out_stride + ocol + k] = W[k] . act[a_rows[i0 + t]])."""
-    i = 0
+    tile_ladder_range(
+        tile, a8, fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, 0, n_items, out, out_stride, ocol
+    )
+
+
+@njit(**_JIT_INLINE)
+def tile_ladder_range(
+    tile, a8, fmt, n_w, arena, wo, rb, nb, xq, xd, xaux, a_rows, o_rows, i_lo, i_hi, out, out_stride, ocol
+):
+    """tile_ladder over the items [i_lo, i_hi) only: the same tiles as tile_ladder's for those
+    items when i_lo is a multiple of 8 and i_hi one or the item count (table._mmq's item blocks)."""
+    i = i_lo
     if a8:
-        while i + 8 <= n_items:
+        while i + 8 <= i_hi:
             tile(fmt, n_w, 8, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
             i += 8
-    while i + 4 <= n_items:
+    while i + 4 <= i_hi:
         tile(fmt, n_w, 4, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
         i += 4
-    if i + 2 <= n_items:
+    if i + 2 <= i_hi:
         tile(fmt, n_w, 2, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)
         i += 2
-    if i < n_items:
+    if i < i_hi:
         tile(fmt, n_w, 1, arena, wo, rb, nb, xq, xd, xaux, a_rows, i, o_rows, out, out_stride, ocol)

@@ -25,7 +25,7 @@ from moe_service.engine.quant.ir import (
     ld_f16,
     st,
 )
-from moe_service.engine.quant.ladder import tile_ladder
+from moe_service.engine.quant.ladder import tile_ladder, tile_ladder_range
 from moe_service.engine.quant.tiles32 import OFFSET, _tile32_codegen
 from moe_service.engine.quant.tiles_iq import mmq_unpacked, opaque_int, takes_unpacked
 from moe_service.engine.quant.tiles_k import UNPACKED, _tilek_codegen
@@ -170,6 +170,45 @@ def _mmq_offset1(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, a_ro
     st(sums, 0, ld(sums, 0))
 
 
+_ITEM_BLOCK_BYTES = 128 << 10
+"""Activation bytes (Q8_K: 292 per 256 elements) of one item block of _mmq_blocked."""
+
+_ROW_BLOCK_BYTES = 192 << 10
+"""Weight bytes of one row block of _mmq_blocked."""
+
+
+@njit(**_JIT_INLINE)
+def _item_block(nb):
+    """Items per block of _mmq_blocked at nb Q8_K blocks a row: a multiple of 8, at least 8."""
+    return max(8, _ITEM_BLOCK_BYTES // (nb * 292) // 8 * 8)
+
+
+@njit(**_JIT_INLINE)
+def _mmq_blocked(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items, out,
+                 out_stride, out_col):
+    """_mmq of the AVX2 K-quants (table._A8) at more items than one item block: blocks of
+    rows (_ROW_BLOCK_BYTES of weights) x blocks of items (_ITEM_BLOCK_BYTES of activations),
+    ggml's 16 x 16 blocking of its mul_mat (ggml-cpu.c) in byte-sized blocks. Row by row over
+    all items, the T = 128 activations of a 7168-column row (1.05 MB of Q8_K) outgrow the 512
+    KiB L2, and every weight row streamed them from L3; in blocks, an item block stays in L2
+    while the row block's rows (from memory once, then L2) pass over it. The item blocks
+    start at multiples of 8, so every (row, item) gets the same tile as row by row: the same
+    results bit for bit. Measured (Zen 3, one thread, shared host, ns per 32 weights per token,
+    T = 128, python bench/kernels.py --formats Q6_K --tokens 128 --threads 1 --cols 7168):
+    Q6_K 0.91-0.93 -> 0.66-0.72; Q4_K / Q5_K at 7168 columns (CPU time) 0.90-0.98 -> 0.74-0.75;
+    2048 columns (activations in L2 already) unchanged (docs/v3-prefill-notes.md). The
+    32-element formats' 4-item tiles gained ~4% in blocks (Q8_0, 7168 columns): not taken."""
+    ib = _item_block(nb)
+    rblk = max(1, _ROW_BLOCK_BYTES // row_bytes_)
+    for r0 in range(row_lo, row_hi, rblk):
+        r1 = min(row_hi, r0 + rblk)
+        for i0 in range(0, n_items, ib):
+            i1 = min(n_items, i0 + ib)
+            for r in range(r0, r1):
+                tile_ladder_range(_tile, True, fmt, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux,
+                                  a_rows, o_rows, i0, i1, out, out_stride, out_col + r)
+
+
 @njit(**_JIT_INLINE)
 def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items,
          out, out_stride, out_col):
@@ -178,6 +217,10 @@ def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, x
     every item; a single item of a ``sequential_t1`` format (formats.SEQUENTIAL_T1_NOTE:
     a plain stream beats 4 side-by-side rows when memory-bound) goes row by row, of a
     _T1_PAIRS format two rows per tile."""
+    if _a8(fmt) and n_items > _item_block(nb):
+        _mmq_blocked(fmt, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, xd, xaux, a_rows, o_rows, n_items, out,
+                     out_stride, out_col)
+        return
     r = row_lo
     if n_items == 1 and _t1_pairs(fmt):
         while r + 2 <= row_hi:
@@ -344,7 +387,8 @@ def matmul_rows(arena, w_off, ggml_type, n_cols, row_bytes_, row_lo, row_hi, xf,
     kernels: ensure_kernels([ggml_type]) (the format kernels' addresses).
     Quantized formats run in tiles of 4 weight rows x 4 items (AVX2: 1 row x up to 4 items, 8
     for the K-quants; see the tile sections): each weight row is read from memory once per
-    call and each block unpacked once per tile.
+    call and each block unpacked once per tile (AVX2 K-quants at many items: in L2-sized row x
+    item blocks, _mmq_blocked).
     The caller validates types, offsets and shapes; a type whose kernel is not compiled
     writes nothing.
     """

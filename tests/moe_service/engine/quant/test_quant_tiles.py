@@ -205,3 +205,26 @@ if __name__ == "__main__":
     d = digest_outputs()
     d["isa"] = "avx512-vnni" if q._AVX512 else "avx2"
     print(json.dumps(d))
+
+
+@pytest.mark.parametrize("tid", [q.GGML_Q6_K, q.GGML_Q4_K], ids=["Q6_K", "Q4_K"])
+def test_item_and_row_blocks_give_the_one_token_results(tid):
+    """More items than one item block of table._mmq_blocked (29 super-blocks a row: blocks of
+    8 items; rows in blocks of ~32): T tokens at once, over a row range off the block grid,
+    with indirection and repeated items, == one-token matmuls bit for bit."""
+    f = q.FORMATS[tid]
+    n_rows, n_cols, n_tok = 75, 29 * f.block_elems, 21
+    raw = det_blocks(tid, n_rows, n_cols, seed=7 + tid)
+    x = det_activations(n_tok, n_cols, seed=70 + tid)
+    single = np.stack([q.matmul(raw, 0, tid, n_rows, n_cols, x[t:t + 1])[0] for t in range(n_tok)])
+    assert np.array_equal(q.matmul(raw, 0, tid, n_rows, n_cols, x).view(np.uint32), single.view(np.uint32))
+    pa = q.quantize_activations(x, f.partner)
+    a = np.array([(7 * i + 3) % n_tok for i in range(37)], np.int64)
+    o = np.arange(len(a), dtype=np.int64)[::-1].copy()
+    y = np.full((len(a), n_rows), np.nan, np.float32)
+    lo, hi = 3, 71
+    q.matmul_rows(raw, 0, tid, n_cols, q.row_bytes(tid, n_cols), lo, hi, pa.xf, pa.xq, pa.xd, pa.xs, pa.xbs, a, o,
+                  y.reshape(-1), n_rows, 0, q.ensure_kernels([tid]))
+    for i, (ai, oi) in enumerate(zip(a, o, strict=True)):
+        assert np.array_equal(y[oi, lo:hi].view(np.uint32), single[ai, lo:hi].view(np.uint32)), i
+        assert np.isnan(y[oi, :lo]).all() and np.isnan(y[oi, hi:]).all()
