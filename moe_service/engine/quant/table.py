@@ -79,17 +79,26 @@ the noise (python bench/kernels.py --formats Q4_K,Q5_K,Q6_K --tokens 8,16,64 --t
 The results are the same bit for bit (integer sums)."""
 
 
-@intrinsic
-def _a8(typingctx, fmt):
-    """Whether the literal format ``fmt`` is in _A8, as a constant."""
-    if not isinstance(fmt, types.IntegerLiteral):
-        return None
-    val = fmt.literal_value in _A8
+def _member_of(formats: frozenset, name: str):
+    """An intrinsic ``f(fmt)``: whether the literal format ``fmt`` is in ``formats``, as a
+    compile-time constant (each call site's branch folds away)."""
 
-    def codegen(context, builder, signature, args):
-        return ir.Constant(ir.IntType(1), int(val))
+    @intrinsic
+    def member(typingctx, fmt):
+        if not isinstance(fmt, types.IntegerLiteral):
+            return None
+        val = fmt.literal_value in formats
 
-    return types.boolean(fmt), codegen
+        def codegen(context, builder, signature, args):
+            return ir.Constant(ir.IntType(1), int(val))
+
+        return types.boolean(fmt), codegen
+
+    member.__doc__ = f"Whether the literal format ``fmt`` is in {name}, as a constant."
+    return member
+
+
+_a8 = _member_of(_A8, "_A8")
 
 
 _T1_PAIRS = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "IQ1_M"))
@@ -104,17 +113,7 @@ docs/iq-decode-notes.md); IQ1_M 3.24-3.41 -> 3.10-3.26; not taken: IQ2_XXS 2.76-
 for bit: each row's integer lanes and float steps are the one-row tile's."""
 
 
-@intrinsic
-def _t1_pairs(typingctx, fmt):
-    """Whether the literal format ``fmt`` is in _T1_PAIRS, as a constant."""
-    if not isinstance(fmt, types.IntegerLiteral):
-        return None
-    val = fmt.literal_value in _T1_PAIRS
-
-    def codegen(context, builder, signature, args):
-        return ir.Constant(ir.IntType(1), int(val))
-
-    return types.boolean(fmt), codegen
+_t1_pairs = _member_of(_T1_PAIRS, "_T1_PAIRS")
 
 
 _R_TILE = 4 if _VNNI else 1  # weight rows per tile (AVX2: 16 ymm registers hold one row's tiles)
