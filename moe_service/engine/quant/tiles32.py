@@ -130,16 +130,13 @@ pair steps keep their parity. Measured on AMD EPYC Zen 3, one thread, T = 8 and 
 MXFP4 and Q5_0 14-22% faster. Q4_1 / Q5_1 keep a vmulps per block: they widen each block's
 scales for their min term anyway, and the table made them 2-7% slower."""
 
-SCALE_T1_NOTE = """A single item of Q8_0, or in the offset form (AVX2, T = 1: Q4_0 and Q5_0),
-also takes its scale products from the chunk table, computed before the chunk's blocks (their
-float16 scales widen eight at a time), instead of a vmulss and a register broadcast per
-block; the same IEEE products, so the same results bit for bit. Measured on the shared 2-core
-AMD EPYC (Zen 3), one thread, ns per 32 weights at T = 1, best of 200-600 calls, main and this
-form alternated 2-3 rounds: 128 rows x 4096 columns hot in L2, Q4_0 1.39-1.42 -> 1.26-1.31,
-Q5_0 1.89-1.92 -> 1.82-1.84; Q8_0 (rows x columns from L2 / L3) 1024 x 4096 1.32-1.35 ->
-1.23-1.25, 2048 x 2048 1.40-1.43 -> 1.29-1.36, 512 x 8192 1.26-1.29 -> 1.22-1.28,
-256 x 1024 1.65-1.66 -> 1.48-1.64. Whether Q8_0's stream from memory on two threads gains
-is for a quiet host to say (bench.v4_matvecs). MXFP4 keeps the per-block multiply: its scales are E8M0 table loads, eight of
+SCALE_T1_NOTE = """A single item in the offset form (AVX2, T = 1: Q4_0 and Q5_0) also takes its
+scale products from the chunk table, computed before the chunk's blocks (their float16 scales
+widen eight at a time), instead of a vmulss and a register broadcast per block; the same IEEE
+products, so the same results bit for bit. Measured on the shared 2-core AMD EPYC (Zen 3),
+one thread, 128 rows x 4096 columns hot in L2, ns per 32 weights at T = 1, best of 600 calls,
+main and this form alternated 3 rounds: Q4_0 1.39-1.42 -> 1.26-1.31, Q5_0 1.89-1.92 ->
+1.82-1.84. MXFP4 keeps the per-block multiply: its scales are E8M0 table loads, eight of
 which per vector step (a vinsertps each) made it slower, 1.35-1.39 -> 1.48-1.57. Other forms
 of MXFP4's T = 1 scale (two broadcast loads and one vmulps per block, 9 ALU ops per block
 instead of 10.5), two weight rows per tile, and four blocks per loop iteration were all
@@ -231,9 +228,9 @@ def _tile32_codegen(fmt, n_w, n_a):
             for t in range(n_a):
                 for p in acc[k][t]:
                     builder.store(ir.Constant(acc_ty, [0.0] * acc_ty.count), p)
-        # scale products per chunk (SCALE_CHUNK): tiles of several items, and a single item of
-        # Q8_0 or in the offset form except MXFP4 (SCALE_T1_NOTE)
-        hoist = not _VNNI and not f.has_min and (n_a > 1 or f.kind == "q8" or (offset != 0 and f.kind != "mxfp4"))
+        # scale products per chunk (SCALE_CHUNK): tiles of several items, and a single item in
+        # the offset form except MXFP4 (SCALE_T1_NOTE)
+        hoist = not _VNNI and not f.has_min and (n_a > 1 or (offset != 0 and f.kind != "mxfp4"))
         s_buf = cgutils.alloca_once(builder, _F32, size=_ci(n_w * n_a * SCALE_CHUNK)) if hoist else None
         mvec = []
         if f.has_min:
