@@ -209,6 +209,9 @@ class Deepseek4(Architecture):
 
     names = ("deepseek4",)
     _kvstate: Any  # the compressed-KV state, made by _state at first use
+    # a prefill step's attention output in group-major rows ([G, T, NH*D/G] float32, flat), kept
+    # across steps and layers (a fresh 16 MB array per step page-faults); grown by _o_groups_scratch
+    _o_groups_buf: np.ndarray | None = None
 
     def read_hparams(self, r: HParamReader) -> Deepseek4HParams:
         n_all = r.int("block_count", lo=1, hi=512)  # LLAMA_MAX_LAYERS
@@ -715,10 +718,7 @@ class Deepseek4(Architecture):
             # of one group are G rows apart)
             # the group-major rows in a scratch kept by the model (a fresh 16 MB array per step
             # page-faults); used up by the matmuls below, before any other layer's step
-            buf = getattr(self, "_o_groups_buf", None)
-            if buf is None or buf.size < out.size:
-                buf = self._o_groups_buf = np.empty(out.size, np.float32)
-            ogc = dc.inverse_rope_groups(out, pos, cos, sin, G, pool, buf)
+            ogc = dc.inverse_rope_groups(out, pos, cos, sin, G, pool, self._o_groups_scratch(out.size))
             oa = np.empty((T, G * hp.o_lora_rank), np.float32)
             Ro = hp.o_lora_rank
             for g in range(G):
@@ -734,6 +734,14 @@ class Deepseek4(Architecture):
                             for g in range(G)], axis=1)
         (y,) = be.linear(lw, ("attn_output_b",), oa)
         return y
+
+    def _o_groups_scratch(self, n_values: int) -> np.ndarray:
+        """The model's group-major scratch of at least ``n_values`` float32 values (a prefill
+        step's T*NH*D), grown when a larger ubatch comes; ds4_compiled.inverse_rope_groups
+        checks its size against the step's rows."""
+        if self._o_groups_buf is None or self._o_groups_buf.size < n_values:
+            self._o_groups_buf = np.empty(n_values, np.float32)
+        return self._o_groups_buf
 
     def _attend_one(self, be, lw, state, q, kv, comp_in, idx_in, a, s, n0, ratio, cos, sin, pool, p_raw=-1):
         """One token of slot ``s`` at position n0 (a span of one: a decode step), as the span
