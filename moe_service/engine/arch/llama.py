@@ -251,11 +251,9 @@ class Llama(Architecture):
         k = be.heads(k, hp.n_head_kv, hp.head_dim)  # [T, NKV, D]
         v = be.heads(v, hp.n_head_kv, hp.head_dim_v)  # [T, NKV, Dv]
         if _one_token(q) and _one_token(k):  # CPU decode step: q/k norms and rope in one compiled call
-            norm = (lw.vecs["attn_q_norm"], lw.vecs["attn_k_norm"]) if self.qk_norm else (_NO_W, _NO_W)
-            eps, pos = np.float32(hp.rms_eps), int(st.positions[0])
-            qk_norm_rope_one(
-                q[0], k[0], *norm, self.qk_norm, eps, pos, st.rope.cos, st.rope.sin, st.rope.dim, st.rope.neox
-            )
+            wq, wk = (lw.vecs["attn_q_norm"], lw.vecs["attn_k_norm"]) if self.qk_norm else (_NO_W, _NO_W)
+            eps, pos, r = np.float32(hp.rms_eps), int(st.positions[0]), st.rope
+            qk_norm_rope_one(q[0], k[0], wq, wk, self.qk_norm, eps, pos, r.cos, r.sin, r.dim, r.neox)
         else:
             if self.qk_norm:
                 q = be.rmsnorm_heads(q, lw.vecs["attn_q_norm"], hp.rms_eps)
