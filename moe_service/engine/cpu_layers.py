@@ -117,6 +117,69 @@ def rope(x, positions, cos, sin, rope_dim, neox):
 
 
 @njit(**_JIT)
+def add_rms_norm(x, o, w, eps, x_out, h_out):
+    """x_out = x + o, then h_out = rms_norm(x_out) * w (:func:`rms_norm`'s rounding), in one
+    call: the residual add and the next norm of a layer (llama.py's block).
+
+    x, o, x_out, h_out: float32 [T, H] (x_out may alias x); w: float32 [H]; eps: float32.
+    The same bits as numpy's ``x + o`` followed by :func:`rms_norm`.
+    """
+    n = x.shape[1]
+    for t in range(x.shape[0]):
+        s = 0.0
+        for i in range(n):
+            v = x[t, i] + o[t, i]
+            x_out[t, i] = v
+            s += np.float64(v * v)
+        mean = np.float32(s / n)
+        scale = np.float32(1.0) / np.sqrt(mean + eps)
+        for i in range(n):
+            h_out[t, i] = (x_out[t, i] * scale) * w[i]
+
+
+@njit(**_JIT)
+def _norm_rope_heads(x, w, has_norm, eps, p, cos, sin, rope_dim, neox):
+    """One token's heads x float32 [heads, D] in place: :func:`rms_norm_heads` (when
+    ``has_norm``) then :func:`rope` at position ``p``, head by head (the same operations in
+    the same order per element, so the same bits as the two calls)."""
+    d = x.shape[1]
+    half = rope_dim // 2
+    for h in range(x.shape[0]):
+        if has_norm:
+            s = 0.0
+            for i in range(d):
+                v = x[h, i]
+                s += np.float64(v * v)
+            mean = np.float32(s / d)
+            scale = np.float32(1.0) / np.sqrt(mean + eps)
+            for i in range(d):
+                x[h, i] = (x[h, i] * scale) * w[i]
+        for j in range(half):
+            c = cos[p, j]
+            sn = sin[p, j]
+            if neox:
+                a = x[h, j]
+                b = x[h, j + half]
+                x[h, j] = a * c - b * sn
+                x[h, j + half] = a * sn + b * c
+            else:
+                a = x[h, 2 * j]
+                b = x[h, 2 * j + 1]
+                x[h, 2 * j] = a * c - b * sn
+                x[h, 2 * j + 1] = a * sn + b * c
+
+
+@njit(**_JIT)
+def qk_norm_rope_one(q, k, wq, wk, has_norm, eps, p, cos, sin, rope_dim, neox):
+    """One decode token's q float32 [NH, D] and k float32 [NKV, D] in place: the per-head
+    RMSNorm by wq / wk float32 [D] (qwen3, qwen3moe; skipped when not ``has_norm``), then
+    RoPE at position ``p`` (cos, sin float32 [C, rope_dim/2]; neox pairing as :func:`rope`).
+    One compiled call instead of four (rms_norm_heads twice, rope twice): the same bits."""
+    _norm_rope_heads(q, wq, has_norm, eps, p, cos, sin, rope_dim, neox)
+    _norm_rope_heads(k, wk, has_norm, eps, p, cos, sin, rope_dim, neox)
+
+
+@njit(**_JIT)
 def attention(q, kc, vc, seq, n0, scale, out, kf, vf, scores):
     """Causal attention of n new tokens (positions n0..n0+n-1) of one sequence over its cache:
     the single-threaded scalar statement of engine/attention's default (two-pass) contract,
