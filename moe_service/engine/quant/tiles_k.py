@@ -872,8 +872,8 @@ def _hsum_i32(builder, vs):
 def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
     """The tile of ``n_w`` weight rows x ``n_a`` items of K-quant ``fmt`` (see the section
     comment). ``unpacked``: the weight row is a row of _unpack_row_codegen's scratch buffer
-    instead of the GGUF blocks (AVX2, n_w = 1, formats in UNPACKED: see there); the integer
-    lanes and every float step are the same."""
+    instead of the GGUF blocks (AVX2, up to UNPACKED_ROWS_MAX rows rb bytes apart, formats in
+    UNPACKED: see there); the integer lanes and every float step are the same."""
     f = FORMATS[fmt]
     bb, has_min = f.block_bytes, f.has_min
     if unpacked:  # rows rb bytes apart in the scratch buffer (UNPACKED_ROWS_MAX rows: tiles_iq_blocked)
