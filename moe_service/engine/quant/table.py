@@ -27,7 +27,8 @@ from moe_service.engine.quant.ir import (
 )
 from moe_service.engine.quant.ladder import tile_ladder, tile_ladder_range
 from moe_service.engine.quant.tiles32 import OFFSET, _tile32_codegen
-from moe_service.engine.quant.tiles_iq import mmq_unpacked, opaque_int, takes_unpacked
+from moe_service.engine.quant.tiles_iq import opaque_int, takes_unpacked
+from moe_service.engine.quant.tiles_iq_blocked import mmq_unpacked_blocked
 from moe_service.engine.quant.tiles_k import UNPACKED, _tilek_codegen
 from moe_service.formats import (
     FORMATS,
@@ -293,8 +294,8 @@ def _make_kernel(f: BlockFormat):
         def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
                    out, out_stride, out_col, ggml_type):
             if takes_unpacked(n_items):
-                mmq_unpacked(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd, xbs,
-                             a_rows, o_rows, n_items, out, out_stride, out_col)
+                mmq_unpacked_blocked(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
+                                     xbs, a_rows, o_rows, n_items, out, out_stride, out_col)
             else:
                 _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
                      xbs, a_rows, o_rows, opaque_int(n_items), out, out_stride, out_col)

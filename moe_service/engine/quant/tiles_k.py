@@ -714,6 +714,10 @@ for _n in _GRID_IQ:
 UNPACKED = frozenset() if _VNNI else frozenset(BY_NAME[n].type_id for n in _GRID_IQ)
 """Formats whose AVX2 multi-item matmuls unpack each weight row once (see the section comment)."""
 
+UNPACKED_ROWS_MAX = 2
+"""Weight rows per unpacked tile at most (1 x 8 items row by row, 2 x 4 items in
+tiles_iq_blocked's row blocks: one read of an item's activations serves two rows)."""
+
 UNPACKED_MIN_ITEMS = 3
 """Items from which a matmul of an UNPACKED format takes the unpacked path (but see
 tiles_iq.takes_unpacked: not at 4 and 8 items). In instructions per
@@ -875,12 +879,12 @@ def _hsum_i32(builder, vs):
 def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
     """The tile of ``n_w`` weight rows x ``n_a`` items of K-quant ``fmt`` (see the section
     comment). ``unpacked``: the weight row is a row of _unpack_row_codegen's scratch buffer
-    instead of the GGUF blocks (AVX2, n_w = 1, formats in UNPACKED: see there); the integer
-    lanes and every float step are the same."""
+    instead of the GGUF blocks (AVX2, up to UNPACKED_ROWS_MAX rows rb bytes apart, formats in
+    UNPACKED: see there); the integer lanes and every float step are the same."""
     f = FORMATS[fmt]
     bb, has_min = f.block_bytes, f.has_min
-    if unpacked:
-        if n_w != 1 or fmt not in UNPACKED:
+    if unpacked:  # rows rb bytes apart in the scratch buffer (UNPACKED_ROWS_MAX rows: tiles_iq_blocked)
+        if n_w > UNPACKED_ROWS_MAX or fmt not in UNPACKED:
             raise AssertionError(f"no unpacked tile of {n_w} rows of {f.name}")
         bb = UNPACKED_BLOCK_BYTES
     n_pk = (n_a + 1) // 2  # accumulators per row: items packed two per <16 x float>
@@ -890,7 +894,7 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
                                                                                         args, n_w, n_a)
         xbs8 = builder.bitcast(x3, _I8.as_pointer())
         if unpacked:
-            wrow = [_align64(builder, wrow[0])]
+            wrow = [_align64(builder, w) for w in wrow]
         pf_dist = _pf_distance(builder, rb, n_w, _PF_MIN_K)
         xq_t = [builder.gep(xq8, [builder.mul(a, builder.mul(nb, _ci(QK_K)))]) for a in arows]
         xd_t = [builder.gep(xd32, [builder.mul(a, nb)]) for a in arows]
@@ -932,8 +936,7 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
                       for k in range(n_w)]
             # int32 lanes per (row, item); Q6_K / Q3_K start from offset * (scales . bsums) in lanes 0..7
             if unpacked:  # from -128 x (the row's scaled weight sums), see _unpack_row_codegen
-                corr = _ldv(builder, wb[0], _U_CORR, _VI)
-                iacc = [[corr] * n_a]
+                iacc = [[_ldv(builder, wb[k], _U_CORR, _VI)] * n_a for k in range(n_w)]
             elif _VNNI:
                 iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
                          if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
@@ -941,11 +944,12 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
                 iacc = [[_madd(builder, wk[k].offset, bs[t]) if wk[k].offset is not None else ir.Constant(_VI, [0] * 8)
                          for t in range(n_a)] for k in range(n_w)]
             for t in range(n_a if unpacked else 0):  # item-major, the row's pieces and scales as memory operands
-                ot = _opaque(builder, wb[0])  # a fresh pointer per item: LLVM reloads rather than spills them
-                for g in range(4):
+                ot = [_opaque(builder, wb[k]) for k in range(n_w)]  # fresh pointers per item: LLVM reloads
+                for g in range(4):  # rather than spills them
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
-                    iacc[0][t] = _iq_dot(builder, _ldv(builder, ot, _U_W + 64 * g, _vt(_I8, 64)), a64,
-                                         _ldv(builder, ot, _U_SC + 64 * g, _vt(_I16, 32)), iacc[0][t])
+                    for k in range(n_w):  # (the rows share the item's a xor 0x80)
+                        iacc[k][t] = _iq_dot(builder, _ldv(builder, ot[k], _U_W + 64 * g, _vt(_I8, 64)), a64,
+                                             _ldv(builder, ot[k], _U_SC + 64 * g, _vt(_I16, 32)), iacc[k][t])
             for g in range(4 if not unpacked else 0):  # piece-major: one piece of every row live at a time
                 for t in range(n_a):
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))

@@ -1,0 +1,199 @@
+"""The unpacked multi-item matmul of the grid i-quants (tiles_iq.mmq_unpacked, AVX2) in
+row x item blocks, for more items than one item block: the i-quant counterpart of
+table._mmq_blocked (the K-quants' blocking, itself ggml's 16 x 16 blocking of its mul_mat,
+ggml-cpu.c, in byte-sized blocks).
+
+Row by row, every unpacked row is dotted with all the items, so all their Q8_K activations
+(292 bytes per 256 elements: 8,176 bytes a row at DeepSeek-V3's 7,168 columns) pass through
+L2 once per weight row. A V3-shaped prefill step routes ~64 tokens to an expert (128 tokens x
+8 of 16 experts), 523 KB of gate/up activations against a 512 KiB L2, so every weight row
+read them from L3. In blocks: a block of rows is unpacked (_UNPACKED_ROW_BLOCK_BYTES of
+unpacked rows, tiles_k.UNPACKED_BLOCK_BYTES per super-block), then each item block
+(_ITEM_BLOCK_BYTES of activations) passes over all of the block's rows while it stays in L2.
+
+Inside a row block the tiles are 2 unpacked rows x 4 items (_TILE_ROWS; tiles_k's unpacked
+tile takes up to UNPACKED_ROWS_MAX rows): one read of an item's activations serves two rows.
+Every row is still unpacked once, and every (row, item) keeps its int32 lanes and float
+steps whatever its tile: the same results bit for bit as row by row
+(tests/moe_service/engine/quant/test_iq_blocked.py).
+
+Measured (AMD EPYC Zen 3, one thread, CPU time, IQ2_XXS, 512 rows, ns per 32 weights per
+item, row by row -> blocked 1 x 8 -> blocked 2 x 4; docs/v3-prefill-notes.md, round 3):
+7168 columns x 64 items 0.758 -> 0.711 -> 0.663, x 128 0.862 -> 0.772 -> 0.697, 2048 x 64
+0.703 -> 0.693 -> 0.641. DeepSeek-V3-shaped prefill at 512 tokens (bench.layer_parts, one
+thread, CPU clock): the experts -9.5%.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from moe_service.engine.quant.ir import _JIT, _JIT_INLINE
+from moe_service.engine.quant.ladder import tile_ladder_range
+from moe_service.engine.quant.tiles_iq import _tile_unpacked, _unpack_row, mmq_unpacked
+from moe_service.engine.quant.tiles_k import UNPACKED_BLOCK_BYTES
+
+_ITEM_BLOCK_BYTES = 128 << 10
+"""Activation bytes (Q8_K: 292 per 256 elements) of one item block."""
+
+_UNPACKED_ROW_BLOCK_BYTES = 160 << 10
+"""Unpacked-row bytes (UNPACKED_BLOCK_BYTES per super-block) of one row block."""
+
+_TILE_ROWS = 2
+"""Unpacked rows per tile in a row block: 2 (x 4 items: each read of an item's activations
+serves two rows) or 1 (x 8 items, as row by row)."""
+
+_Q8K_BLOCK_BYTES = 292
+"""Bytes of one Q8_K block (256 int8 values, a float32 scale, 16 int16 sums)."""
+
+
+@njit(**_JIT_INLINE)
+def item_block(nb):
+    """Items per block at nb super-blocks a row: a multiple of 8, at least 8."""
+    return max(8, _ITEM_BLOCK_BYTES // (nb * _Q8K_BLOCK_BYTES) // 8 * 8)
+
+
+@njit(**_JIT)
+def mmq_unpacked_blocked(
+    fmt,
+    arena,
+    w_off,
+    row_bytes_,
+    nb,
+    row_lo,
+    row_hi,
+    xq,
+    xd,
+    xbs,
+    a_rows,
+    o_rows,
+    n_items,
+    out,
+    out_stride,
+    out_col,
+):
+    """tiles_iq.mmq_unpacked (same arguments, literal ``fmt``) in row x item blocks (module
+    docstring) when the items outgrow one item block; else row by row as there."""
+    ib = item_block(nb)
+    if n_items <= ib:
+        mmq_unpacked(
+            fmt,
+            arena,
+            w_off,
+            row_bytes_,
+            nb,
+            row_lo,
+            row_hi,
+            xq,
+            xd,
+            xbs,
+            a_rows,
+            o_rows,
+            n_items,
+            out,
+            out_stride,
+            out_col,
+        )
+        return
+    blocked(
+        fmt,
+        _TILE_ROWS,
+        arena,
+        w_off,
+        row_bytes_,
+        nb,
+        row_lo,
+        row_hi,
+        xq,
+        xd,
+        xbs,
+        a_rows,
+        o_rows,
+        n_items,
+        out,
+        out_stride,
+        out_col,
+        ib,
+    )
+
+
+@njit(**_JIT)
+def blocked(
+    fmt,
+    tile_rows,
+    arena,
+    w_off,
+    row_bytes_,
+    nb,
+    row_lo,
+    row_hi,
+    xq,
+    xd,
+    xbs,
+    a_rows,
+    o_rows,
+    n_items,
+    out,
+    out_stride,
+    out_col,
+    ib,
+):
+    """mmq_unpacked_blocked's blocks (items in blocks of ``ib``, a multiple of 8), the block's
+    rows in tiles of ``tile_rows`` (2: x 4 items, else 1 x 8) rows."""
+    ub = nb * UNPACKED_BLOCK_BYTES  # a multiple of 64: each row's slot keeps the buffer's alignment
+    rblk = max(1, _UNPACKED_ROW_BLOCK_BYTES // ub)
+    buf = np.empty(min(rblk, max(1, row_hi - row_lo)) * ub + 64, np.uint8)
+    for r0 in range(row_lo, row_hi, rblk):
+        r1 = min(row_hi, r0 + rblk)
+        for r in range(r0, r1):
+            _unpack_row(fmt, arena, w_off + r * row_bytes_, row_bytes_, nb, buf[(r - r0) * ub :])
+        for i0 in range(0, n_items, ib):
+            i1 = min(n_items, i0 + ib)
+            r = r0
+            # the tile aligns buf + wo up to 64 bytes as _unpack_row aligned buf[wo:]
+            if tile_rows == 2:
+                while r + 2 <= r1:
+                    tile_ladder_range(
+                        _tile_unpacked,
+                        False,
+                        fmt,
+                        2,
+                        buf,
+                        (r - r0) * ub,
+                        ub,
+                        nb,
+                        xq,
+                        xd,
+                        xbs,
+                        a_rows,
+                        o_rows,
+                        i0,
+                        i1,
+                        out,
+                        out_stride,
+                        out_col + r,
+                    )
+                    r += 2
+            while r < r1:
+                tile_ladder_range(
+                    _tile_unpacked,
+                    True,
+                    fmt,
+                    1,
+                    buf,
+                    (r - r0) * ub,
+                    0,
+                    nb,
+                    xq,
+                    xd,
+                    xbs,
+                    a_rows,
+                    o_rows,
+                    i0,
+                    i1,
+                    out,
+                    out_stride,
+                    out_col + r,
+                )
+                r += 1
