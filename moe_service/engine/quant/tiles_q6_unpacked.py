@@ -64,27 +64,42 @@ Q6_UNPACKED = frozenset() if _VNNI else frozenset((Q6_K,))
 _U_W, _U_SC, _U_OFF, _U_D2 = 0, 256, 512, 576
 """Byte offsets in an unpacked super-block (module docstring)."""
 
-Q6_UNPACKED_MIN_ITEMS = 16
-"""Items from which takes_q6_unpacked routes a Q6_K matmul here (measured, see there)."""
+Q6_UNPACKED_NB = (6, 16, 64)
+"""Super-blocks per row (256 columns each) that takes_q6_unpacked routes here: 1,536, 4,096
+and 16,384 columns (DeepSeek-V3's attn_q_b and attn_output are 1,536 and 16,384)."""
 
-_Q6_SLOW_NB = (28,)
-"""Super-blocks per row (256 columns each) where the tiles over the blocks are as fast:
-DeepSeek-V3's 7,168 columns (measured, see takes_q6_unpacked)."""
+Q6_UNPACKED_ITEMS = (64, 128)
+"""Item counts [lo, hi] that takes_q6_unpacked routes here (a prefill step's 128 tokens,
+bench.layer_parts' default --ubatch, and its shorter last step down to 64)."""
 
 
 @njit(**_JIT_INLINE)
 def takes_q6_unpacked(nb, n_items):
-    """Whether table.py's Q6_K kernel (AVX2) takes mmq_q6_unpacked for n_items items of rows
-    of nb super-blocks. Measured (AMD EPYC Zen 3, one thread, CPU time, shared host, ns per 32
-    weights per item, main -> unpacked; bench/unpacked_ab.py --format Q6_K, docs/v3-prefill-notes.md
-    round 4): faster at 1,536 and 16,384 columns (DeepSeek-V3's attn_q_b, attn_output) from
-    Q6_UNPACKED_MIN_ITEMS items on, no faster at 7,168 columns (_Q6_SLOW_NB)."""
-    if n_items < Q6_UNPACKED_MIN_ITEMS:
+    """Whether table.py's Q6_K kernel (AVX2) takes mmq_q6_unpacked for n_items items x rows of
+    nb super-blocks: nb in Q6_UNPACKED_NB and n_items in Q6_UNPACKED_ITEMS, where it measured
+    faster; everything else keeps table._mmq / _mmq_blocked. Measured (AMD EPYC Zen 3, one
+    thread, CPU time, host shared with a test run, load 4-5, table._mmq -> mmq_q6_unpacked,
+    ns per 32 weights per item, best of 5, ROWS:COLS:ITEMS, digests equal; /tmp/q6ab3.py as
+    bench/unpacked_ab.py --format Q6_K): 512:1536:128 0.755 -> 0.690, 512:16384:128 0.982 ->
+    0.844 (0.917 -> 0.791 in another run), 512:16384:64 0.959 -> 0.897, 512:4096:64 0.931 ->
+    0.828; not faster: 512:1536:32 0.775 -> 0.769, 512:1536:16 0.850 -> 0.919, 512:16384:16
+    0.944 -> 0.932, 512:7168:64 0.758 -> 0.782, 512:7168:128 0.706 -> 0.826, 512:18432:64
+    0.810 -> 0.847, 128:16384:512 1.126 -> 1.136, 128:7168:512 0.817 -> 1.084."""
+    if n_items < Q6_UNPACKED_ITEMS[0] or n_items > Q6_UNPACKED_ITEMS[1]:
         return False
-    for s in _Q6_SLOW_NB:
+    for s in Q6_UNPACKED_NB:
         if nb == s:
-            return False
-    return True
+            return True
+    return False
+
+
+@njit(**_JIT_INLINE)
+def row_block(nb):
+    """Rows per row block of mmq_q6_unpacked at nb super-blocks a row: the most whose unpacked
+    rows fit _UNPACKED_ROW_BLOCK_BYTES, at least 1 (as tiles_iq_blocked). Rounding it to an
+    even count (no row of a block left to 1 x 8 tiles) measured within the noise at 7,168 and
+    18,432 columns (shared host)."""
+    return max(1, _UNPACKED_ROW_BLOCK_BYTES // (nb * UNPACKED_BLOCK_BYTES))
 
 
 def _unpack_q6_codegen(context, builder, sig, args):
@@ -244,9 +259,50 @@ def mmq_q6_unpacked(
     out (float32) [o_rows[i] * out_stride + out_col + r]. Row blocks of
     _UNPACKED_ROW_BLOCK_BYTES unpacked once, x item blocks of item_block(nb) items (a multiple
     of 8), 2 rows x 4 items per tile (module docstring). Scratch: one row block (<= 160 KiB)."""
+    q6_blocked(
+        arena,
+        w_off,
+        row_bytes_,
+        nb,
+        row_lo,
+        row_hi,
+        xq,
+        xd,
+        xbs,
+        a_rows,
+        o_rows,
+        n_items,
+        out,
+        out_stride,
+        out_col,
+        row_block(nb),
+        item_block(nb),
+    )
+
+
+@njit(**_JIT_INLINE)
+def q6_blocked(
+    arena,
+    w_off,
+    row_bytes_,
+    nb,
+    row_lo,
+    row_hi,
+    xq,
+    xd,
+    xbs,
+    a_rows,
+    o_rows,
+    n_items,
+    out,
+    out_stride,
+    out_col,
+    rblk,
+    ib,
+):
+    """mmq_q6_unpacked's blocks of ``rblk`` rows x ``ib`` items (a multiple of 8; bench/unpacked_ab.py
+    tries other sizes through it)."""
     ub = nb * UNPACKED_BLOCK_BYTES  # a multiple of 64: each row's slot keeps the buffer's alignment
-    rblk = max(1, _UNPACKED_ROW_BLOCK_BYTES // ub)
-    ib = item_block(nb)
     buf = np.empty(min(rblk, max(1, row_hi - row_lo)) * ub + 64, np.uint8)
     for r0 in range(row_lo, row_hi, rblk):
         r1 = min(row_hi, r0 + rblk)
