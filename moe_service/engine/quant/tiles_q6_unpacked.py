@@ -79,9 +79,8 @@ def takes_q6_unpacked(nb, n_items):
     nb super-blocks: nb in Q6_UNPACKED_NB and n_items in Q6_UNPACKED_ITEMS, where it measured
     faster; everything else keeps table._mmq / _mmq_blocked. Measured (AMD EPYC Zen 3, one
     thread, CPU time, host shared with a test run, load 4-5, table._mmq -> mmq_q6_unpacked,
-    ns per 32 weights per item, best of 5, ROWS:COLS:ITEMS, digests equal; /tmp/q6ab3.py as
-    bench/unpacked_ab.py --format Q6_K): 512:1536:128 0.755 -> 0.690, 512:16384:128 0.982 ->
-    0.844 (0.917 -> 0.791 in another run), 512:16384:64 0.959 -> 0.897, 512:4096:64 0.931 ->
+    ns per 32 weights per item, best of 5, ROWS:COLS:ITEMS, digests equal;
+    bench/q6k_unpacked_ab.py): 512:1536:128 0.755 -> 0.690, 512:16384:128 0.982 -> 0.844 (0.917 -> 0.791 in another run), 512:16384:64 0.959 -> 0.897, 512:4096:64 0.931 ->
     0.828; not faster: 512:1536:32 0.775 -> 0.769, 512:1536:16 0.850 -> 0.919, 512:16384:16
     0.944 -> 0.932, 512:7168:64 0.758 -> 0.782, 512:7168:128 0.706 -> 0.826, 512:18432:64
     0.810 -> 0.847, 128:16384:512 1.126 -> 1.136, 128:7168:512 0.817 -> 1.084."""
