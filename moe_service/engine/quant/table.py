@@ -30,6 +30,7 @@ from moe_service.engine.quant.tiles32 import OFFSET, _tile32_codegen
 from moe_service.engine.quant.tiles_iq import opaque_int, takes_unpacked
 from moe_service.engine.quant.tiles_iq_blocked import mmq_unpacked_blocked
 from moe_service.engine.quant.tiles_k import UNPACKED, _tilek_codegen
+from moe_service.engine.quant.tiles_q6_unpacked import Q6_UNPACKED, mmq_q6_unpacked, takes_q6_unpacked
 from moe_service.formats import (
     FORMATS,
     GGML_F16,
@@ -297,6 +298,15 @@ def _make_kernel(f: BlockFormat):
                 mmq_unpacked_blocked(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
                                      xbs, a_rows, o_rows, n_items, out, out_stride, out_col)
             else:
+                _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
+                     xbs, a_rows, o_rows, opaque_int(n_items), out, out_stride, out_col)
+    elif fmt in Q6_UNPACKED:  # unpacked rows at the shapes where they measure faster (tiles_q6_unpacked)
+        def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
+                   out, out_stride, out_col, ggml_type):
+            if takes_q6_unpacked(n_cols // block_elems, n_items):
+                mmq_q6_unpacked(arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd, xbs, a_rows,
+                                o_rows, n_items, out, out_stride, out_col)
+            else:  # n_items opaque: today's path compiles as before (see opaque_int)
                 _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
                      xbs, a_rows, o_rows, opaque_int(n_items), out, out_stride, out_col)
     else:
