@@ -141,59 +141,83 @@ def blocked(
 ):
     """mmq_unpacked_blocked's blocks (items in blocks of ``ib``, a multiple of 8), the block's
     rows in tiles of ``tile_rows`` (2: x 4 items, else 1 x 8) rows."""
+    rblk = max(1, _UNPACKED_ROW_BLOCK_BYTES // (nb * UNPACKED_BLOCK_BYTES))
+    row_item_blocks(
+        _unpack_row,
+        _tile_unpacked,
+        fmt,
+        tile_rows,
+        arena,
+        w_off,
+        row_bytes_,
+        nb,
+        row_lo,
+        row_hi,
+        xq,
+        xd,
+        xbs,
+        a_rows,
+        o_rows,
+        n_items,
+        out,
+        out_stride,
+        out_col,
+        rblk,
+        ib,
+    )
+
+
+@njit(**_JIT_INLINE)
+def row_item_blocks(
+    unpack,
+    tile,
+    fmt,
+    tile_rows,
+    arena,
+    w_off,
+    row_bytes_,
+    nb,
+    row_lo,
+    row_hi,
+    xq,
+    xd,
+    xbs,
+    a_rows,
+    o_rows,
+    n_items,
+    out,
+    out_stride,
+    out_col,
+    rblk,
+    ib,
+):
+    """The row x item block loop of an unpacked multi-item matmul (module docstring), for any
+    unpacked layout: rows [row_lo, row_hi) in blocks of ``rblk`` rows, each row unpacked once by
+    ``unpack(fmt, arena, wo, row_bytes_, nb, buf)`` into its slot of one row block's scratch
+    (nb * UNPACKED_BLOCK_BYTES bytes a row), then every block of ``ib`` items (a multiple of 8)
+    over the block's rows in ladder tiles ``tile`` (literal ``fmt``) of ``tile_rows`` rows (2: x 4
+    items, the odd last row 1 x 8; else 1 x 8). Used by tiles_iq's grid i-quants (blocked) and
+    tiles_q6_unpacked's Q6_K."""
     ub = nb * UNPACKED_BLOCK_BYTES  # a multiple of 64: each row's slot keeps the buffer's alignment
-    rblk = max(1, _UNPACKED_ROW_BLOCK_BYTES // ub)
     buf = np.empty(min(rblk, max(1, row_hi - row_lo)) * ub + 64, np.uint8)
     for r0 in range(row_lo, row_hi, rblk):
         r1 = min(row_hi, r0 + rblk)
         for r in range(r0, r1):
-            _unpack_row(fmt, arena, w_off + r * row_bytes_, row_bytes_, nb, buf[(r - r0) * ub :])
+            unpack(fmt, arena, w_off + r * row_bytes_, row_bytes_, nb, buf[(r - r0) * ub :])
         for i0 in range(0, n_items, ib):
             i1 = min(n_items, i0 + ib)
             r = r0
-            # the tile aligns buf + wo up to 64 bytes as _unpack_row aligned buf[wo:]
+            # the tile aligns buf + wo up to 64 bytes as the unpack aligned buf[wo:]
             if tile_rows == 2:
                 while r + 2 <= r1:
                     tile_ladder_range(
-                        _tile_unpacked,
-                        False,
-                        fmt,
-                        2,
-                        buf,
-                        (r - r0) * ub,
-                        ub,
-                        nb,
-                        xq,
-                        xd,
-                        xbs,
-                        a_rows,
-                        o_rows,
-                        i0,
-                        i1,
-                        out,
-                        out_stride,
-                        out_col + r,
-                    )
+                        tile, False, fmt, 2, buf, (r - r0) * ub, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1,
+                        out, out_stride, out_col + r,
+                    )  # fmt: skip
                     r += 2
             while r < r1:
                 tile_ladder_range(
-                    _tile_unpacked,
-                    True,
-                    fmt,
-                    1,
-                    buf,
-                    (r - r0) * ub,
-                    0,
-                    nb,
-                    xq,
-                    xd,
-                    xbs,
-                    a_rows,
-                    o_rows,
-                    i0,
-                    i1,
-                    out,
-                    out_stride,
-                    out_col + r,
-                )
+                    tile, True, fmt, 1, buf, (r - r0) * ub, 0, nb, xq, xd, xbs, a_rows, o_rows, i0, i1,
+                    out, out_stride, out_col + r,
+                )  # fmt: skip
                 r += 1

@@ -21,7 +21,6 @@ scale) | 32 bytes unused | 2 float32 [d, unused] | 56 bytes unused.
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -50,8 +49,7 @@ from moe_service.engine.quant.ir import (
     _tree8_many,
     _vt,
 )
-from moe_service.engine.quant.ladder import tile_ladder_range
-from moe_service.engine.quant.tiles_iq_blocked import _UNPACKED_ROW_BLOCK_BYTES, item_block
+from moe_service.engine.quant.tiles_iq_blocked import _UNPACKED_ROW_BLOCK_BYTES, item_block, row_item_blocks
 from moe_service.engine.quant.tiles_k import UNPACKED_BLOCK_BYTES, _align64, _kq_pieces, _opaque, _stv
 from moe_service.formats import BY_NAME, FORMATS, QK_K
 
@@ -102,12 +100,12 @@ def row_block(nb):
 
 
 def _unpack_q6_codegen(context, builder, sig, args):
-    """Codegen of _unpack_q6: (arena, wo, nb, buf)."""
+    """Codegen of _unpack_q6: (fmt, arena, wo, rb, nb, buf); fmt and rb unused."""
     ty = sig.args
-    wo, nb = _i64(context, builder, args[1], ty[1]), _i64(context, builder, args[2], ty[2])
-    base = builder.bitcast(_data(context, builder, ty[0], args[0]), _I8.as_pointer())
+    wo, nb = _i64(context, builder, args[2], ty[2]), _i64(context, builder, args[4], ty[4])
+    base = builder.bitcast(_data(context, builder, ty[1], args[1]), _I8.as_pointer())
     row = builder.gep(base, [wo])
-    out = _align64(builder, builder.bitcast(_data(context, builder, ty[3], args[3]), _I8.as_pointer()))
+    out = _align64(builder, builder.bitcast(_data(context, builder, ty[5], args[5]), _I8.as_pointer()))
     bbytes = FORMATS[Q6_K].block_bytes
     with cgutils.for_range(builder, nb) as loop:
         b = loop.index
@@ -122,10 +120,12 @@ def _unpack_q6_codegen(context, builder, sig, args):
 
 
 @intrinsic
-def _unpack_q6(typingctx, arena, wo, nb, buf):
+def _unpack_q6(typingctx, fmt, arena, wo, rb, nb, buf):
     """buf (uint8 [>= nb x UNPACKED_BLOCK_BYTES + 64], written from its first 64-byte aligned
-    byte) = the nb Q6_K super-blocks of the row at byte ``wo`` of ``arena``, unpacked."""
-    return types.void(arena, wo, nb, buf), _unpack_q6_codegen
+    byte) = the nb Q6_K super-blocks of the row at byte ``wo`` of ``arena``, unpacked
+    (tiles_iq._unpack_row's arguments, for tiles_iq_blocked.row_item_blocks: fmt is Q6_K, the
+    row stride rb is not used)."""
+    return types.void(fmt, arena, wo, rb, nb, buf), _unpack_q6_codegen
 
 
 def _tile_q6_codegen(n_w, n_a):
@@ -301,55 +301,26 @@ def q6_blocked(
 ):
     """mmq_q6_unpacked's blocks of ``rblk`` rows x ``ib`` items (a multiple of 8; bench/unpacked_ab.py
     tries other sizes through it)."""
-    ub = nb * UNPACKED_BLOCK_BYTES  # a multiple of 64: each row's slot keeps the buffer's alignment
-    buf = np.empty(min(rblk, max(1, row_hi - row_lo)) * ub + 64, np.uint8)
-    for r0 in range(row_lo, row_hi, rblk):
-        r1 = min(row_hi, r0 + rblk)
-        for r in range(r0, r1):
-            _unpack_q6(arena, w_off + r * row_bytes_, nb, buf[(r - r0) * ub :])
-        for i0 in range(0, n_items, ib):
-            i1 = min(n_items, i0 + ib)
-            r = r0
-            while r + 2 <= r1:
-                tile_ladder_range(
-                    _tile_q6,
-                    False,
-                    Q6_K,
-                    2,
-                    buf,
-                    (r - r0) * ub,
-                    ub,
-                    nb,
-                    xq,
-                    xd,
-                    xbs,
-                    a_rows,
-                    o_rows,
-                    i0,
-                    i1,
-                    out,
-                    out_stride,
-                    out_col + r,
-                )
-                r += 2
-            if r < r1:
-                tile_ladder_range(
-                    _tile_q6,
-                    True,
-                    Q6_K,
-                    1,
-                    buf,
-                    (r - r0) * ub,
-                    0,
-                    nb,
-                    xq,
-                    xd,
-                    xbs,
-                    a_rows,
-                    o_rows,
-                    i0,
-                    i1,
-                    out,
-                    out_stride,
-                    out_col + r,
-                )
+    row_item_blocks(
+        _unpack_q6,
+        _tile_q6,
+        Q6_K,
+        2,
+        arena,
+        w_off,
+        row_bytes_,
+        nb,
+        row_lo,
+        row_hi,
+        xq,
+        xd,
+        xbs,
+        a_rows,
+        o_rows,
+        n_items,
+        out,
+        out_stride,
+        out_col,
+        rblk,
+        ib,
+    )
