@@ -17,11 +17,11 @@ prefill, and microseconds per layer per prompt token. Parts:
                    latent output through W_vb) and the prefill's per-head K/V decompression
     qk norm        the per-head RMSNorm of q and k (qwen3, qwen3moe), in steps of several tokens
     rope           q and k rope; a one-token CPU step runs the q/k norms and the rope in one
-                   compiled call (cpu_layers.qk_norm_rope_one), timed here
+                   compiled call (CpuPath.qk_norm_rope_one), timed here
     kv write       the step's keys and values into the cache (attention.store)
     attention      scores, softmax and P.V over the cache (attention.attend)
     norms          attn_norm and ffn_norm (a one-token CPU step: ffn_norm with the residual add
-                   before it, one compiled call: cpu_layers.add_rms_norm)
+                   before it, one compiled call: CpuPath.add_rms_norm)
     router         router logits and the top-k routing
     experts        the routed experts (fused MoE step)
     dense ffn      a dense layer's gate/up/down
@@ -156,12 +156,12 @@ def instrument(timer: PartTimer, steps: StepTimer | None = None) -> Callable[[],
     patch(CpuPath, "rmsnorm", part(outer("norms")))
     patch(CpuPath, "rmsnorm_heads", part(outer("qk norm")))
     patch(CpuPath, "rope", part(outer("rope")))
+    patch(CpuPath, "qk_norm_rope_one", part(outer("rope")))  # a one-token step's fused q/k norms + rope
+    patch(CpuPath, "add_rms_norm", part(outer("norms")))  # a one-token step's residual add + ffn_norm
     patch(CpuPath, "route", part(outer("router")))
     patch(CpuPath, "moe", part(outer("experts")))
     patch(CpuPath, "glu_ffn", part(ffn_label))
     patch(CpuPath, "head_linear", part(outer("mla heads")))
-    patch(llama, "qk_norm_rope_one", part(outer("rope")))  # a one-token step's fused q/k norms + rope
-    patch(llama, "add_rms_norm", part(outer("norms")))  # a one-token step's residual add + ffn_norm
     patch(attention, "store", part(lambda a: "kv write"))
     patch(attention, "attend", part(lambda a: "attention"))
     patch(llama.Llama, "block", timer.wrap_layer)

@@ -54,39 +54,72 @@ def _f16_bits_to_f32(typingctx, h):
     return sig, codegen
 
 
+_JIT_ROW = {**_JIT, "inline": "always"}
+"""The row helpers: inlined into their kernels at numba's IR level (no call, the loops as if
+written there)."""
+
+
+@njit(**_JIT_ROW)
+def _rms_scale_row(x, s, w, eps, out):
+    """The rest of :func:`_rms_norm_row` given ``s``, the float64 sum of x's float32 squares
+    in index order (add_rms_norm sums them in its add's pass): mean rounded to float32,
+    scale = 1/sqrtf(mean + eps), out = (x * scale) * w. x, out float32 [n] (may alias)."""
+    n = x.shape[0]
+    mean = np.float32(s / n)
+    scale = np.float32(1.0) / np.sqrt(mean + eps)
+    for i in range(n):
+        out[i] = (x[i] * scale) * w[i]
+
+
+@njit(**_JIT_ROW)
+def _rms_norm_row(x, w, eps, out):
+    """out = (x * 1/sqrtf(mean(x^2) + eps)) * w of one row, ggml's rounding (module
+    docstring): x, out float32 [n] (may alias), w float32 [n], eps float32."""
+    s = 0.0
+    for i in range(x.shape[0]):
+        v = x[i]
+        s += np.float64(v * v)
+    _rms_scale_row(x, s, w, eps, out)
+
+
+@njit(**_JIT_ROW)
+def _rope_row(x, cos, sin, p, rope_dim, neox):
+    """One head row x float32 [D] in place: its first ``rope_dim`` dims rotated at position
+    ``p`` (cos, sin float32 [C, rope_dim/2]); neox: pairs (j, j + rope_dim/2), else adjacent
+    pairs (2j, 2j+1)."""
+    half = rope_dim // 2
+    for j in range(half):
+        c = cos[p, j]
+        s = sin[p, j]
+        if neox:
+            a = x[j]
+            b = x[j + half]
+            x[j] = a * c - b * s
+            x[j + half] = a * s + b * c
+        else:
+            a = x[2 * j]
+            b = x[2 * j + 1]
+            x[2 * j] = a * c - b * s
+            x[2 * j + 1] = a * s + b * c
+
+
 @njit(**_JIT)
 def rms_norm(x, w, eps, out):
     """out[t] = (x[t] * 1/sqrtf(mean(x[t]^2) + eps)) * w, as ggml_rms_norm then ggml_mul.
 
     x, out: float32 [T, H] (may alias); w: float32 [H]; eps: float32.
     """
-    n = x.shape[1]
     for t in range(x.shape[0]):
-        s = 0.0
-        for i in range(n):
-            v = x[t, i]
-            s += np.float64(v * v)
-        mean = np.float32(s / n)
-        scale = np.float32(1.0) / np.sqrt(mean + eps)
-        for i in range(n):
-            out[t, i] = (x[t, i] * scale) * w[i]
+        _rms_norm_row(x[t], w, eps, out[t])
 
 
 @njit(**_JIT)
 def rms_norm_heads(x, w, eps):
     """rms_norm over each head vector in place: x float32 [T, heads, D], w float32 [D]
     (qwen3moe's q/k norms)."""
-    d = x.shape[2]
     for t in range(x.shape[0]):
         for h in range(x.shape[1]):
-            s = 0.0
-            for i in range(d):
-                v = x[t, h, i]
-                s += np.float64(v * v)
-            mean = np.float32(s / d)
-            scale = np.float32(1.0) / np.sqrt(mean + eps)
-            for i in range(d):
-                x[t, h, i] = (x[t, h, i] * scale) * w[i]
+            _rms_norm_row(x[t, h], w, eps, x[t, h])
 
 
 @njit(**_JIT)
@@ -97,23 +130,10 @@ def rope(x, positions, cos, sin, rope_dim, neox):
     model's ggml-rounded tables); neox: pairs (i, i + rope_dim/2) (qwen) instead of adjacent
     pairs (2i, 2i+1) (llama).
     """
-    half = rope_dim // 2
     for t in range(x.shape[0]):
         p = positions[t]
         for h in range(x.shape[1]):
-            for j in range(half):
-                c = cos[p, j]
-                s = sin[p, j]
-                if neox:
-                    a = x[t, h, j]
-                    b = x[t, h, j + half]
-                    x[t, h, j] = a * c - b * s
-                    x[t, h, j + half] = a * s + b * c
-                else:
-                    a = x[t, h, 2 * j]
-                    b = x[t, h, 2 * j + 1]
-                    x[t, h, 2 * j] = a * c - b * s
-                    x[t, h, 2 * j + 1] = a * s + b * c
+            _rope_row(x[t, h], cos, sin, p, rope_dim, neox)
 
 
 @njit(**_JIT)
@@ -124,49 +144,24 @@ def add_rms_norm(x, o, w, eps, x_out, h_out):
     x, o, x_out, h_out: float32 [T, H] (x_out may alias x); w: float32 [H]; eps: float32.
     The same bits as numpy's ``x + o`` followed by :func:`rms_norm`.
     """
-    n = x.shape[1]
     for t in range(x.shape[0]):
         s = 0.0
-        for i in range(n):
+        for i in range(x.shape[1]):
             v = x[t, i] + o[t, i]
             x_out[t, i] = v
             s += np.float64(v * v)
-        mean = np.float32(s / n)
-        scale = np.float32(1.0) / np.sqrt(mean + eps)
-        for i in range(n):
-            h_out[t, i] = (x_out[t, i] * scale) * w[i]
+        _rms_scale_row(x_out[t], s, w, eps, h_out[t])
 
 
 @njit(**_JIT)
 def _norm_rope_heads(x, w, has_norm, eps, p, cos, sin, rope_dim, neox):
     """One token's heads x float32 [heads, D] in place: :func:`rms_norm_heads` (when
-    ``has_norm``) then :func:`rope` at position ``p``, head by head (the same operations in
-    the same order per element, so the same bits as the two calls)."""
-    d = x.shape[1]
-    half = rope_dim // 2
+    ``has_norm``) then :func:`rope` at position ``p``, head by head (the same row helpers, so
+    the same bits as the two calls)."""
     for h in range(x.shape[0]):
         if has_norm:
-            s = 0.0
-            for i in range(d):
-                v = x[h, i]
-                s += np.float64(v * v)
-            mean = np.float32(s / d)
-            scale = np.float32(1.0) / np.sqrt(mean + eps)
-            for i in range(d):
-                x[h, i] = (x[h, i] * scale) * w[i]
-        for j in range(half):
-            c = cos[p, j]
-            sn = sin[p, j]
-            if neox:
-                a = x[h, j]
-                b = x[h, j + half]
-                x[h, j] = a * c - b * sn
-                x[h, j + half] = a * sn + b * c
-            else:
-                a = x[h, 2 * j]
-                b = x[h, 2 * j + 1]
-                x[h, 2 * j] = a * c - b * sn
-                x[h, 2 * j + 1] = a * sn + b * c
+            _rms_norm_row(x[h], w, eps, x[h])
+        _rope_row(x[h], cos, sin, p, rope_dim, neox)
 
 
 @njit(**_JIT)

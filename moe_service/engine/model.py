@@ -170,6 +170,8 @@ def _seq_state(m, n_ctx: int) -> list:
 # ---------------------------------------------------------------------------------------------
 # The two backends: same primitives, numpy + numba on the CPU, torch on a device
 
+_NO_NORM_W = np.zeros(0, np.float32)  # CpuPath.qk_norm_rope_one without q/k norm weights (llama, qwen2)
+
 
 class CpuPath:
     """Dense part on the CPU: float32 numpy activations, quantized matmuls in place on the
@@ -246,6 +248,24 @@ class CpuPath:
         x = np.ascontiguousarray(x, dtype=np.float32)
         cpu_layers.rope(x, positions, table.cos, table.sin, table.dim, table.neox)
         return x
+
+    def qk_norm_rope_one(self, q: np.ndarray, k: np.ndarray, wq: np.ndarray | None, wk: np.ndarray | None,
+                         eps: float, pos: int, table: RopeTable) -> None:
+        """One token's q float32 [NH, D] and k float32 [NKV, D] (C-contiguous) in place: the
+        per-head RMSNorm by wq / wk float32 [D] (None, None: no q/k norm), then RoPE at
+        position ``pos``, in one compiled call (cpu_layers.qk_norm_rope_one; the bits of
+        :meth:`rmsnorm_heads` then :meth:`rope`)."""
+        has_norm = wq is not None and wk is not None
+        cpu_layers.qk_norm_rope_one(q, k, wq if has_norm else _NO_NORM_W, wk if has_norm else _NO_NORM_W,
+                                    has_norm, np.float32(eps), pos, table.cos, table.sin, table.dim, table.neox)
+
+    def add_rms_norm(self, x: np.ndarray, o: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """(x + o, rmsnorm(x + o) * w) of float32 [T, H] rows (x C-contiguous) in one compiled
+        call (cpu_layers.add_rms_norm; the bits of ``x + o`` then :meth:`rmsnorm`)."""
+        x1 = np.empty_like(x)
+        h = np.empty_like(x)
+        cpu_layers.add_rms_norm(x, np.ascontiguousarray(o, dtype=np.float32), w, np.float32(eps), x1, h)
+        return x1, h
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, spans, scale: float, *,
                   window: int = 0, sinks: np.ndarray | None = None, value_dim: int = 0) -> np.ndarray:

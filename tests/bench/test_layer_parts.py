@@ -21,6 +21,8 @@ def test_instrument_restores_every_function():
         "rmsnorm",
         "rmsnorm_heads",
         "rope",
+        "qk_norm_rope_one",
+        "add_rms_norm",
         "route",
         "moe",
         "glu_ffn",
@@ -61,7 +63,7 @@ def test_parts_add_up_to_the_layer_and_the_step(tmp_path, prefill, clock):
     assert sum(table.values()) == pytest.approx(r["layer_ms"], rel=1e-6)
     for part in ("attn proj", "rope", "kv write", "attention", "norms", "router", "experts"):
         assert table[part] > 0, part
-    # a decode step fuses the q/k norms into rope's call (cpu_layers.qk_norm_rope_one)
+    # a decode step fuses the q/k norms into rope's call (CpuPath.qk_norm_rope_one)
     assert (table["qk norm"] > 0) == prefill
     assert table["dense ffn"] == 0.0  # every layer of the file is MoE
     assert r["outside_ms"]["head"] > 0 and r["outside_ms"]["embed"] > 0

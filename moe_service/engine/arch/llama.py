@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_service.engine import cpu_layers
 from moe_service.engine.arch.base import (
     MATRIX_TYPES,
     VECTOR_TYPES,
@@ -238,7 +237,7 @@ class Llama(Architecture):
         eps = self.hp.rms_eps
         if _one_token(x):  # a CPU decode step: the residual add and ffn_norm in one compiled call
             o = self.attention(be, lw, be.rmsnorm(x, lw.vecs["attn_norm"], eps), st)
-            x1, h = add_rms_norm(x, o, lw.vecs["ffn_norm"], eps)
+            x1, h = be.add_rms_norm(x, o, lw.vecs["ffn_norm"], eps)
             return x1 + self.ffn(be, lw, h, st)
         x = x + self.attention(be, lw, be.rmsnorm(x, lw.vecs["attn_norm"], eps), st)
         return x + self.ffn(be, lw, be.rmsnorm(x, lw.vecs["ffn_norm"], eps), st)
@@ -251,9 +250,8 @@ class Llama(Architecture):
         k = be.heads(k, hp.n_head_kv, hp.head_dim)  # [T, NKV, D]
         v = be.heads(v, hp.n_head_kv, hp.head_dim_v)  # [T, NKV, Dv]
         if _one_token(q) and _one_token(k):  # CPU decode step: q/k norms and rope in one compiled call
-            wq, wk = (lw.vecs["attn_q_norm"], lw.vecs["attn_k_norm"]) if self.qk_norm else (_NO_W, _NO_W)
-            eps, pos, r = np.float32(hp.rms_eps), int(st.positions[0]), st.rope
-            qk_norm_rope_one(q[0], k[0], wq, wk, self.qk_norm, eps, pos, r.cos, r.sin, r.dim, r.neox)
+            wq, wk = (lw.vecs["attn_q_norm"], lw.vecs["attn_k_norm"]) if self.qk_norm else (None, None)
+            be.qk_norm_rope_one(q[0], k[0], wq, wk, hp.rms_eps, int(st.positions[0]), st.rope)
         else:
             if self.qk_norm:
                 q = be.rmsnorm_heads(q, lw.vecs["attn_q_norm"], hp.rms_eps)
@@ -271,24 +269,7 @@ class Llama(Architecture):
         return be.moe(lw, h, ids, w)
 
 
-_NO_W = np.zeros(0, np.float32)  # no q/k norm weights (llama, qwen2)
-
-
 def _one_token(x) -> bool:
     """x is one token's C-contiguous float32 numpy rows (the CPU path's decode step)."""
     return isinstance(x, np.ndarray) and x.shape[0] == 1 and x.dtype == np.float32 and x.flags.c_contiguous
 
-
-def qk_norm_rope_one(q, k, wq, wk, has_norm: bool, eps, pos: int, cos, sin, dim: int, neox: bool) -> None:
-    """One token's q [NH, D] and k [NKV, D] in place: per-head RMSNorm (``has_norm``) then
-    RoPE at ``pos`` (cpu_layers.qk_norm_rope_one; the bits of rmsnorm_heads + rope)."""
-    cpu_layers.qk_norm_rope_one(q, k, wq, wk, has_norm, eps, pos, cos, sin, dim, neox)
-
-
-def add_rms_norm(x: np.ndarray, o: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """(x + o, rmsnorm(x + o) * w) of float32 [T, H] rows in one compiled call
-    (cpu_layers.add_rms_norm; the bits of ``x + o`` then CpuPath.rmsnorm)."""
-    x1 = np.empty_like(x)
-    h = np.empty_like(x)
-    cpu_layers.add_rms_norm(x, np.ascontiguousarray(o, dtype=np.float32), w, np.float32(eps), x1, h)
-    return x1, h

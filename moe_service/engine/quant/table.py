@@ -31,6 +31,7 @@ from moe_service.engine.quant.tiles_iq import opaque_int, takes_unpacked
 from moe_service.engine.quant.tiles_iq_blocked import mmq_unpacked_blocked
 from moe_service.engine.quant.tiles_k import UNPACKED, _tilek_codegen
 from moe_service.engine.quant.tiles_q6_unpacked import Q6_UNPACKED, mmq_q6_unpacked, takes_q6_unpacked
+from moe_service.engine.quant.tiles_t1 import T1_SIDES
 from moe_service.formats import (
     FORMATS,
     GGML_F16,
@@ -52,8 +53,10 @@ def _tile(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0,
         if not isinstance(v, types.IntegerLiteral):
             return None
     sig = types.void(fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0, o_rows, out, out_stride, ocol)
-    gen = _tile32_codegen if FORMATS[fmt.literal_value].family == "32" else _tilek_codegen
-    return sig, gen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
+    if FORMATS[fmt.literal_value].family == "32":
+        return sig, _tile32_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
+    return sig, _tilek_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value,
+                               t1_side=T1_SIDES.get(fmt.literal_value))
 
 
 @intrinsic

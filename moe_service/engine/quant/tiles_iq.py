@@ -11,7 +11,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from moe_service.engine.quant import tiles_t1  # noqa: F401 - registers the one-token weight sides (tiles_k._T1_SIDES)
 from moe_service.engine.quant.ir import _JIT, _JIT_INLINE
 from moe_service.engine.quant.ladder import tile_ladder
 from moe_service.engine.quant.tiles_k import (

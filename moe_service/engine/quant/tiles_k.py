@@ -98,13 +98,6 @@ formats whose weight side reads computed indices back through _spilled, or takes
 ``idx`` (tiles_k._IndicesAhead)."""
 
 
-_T1_SIDES: dict = {}
-"""Format id -> a weight side (builder, f, o) -> KPieces that the AVX2 one-item tile over the
-GGUF blocks (T = 1) takes instead of _PIECES' (the multi-item and unpacked tiles keep
-_PIECES'): the same integer lanes by other steps. Filled by tiles_t1.py (imported by
-tiles_iq.py, which table.py imports before any kernel is compiled)."""
-
-
 def _indices(name: str, lanes: int = 32):
     def register(fn):
         _INDICES[BY_NAME[name].type_id] = (fn, lanes)
@@ -876,11 +869,14 @@ def _hsum_i32(builder, vs):
     return x
 
 
-def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
+def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
     """The tile of ``n_w`` weight rows x ``n_a`` items of K-quant ``fmt`` (see the section
     comment). ``unpacked``: the weight row is a row of _unpack_row_codegen's scratch buffer
     instead of the GGUF blocks (AVX2, up to UNPACKED_ROWS_MAX rows rb bytes apart, formats in
-    UNPACKED: see there); the integer lanes and every float step are the same."""
+    UNPACKED: see there); the integer lanes and every float step are the same. ``t1_side``: a
+    weight side (builder, f, o) -> KPieces that the AVX2 one-item tile over the GGUF blocks
+    takes instead of _PIECES' (tiles_t1.T1_SIDES, which table.py passes; the multi-item,
+    unpacked and VNNI tiles ignore it): the same integer lanes by other steps."""
     f = FORMATS[fmt]
     bb, has_min = f.block_bytes, f.has_min
     if unpacked:  # rows rb bytes apart in the scratch buffer (UNPACKED_ROWS_MAX rows: tiles_iq_blocked)
@@ -911,7 +907,7 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
         z16 = ir.Constant(_vt(_I32, 16), [0] * 16)
         ahead = ([_IndicesAhead(builder, f, wrow[k], nb) for k in range(n_w)]
                  if n_a == 1 and not unpacked and not _VNNI and fmt in _INDICES else None)
-        t1_side = _T1_SIDES.get(fmt) if n_a == 1 and not unpacked and not _VNNI else None
+        t1 = t1_side if n_a == 1 and not unpacked and not _VNNI else None
 
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
@@ -929,8 +925,8 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False):
             bs = [_ldv(builder, xbs_t[t], builder.mul(b, _ci(32)), _vt(_I16, 16)) for t in range(n_a)]
             if ahead is not None:
                 wk = [ahead[k].pieces(builder, b, wb[k]) for k in range(n_w)]
-            elif t1_side is not None:
-                wk = [t1_side(builder, f, wb[k]) for k in range(n_w)]
+            elif t1 is not None:
+                wk = [t1(builder, f, wb[k]) for k in range(n_w)]
             else:
                 wk = [_kq_pieces(builder, fmt, wb[k]) if not unpacked else _unpacked_pieces(builder, wb[k])
                       for k in range(n_w)]

@@ -1,5 +1,5 @@
 """One-token (T = 1) weight sides of the AVX2 one-item tile over the GGUF blocks
-(tiles_k._T1_SIDES): other steps to the same integer lanes as tiles_k's weight sides, for the
+(:data:`T1_SIDES`, which table.py hands to tiles_k._tilek_codegen): other steps to the same integer lanes as tiles_k's weight sides, for the
 decode step's matvecs only (the multi-item and unpacked tiles keep tiles_k's sides, whose
 code this leaves as it was).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from moe_service.engine.quant.ir import _I8, _I16, _ldv, _vt
-from moe_service.engine.quant.tiles_k import _T1_SIDES, _q2_k_pieces, _scales16
+from moe_service.engine.quant.tiles_k import _q2_k_pieces, _scales16
 from moe_service.formats import BY_NAME
 
 
@@ -39,4 +39,5 @@ def _q2_k_t1(builder, f, o):
     return wk._replace(scales=_scales16(builder, sc16, in_lane=True))
 
 
-_T1_SIDES[BY_NAME["Q2_K"].type_id] = _q2_k_t1
+T1_SIDES = {BY_NAME["Q2_K"].type_id: _q2_k_t1}
+"""Format id -> its one-token weight side (builder, f, o) -> tiles_k.KPieces."""

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import types
 
 from moe_service.engine import quant as q
-from moe_service.engine.quant.tiles_k import _T1_SIDES
+from moe_service.engine.quant import table, tiles_t1
 
 
-def test_the_one_token_sides_are_registered_before_a_kernel_compiles():
-    q.ensure_kernels([q.GGML_Q2_K])  # imports table.py, which imports tiles_iq.py, which imports tiles_t1.py
-    assert q.GGML_Q2_K in _T1_SIDES
+@pytest.mark.parametrize("n_a", [1, 4])
+def test_the_kernel_table_hands_the_one_token_side_to_the_k_quant_tiles(monkeypatch, n_a):
+    """table._tile's definition (typing only, nothing compiled) passes Q2_K's side from
+    tiles_t1.T1_SIDES to tiles_k._tilek_codegen (whose AVX2 one-item tile takes it)."""
+    seen = []
+    monkeypatch.setattr(table, "_tilek_codegen", lambda *a, **k: seen.append((a, k)))
+    lit = types.IntegerLiteral
+    table._tile.__wrapped__(None, lit(q.GGML_Q2_K), lit(1), lit(n_a), *[types.int64] * 13)
+    assert seen == [((q.GGML_Q2_K, 1, n_a), {"t1_side": tiles_t1.T1_SIDES[q.GGML_Q2_K]})]
 
 
 @pytest.mark.parametrize("nb", [1, 3, 8])
