@@ -373,6 +373,15 @@ def _maddubs512(builder, w_u8, a_s8):
     return _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _vt(_I16, 32), [w_u8, a_s8])
 
 
+def _dot_scaled512(builder, u8, s8, sc32, iacc):
+    """iacc <16 x i32> += vpdpwssd(vpmaddubsw(u8, s8), sc32): the <64 x u8> . <64 x s8>
+    adjacent-pair sums (<32 x i16>) times the int16 scales sc32, pairs summed into lane j =
+    elements 4 j .. 4 j + 3 (AVX-512 BW + VNNI; exact while no pair sum saturates)."""
+    vi = _vt(_I32, 16)
+    p = _maddubs512(builder, u8, s8)
+    return _call(builder, "llvm.x86.avx512.vpdpwssd.512", vi, [iacc, builder.bitcast(p, vi), builder.bitcast(sc32, vi)])
+
+
 def _concat(builder, a, b):
     n = a.type.count
     return builder.shuffle_vector(a, b, _cvec(_I32, range(2 * n)))

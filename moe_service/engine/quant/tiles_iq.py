@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from moe_service.engine.quant.ir import _JIT, _JIT_INLINE
+from moe_service.engine.quant.ir import _JIT, _JIT_INLINE, _VNNI
 from moe_service.engine.quant.ladder import tile_ladder
 from moe_service.engine.quant.tiles_k import (
     UNPACKED_BLOCK_BYTES,
@@ -29,6 +29,8 @@ def takes_unpacked(n_items):
     weights per token main -> unpacked: IQ2_S T=4 1.47 -> 1.70, IQ3_S T=8 1.31 -> 1.40, IQ1_S
     T=8 1.30 -> 1.19: the old tiles, mostly). 3, 5-7 and 9 or more items take two tiles or
     more, and there the unpacked path wins (IQ2_XS T=3 2.38 -> 1.59, T=16 1.13 -> 0.88)."""
+    if _VNNI:  # 512-bit unpacked tiles: 8 items unpacked too (module docstring of tiles_iq_blocked)
+        return n_items >= UNPACKED_MIN_ITEMS and n_items != 4
     return n_items >= UNPACKED_MIN_ITEMS and n_items != 4 and n_items != 8
 
 

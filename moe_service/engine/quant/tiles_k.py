@@ -28,11 +28,11 @@ from moe_service.engine.quant.ir import (
     _concat,
     _cvec,
     _data,
+    _dot_scaled512,
     _i64,
     _ldv,
     _madd,
     _maddubs,
-    _maddubs512,
     _pf_distance,
     _prefetch,
     _shuf,
@@ -667,7 +667,7 @@ def _iq1_m_pieces(builder, f, o, idx=None):
     return KPieces(pieces, _scales16(builder, sc16), None, None, d2)
 
 # ---------------------------------------------------------------------------------------
-# Unpacked rows: the AVX2 multi-item path of the grid i-quants
+# Unpacked rows: the multi-item path of the grid i-quants (AVX2 and AVX-512)
 # ---------------------------------------------------------------------------------------
 # A tile unpacks its weight row's grid entries, signs and scales once per super-block, but
 # on AVX2 a tile holds at most 8 items: at T = 128 each row was unpacked 16 times, and the
@@ -682,8 +682,12 @@ def _iq1_m_pieces(builder, f, o, idx=None):
 # row's lanes start from -128 x (its scaled weight sums), computed once per row: sum w (a +
 # 128) - 128 sum w = sum w a per int32 lane, so the lanes, and all that follows, are the
 # same bit for bit. No int16 pair sum saturates: 2 x 255 x max|w| <= 32767 for every grid
-# (max|w| 62, IQ3_XXS; checked below). Not for IQ4_XS (|w| up to 127); AVX-512 keeps its
-# 4-row tiles.
+# (max|w| 62, IQ3_XXS; checked below). Not for IQ4_XS (|w| up to 127). AVX-512 (VNNI) runs
+# the same unpacked rows with the dot in 512-bit steps (ir._dot_scaled512: 16 lanes, folded
+# per super-block as _kq_dot's) and in tiles_iq_blocked's 2 x 4 tiles at every item count
+# it takes (Sapphire Rapids-class Xeon, one thread, 256 x 2048 hot, ns per 32 weights per
+# token, 4-row tiles over the blocks -> unpacked: IQ1_S T=8 0.785 -> 0.695, T=16 0.795 ->
+# 0.531, T=64 0.797 -> 0.427; IQ2_XXS T=16 0.602 -> 0.428, T=64 0.603 -> 0.363).
 #
 # Buffer layout per super-block (UNPACKED_BLOCK_BYTES, 64-byte aligned): 256 signed int8
 # weights in element order | 4 x 32 int16 pair-lane scales (KPieces.scales) | 8 int32 lanes
@@ -704,8 +708,9 @@ for _n in _GRID_IQ:
     if 2 * 255 * _max_abs_value(_n) > 32767:
         raise AssertionError(f"{_n}: (a + 128) x w pair sums could saturate vpmaddubsw")
 
-UNPACKED = frozenset() if _VNNI else frozenset(BY_NAME[n].type_id for n in _GRID_IQ)
-"""Formats whose AVX2 multi-item matmuls unpack each weight row once (see the section comment)."""
+UNPACKED = frozenset(BY_NAME[n].type_id for n in _GRID_IQ)
+"""Formats whose multi-item matmuls unpack each weight row once (see the section comment;
+AVX-512: the tile's dot in 512-bit steps, _iq_dot512)."""
 
 UNPACKED_ROWS_MAX = 2
 """Weight rows per unpacked tile at most (1 x 8 items row by row, 2 x 4 items in
@@ -808,10 +813,7 @@ def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
                              builder.select(builder.icmp_signed("==", w64, zero), zero, a64))
         w64 = _call(builder, "llvm.abs.v64i8", _vt(_I8, 64), [w64, ir.Constant(ir.IntType(1), 0)])
     if _VNNI:
-        vi = _vt(_I32, 16)
-        p = _maddubs512(builder, w64, a64)
-        return _call(builder, "llvm.x86.avx512.vpdpwssd.512", vi,
-                     [iacc, builder.bitcast(p, vi), builder.bitcast(sc32, vi)])
+        return _dot_scaled512(builder, w64, a64, sc32, iacc)
     halves = []
     for h in range(2):
         w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
@@ -872,7 +874,7 @@ def _hsum_i32(builder, vs):
 def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
     """The tile of ``n_w`` weight rows x ``n_a`` items of K-quant ``fmt`` (see the section
     comment). ``unpacked``: the weight row is a row of _unpack_row_codegen's scratch buffer
-    instead of the GGUF blocks (AVX2, up to UNPACKED_ROWS_MAX rows rb bytes apart, formats in
+    instead of the GGUF blocks (up to UNPACKED_ROWS_MAX rows rb bytes apart, formats in
     UNPACKED: see there); the integer lanes and every float step are the same. ``t1_side``: a
     weight side (builder, f, o) -> KPieces that the AVX2 one-item tile over the GGUF blocks
     takes instead of _PIECES' (tiles_t1.T1_SIDES, which table.py passes; the multi-item,
@@ -932,7 +934,8 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
                       for k in range(n_w)]
             # int32 lanes per (row, item); Q6_K / Q3_K start from offset * (scales . bsums) in lanes 0..7
             if unpacked:  # from -128 x (the row's scaled weight sums), see _unpack_row_codegen
-                iacc = [[_ldv(builder, wb[k], _U_CORR, _VI)] * n_a for k in range(n_w)]
+                iacc = [[_concat(builder, _ldv(builder, wb[k], _U_CORR, _VI), ir.Constant(_VI, [0] * 8))
+                         if _VNNI else _ldv(builder, wb[k], _U_CORR, _VI)] * n_a for k in range(n_w)]
             elif _VNNI:
                 iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
                          if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
@@ -943,9 +946,13 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
                 ot = [_opaque(builder, wb[k]) for k in range(n_w)]  # fresh pointers per item: LLVM reloads
                 for g in range(4):  # rather than spills them
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))
+                    if _VNNI:  # 512-bit: lanes j = elements 4 j .. + 3, folded below as _kq_dot's
+                        a64 = builder.xor(a64, _cvec(_I8, [0x80] * 64))
                     for k in range(n_w):  # (the rows share the item's a xor 0x80)
-                        iacc[k][t] = _iq_dot(builder, _ldv(builder, ot[k], _U_W + 64 * g, _vt(_I8, 64)), a64,
-                                             _ldv(builder, ot[k], _U_SC + 64 * g, _vt(_I16, 32)), iacc[k][t])
+                        w, sc = (_ldv(builder, ot[k], o + 64 * g, ty) for o, ty in ((_U_W, _vt(_I8, 64)),
+                                                                                    (_U_SC, _vt(_I16, 32))))
+                        iacc[k][t] = (_dot_scaled512(builder, a64, w, sc, iacc[k][t]) if _VNNI
+                                      else _iq_dot(builder, w, a64, sc, iacc[k][t]))
             for g in range(4 if not unpacked else 0):  # piece-major: one piece of every row live at a time
                 for t in range(n_a):
                     a64 = _ldv(builder, xq_t[t], builder.add(aoff, _ci(64 * g)), _vt(_I8, 64))

@@ -1,5 +1,5 @@
 """The grid i-quants' unpacked multi-item matmul in row x item blocks
-(quant/tiles_iq_blocked.py, AVX2): more items than one item block, over a row range off the
+(quant/tiles_iq_blocked.py; AVX2 and AVX-512 tiles): more items than one item block, over a row range off the
 row-block grid, with activation / output indirection and repeated items, equals one-item
 matmuls bit for bit; so does the row-by-row path below one item block."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from moe_service.engine import quant as q
 from moe_service.engine.quant import tiles_iq_blocked as blk
-from moe_service.engine.quant.tiles_k import UNPACKED, UNPACKED_BLOCK_BYTES
+from moe_service.engine.quant.tiles_k import UNPACKED_BLOCK_BYTES
 
 from .test_quant_tiles import det_activations, det_blocks
 
@@ -24,7 +24,6 @@ def test_blocks_fit_the_cache_sizes_they_claim():
     assert blk._UNPACKED_ROW_BLOCK_BYTES // (nb * UNPACKED_BLOCK_BYTES) >= 8
 
 
-@pytest.mark.skipif(not UNPACKED, reason="the unpacked path is AVX2's (AVX-512 VNNI keeps its 4-row tiles)")
 @pytest.mark.parametrize("tid", GRID_IQ, ids=[q.FORMATS[t].name for t in GRID_IQ])
 def test_row_and_item_blocks_give_the_one_item_results(tid):
     f = q.FORMATS[tid]

@@ -16,8 +16,8 @@ from .test_quant_tiles import det_activations, det_blocks
 GRID_IQ = [q.BY_NAME[n].type_id for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")]
 
 
-def test_unpacked_formats_are_the_avx2_grid_iquants():
-    assert UNPACKED == (frozenset() if q._VNNI else frozenset(GRID_IQ))
+def test_unpacked_formats_are_the_grid_iquants():
+    assert UNPACKED == frozenset(GRID_IQ)
 
 
 @pytest.mark.parametrize("tid", GRID_IQ, ids=[q.FORMATS[t].name for t in GRID_IQ])
