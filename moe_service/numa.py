@@ -131,6 +131,27 @@ def node_cpus(root: Path | str = Path("/")) -> dict[int, list[int]]:
     return out
 
 
+L2_DEFAULT_BYTES = 512 << 10
+"""The L2 size :func:`l2_cache_bytes` gives where sysfs does not say (AMD Zen 2-4's per core)."""
+
+
+def l2_cache_bytes(root: Path | str = Path("/")) -> int:
+    """Bytes of CPU 0's level-2 cache (``sys/devices/system/cpu/cpu0/cache/indexN/`` with
+    ``level`` 2 and ``type`` Unified or Data, ``size`` such as ``2048K``), or
+    :data:`L2_DEFAULT_BYTES` where it cannot be read (no sysfs, a VM that hides it). The
+    blocked multi-item matmuls size their row and item blocks from it (quant/tiles_iq_blocked)."""
+    cache = Path(root) / "sys/devices/system/cpu/cpu0/cache"
+    for index in sorted(cache.glob("index*")) if cache.is_dir() else ():
+        level, kind, size = ((_read(index / name) or "").strip() for name in ("level", "type", "size"))
+        if level != "2" or kind not in ("Unified", "Data") or not size:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:].upper(), 1)
+        digits = size[:-1] if unit != 1 else size
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits) * unit
+    return L2_DEFAULT_BYTES
+
+
 def format_cpulist(cpus: Iterable[int]) -> str:
     """Inverse of :func:`parse_cpulist`: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
     items = sorted(set(cpus))

@@ -14,13 +14,15 @@ import hashlib
 import os
 from pathlib import Path
 
+from moe_service.numa import l2_cache_bytes
+
 # Files whose kernels other files' cached kernels inline (cpu_layers: its float16 intrinsics, in
 # attention/; attention/*.py: the package's modules inline each other's kernels).
 _KERNEL_SOURCES = ("quant/*.py", "pool.py", "moe.py", "cpu_layers.py", "attention/*.py")
 
 
 def kernel_cache_key() -> str:
-    """16 hex digits over the kernel sources, the numba version and the forced ISA."""
+    """16 hex digits over the kernel sources, the numba version, the forced ISA and the L2 size."""
     import numba
 
     h = hashlib.sha256()
@@ -31,6 +33,7 @@ def kernel_cache_key() -> str:
             h.update(path.read_bytes())
     h.update(numba.__version__.encode())
     h.update(os.environ.get("MOE_SERVICE_KERNEL_ISA", "").encode())
+    h.update(str(l2_cache_bytes()).encode())  # quant/tiles_iq_blocked's block sizes
     return h.hexdigest()[:16]
 
 

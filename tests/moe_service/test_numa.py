@@ -138,3 +138,25 @@ def test_run_on_cpus_restores():
     with numa.run_on_cpus([one]):
         assert os.sched_getaffinity(0) == {one}
     assert os.sched_getaffinity(0) == before
+
+
+def test_l2_cache_bytes_reads_the_level_2_cache_of_cpu0(tmp_path):
+    cache = tmp_path / "sys/devices/system/cpu/cpu0/cache"
+    for name, level, kind, size in (("index0", "1", "Data", "48K"), ("index1", "1", "Instruction", "32K"),
+                                    ("index2", "2", "Unified", "2048K\n"), ("index3", "3", "Unified", "300M")):
+        (cache / name).mkdir(parents=True)
+        for field, text in (("level", level), ("type", kind), ("size", size)):
+            (cache / name / field).write_text(text + "\n")
+    assert numa.l2_cache_bytes(tmp_path) == 2 << 20
+    (cache / "index2" / "size").write_text("1M\n")
+    assert numa.l2_cache_bytes(tmp_path) == 1 << 20
+
+
+def test_l2_cache_bytes_falls_back_where_sysfs_does_not_say(tmp_path):
+    assert numa.l2_cache_bytes(tmp_path) == numa.L2_DEFAULT_BYTES  # no cache folder (a VM)
+    index = tmp_path / "sys/devices/system/cpu/cpu0/cache/index2"
+    index.mkdir(parents=True)
+    (index / "level").write_text("2\n")
+    (index / "type").write_text("Unified\n")
+    (index / "size").write_text("garbage\n")
+    assert numa.l2_cache_bytes(tmp_path) == numa.L2_DEFAULT_BYTES

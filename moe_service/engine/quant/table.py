@@ -297,7 +297,7 @@ def _make_kernel(f: BlockFormat):
     elif fmt in UNPACKED:  # each row unpacked once (tiles_iq.takes_unpacked), else the tiles over the blocks
         def kernel(arena, w_off, row_bytes_, n_cols, row_lo, row_hi, xf, xq, xd, xs, xbs, a_rows, o_rows, n_items,
                    out, out_stride, out_col, ggml_type):
-            if takes_unpacked(n_items):
+            if takes_unpacked(fmt, n_items):
                 mmq_unpacked_blocked(fmt, arena, w_off, row_bytes_, n_cols // block_elems, row_lo, row_hi, xq, xd,
                                      xbs, a_rows, o_rows, n_items, out, out_stride, out_col)
             else:

@@ -19,17 +19,28 @@ from moe_service.engine.quant.tiles_k import (
     _tilek_codegen,
     _unpack_row_codegen,
 )
+from moe_service.formats import BY_NAME
+
+_Q2_K = BY_NAME["Q2_K"].type_id
+
+Q2_K_UNPACKED_MIN_ITEMS = 48
+"""AVX-512 (VNNI): Q2_K (in tiles_k.UNPACKED there) unpacks its rows from this many items.
+Measured (Sapphire Rapids-class Xeon, one thread, 256 x 2048 hot, ns per 32 weights per
+token, 4-row tiles over the blocks -> unpacked rows): T=64 0.466 -> 0.424, T=128 0.469 ->
+0.407; not faster: T=16 0.469 -> 0.480, T=8 0.468 -> 0.566, T=3 0.761 -> 0.928."""
 
 
 @njit(**_JIT_INLINE)
-def takes_unpacked(n_items):
-    """Whether a matmul of an UNPACKED format over n_items items unpacks its rows first: from
+def takes_unpacked(fmt, n_items):
+    """Whether a matmul of UNPACKED format ``fmt`` over n_items items unpacks its rows first: from
     UNPACKED_MIN_ITEMS items on, except 4 and 8, which the tiles over the blocks cover in one
     tile (one unpacking per row either way; measured there, Zen 3, one thread, ns per 32
     weights per token main -> unpacked: IQ2_S T=4 1.47 -> 1.70, IQ3_S T=8 1.31 -> 1.40, IQ1_S
     T=8 1.30 -> 1.19: the old tiles, mostly). 3, 5-7 and 9 or more items take two tiles or
     more, and there the unpacked path wins (IQ2_XS T=3 2.38 -> 1.59, T=16 1.13 -> 0.88)."""
     if _VNNI:  # 512-bit unpacked tiles: 8 items unpacked too (module docstring of tiles_iq_blocked)
+        if fmt == _Q2_K:
+            return n_items >= Q2_K_UNPACKED_MIN_ITEMS
         return n_items >= UNPACKED_MIN_ITEMS and n_items != 4
     return n_items >= UNPACKED_MIN_ITEMS and n_items != 4 and n_items != 8
 

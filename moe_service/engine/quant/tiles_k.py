@@ -708,9 +708,9 @@ for _n in _GRID_IQ:
     if 2 * 255 * _max_abs_value(_n) > 32767:
         raise AssertionError(f"{_n}: (a + 128) x w pair sums could saturate vpmaddubsw")
 
-UNPACKED = frozenset(BY_NAME[n].type_id for n in _GRID_IQ)
-"""Formats whose multi-item matmuls unpack each weight row once (see the section comment;
-AVX-512: the tile's dot in 512-bit steps, _iq_dot512)."""
+UNPACKED = frozenset(BY_NAME[n].type_id for n in _GRID_IQ + (("Q2_K",) if _VNNI else ()))
+"""Formats whose multi-item matmuls unpack each weight row once (see the section comment; AVX-512
+also Q2_K, from tiles_iq.Q2_K_UNPACKED_MIN_ITEMS items)."""
 
 UNPACKED_ROWS_MAX = 2
 """Weight rows per unpacked tile at most (1 x 8 items row by row, 2 x 4 items in

@@ -1,4 +1,4 @@
-"""Q6_K's AVX2 multi-item matmul over unpacked rows in row x item blocks: the Q6_K
+"""Q6_K's multi-item matmul over unpacked rows (AVX2, AVX-512 VNNI) in row x item blocks: the Q6_K
 counterpart of tiles_iq_blocked.py (the grid i-quants), for the column counts where it
 measures faster than table._mmq / table._mmq_blocked (``takes_q6_unpacked``).
 
@@ -33,12 +33,14 @@ from moe_service.engine.quant.ir import (
     _I32,
     _JIT,
     _JIT_INLINE,
+    _VI,
     _VNNI,
     _call,
     _cat,
     _ci,
     _concat,
     _data,
+    _dot_scaled512,
     _i64,
     _ldv,
     _madd,
@@ -56,8 +58,8 @@ from moe_service.formats import BY_NAME, FORMATS, QK_K
 Q6_K = BY_NAME["Q6_K"].type_id
 """GGML type id of Q6_K."""
 
-Q6_UNPACKED = frozenset() if _VNNI else frozenset((Q6_K,))
-"""Formats with this module's path: Q6_K on AVX2 (AVX-512 VNNI keeps its 4-row tiles)."""
+Q6_UNPACKED = frozenset((Q6_K,))
+"""Formats with this module's path: Q6_K (AVX-512 VNNI: the dot in 512-bit steps, ir._dot_scaled512)."""
 
 _U_W, _U_SC, _U_OFF, _U_D2 = 0, 256, 512, 576
 """Byte offsets in an unpacked super-block (module docstring)."""
@@ -71,10 +73,21 @@ Q6_UNPACKED_ITEMS = (64, 128)
 bench.layer_parts' default --ubatch, and its shorter last step down to 64)."""
 
 
+Q6_UNPACKED_VNNI_MIN_ITEMS = 96
+"""AVX-512 (VNNI): takes_q6_unpacked routes every row length here from this many items (a
+128-token prefill step). Measured (Sapphire Rapids-class Xeon, 2 MiB L2, one thread, CPU time,
+4-row tiles -> unpacked, ns per 32 weights per item, ROWS:COLS:ITEMS, digests equal,
+bench/q6k_unpacked_ab.py): 512:1536:128 0.412 -> 0.355, 512:2048:128 0.404 -> 0.349,
+512:7168:128 0.414 -> 0.384, 512:16384:128 0.422 -> 0.364, 512:18432:128 0.440 -> 0.418,
+512:512:128 0.439 -> 0.409, 512:7168:64 0.399 -> 0.357; not faster: 512:16384:64 0.407 ->
+0.424, 512:7168:32 0.411 -> 0.440, 512:1536:32 0.408 -> 0.406, 512:7168:16 0.395 -> 0.470."""
+
+
 @njit(**_JIT_INLINE)
 def takes_q6_unpacked(nb, n_items):
-    """Whether table.py's Q6_K kernel (AVX2) takes mmq_q6_unpacked for n_items items x rows of
-    nb super-blocks: nb in Q6_UNPACKED_NB and n_items in Q6_UNPACKED_ITEMS, where it measured
+    """Whether table.py's Q6_K kernel takes mmq_q6_unpacked for n_items items x rows of nb
+    super-blocks: AVX-512, from Q6_UNPACKED_VNNI_MIN_ITEMS items; AVX2, nb in Q6_UNPACKED_NB
+    and n_items in Q6_UNPACKED_ITEMS, where it measured
     faster; everything else keeps table._mmq / _mmq_blocked. Measured (AMD EPYC Zen 3, one
     thread, CPU time, host shared with a test run, load 4-5, table._mmq -> mmq_q6_unpacked,
     ns per 32 weights per item, best of 5, ROWS:COLS:ITEMS, digests equal;
@@ -82,6 +95,8 @@ def takes_q6_unpacked(nb, n_items):
     0.828; not faster: 512:1536:32 0.775 -> 0.769, 512:1536:16 0.850 -> 0.919, 512:16384:16
     0.944 -> 0.932, 512:7168:64 0.758 -> 0.782, 512:7168:128 0.706 -> 0.826, 512:18432:64
     0.810 -> 0.847, 128:16384:512 1.126 -> 1.136, 128:7168:512 0.817 -> 1.084."""
+    if _VNNI:
+        return n_items >= Q6_UNPACKED_VNNI_MIN_ITEMS
     if n_items < Q6_UNPACKED_ITEMS[0] or n_items > Q6_UNPACKED_ITEMS[1]:
         return False
     for s in Q6_UNPACKED_NB:
@@ -175,6 +190,8 @@ def _tile_q6_codegen(n_w, n_a):
                 [_madd(builder, _ldv(builder, wbs[k], _U_OFF, _vt(_I16, 16)), bs[t]) for t in range(n_a)]
                 for k in range(n_w)
             ]
+            if _VNNI:  # 16 lanes (lane j: elements 4 j .. + 3), folded below as tiles_k._kq_dot's VNNI form
+                iaccs = [[_concat(builder, v, ir.Constant(_VI, [0] * 8)) for v in row] for row in iaccs]
             for t in range(n_a):  # item-major, the rows' values and scales as memory operands
                 ots = [_opaque(builder, wb) for wb in wbs]  # fresh pointers per item: LLVM reloads them
                 for g in range(4):
@@ -182,6 +199,9 @@ def _tile_q6_codegen(n_w, n_a):
                     for k in range(n_w):
                         w64 = _ldv(builder, ots[k], _U_W + 64 * g, _vt(_I8, 64))
                         sc = _ldv(builder, ots[k], _U_SC + 64 * g, _vt(_I16, 32))
+                        if _VNNI:
+                            iaccs[k][t] = _dot_scaled512(builder, w64, a64, sc, iaccs[k][t])
+                            continue
                         halves = []
                         for h in range(2):  # tiles_k._kq_dot's AVX2 lanes: unsigned w x signed a
                             w = _shuf(builder, w64, range(32 * h, 32 * h + 32))
@@ -194,6 +214,9 @@ def _tile_q6_codegen(n_w, n_a):
                                 )
                             )
                         iaccs[k][t] = builder.add(iaccs[k][t], builder.add(halves[0], halves[1]))
+            if _VNNI:
+                iaccs = [[builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) for v in row]
+                         for row in iaccs]
             for k in range(n_w):
                 d2 = _ldv(builder, wbs[k], _U_D2, _vt(_F32, 2))
                 dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item

@@ -17,19 +17,31 @@ from .test_quant_tiles import det_activations, det_blocks
 GRID_IQ = [q.BY_NAME[n].type_id for n in ("IQ2_XXS", "IQ1_S", "IQ3_S")]
 
 
+def _nb_with_8_item_blocks() -> int:
+    """The fewest super-blocks per row (>= 29) at which this host's item block is one 8-item
+    tile (the blocks are sized from the L2: tiles_iq_blocked._L2_BYTES)."""
+    nb = 29
+    while blk.item_block.py_func(nb) != 8:
+        nb += 1
+    return nb
+
+
 def test_blocks_fit_the_cache_sizes_they_claim():
-    nb = 28  # DeepSeek-V3's 7,168 columns
-    assert blk.item_block.py_func(nb) == 16  # 16 x 8,176 bytes of Q8_K <= 128 KiB
-    assert blk.item_block.py_func(1000) == 8  # at least one 8-item tile
+    assert blk._ITEM_BLOCK_BYTES == blk._L2_BYTES // 4 and blk._UNPACKED_ROW_BLOCK_BYTES == blk._L2_BYTES * 5 // 16
+    assert 256 << 10 <= blk._L2_BYTES <= 2 << 20
+    nb = 28  # DeepSeek-V3's 7,168 columns: 16 x 8,176 bytes of Q8_K <= 128 KiB on a 512 KiB L2
+    ib = blk.item_block.py_func(nb)
+    assert ib % 8 == 0 and ib * nb * 292 <= blk._ITEM_BLOCK_BYTES < (ib + 8) * nb * 292
+    assert blk.item_block.py_func(10_000) == 8  # at least one 8-item tile
     assert blk._UNPACKED_ROW_BLOCK_BYTES // (nb * UNPACKED_BLOCK_BYTES) >= 8
 
 
 @pytest.mark.parametrize("tid", GRID_IQ, ids=[q.FORMATS[t].name for t in GRID_IQ])
 def test_row_and_item_blocks_give_the_one_item_results(tid):
     f = q.FORMATS[tid]
-    nb = 29  # item blocks of 8 items, row blocks of 8 rows (160 KiB / 29 x 640 bytes)
+    nb = _nb_with_8_item_blocks()  # item blocks of 8 items, row blocks of 8-9 rows (29 x 640 bytes in 160 KiB)
     n_rows, n_cols, n_tok = 27, nb * f.block_elems, 21
-    assert blk.item_block.py_func(nb) == 8
+    assert 2 <= blk._UNPACKED_ROW_BLOCK_BYTES // (nb * UNPACKED_BLOCK_BYTES) <= 10
     raw = det_blocks(tid, n_rows, n_cols, seed=11 + tid)
     x = det_activations(n_tok, n_cols, seed=90 + tid)
     x[5] *= 1e4  # Q8_K values at +-127
@@ -41,7 +53,7 @@ def test_row_and_item_blocks_give_the_one_item_results(tid):
     a = np.array([(5 * i + 2) % n_tok for i in range(29)], np.int64)
     o = np.arange(len(a), dtype=np.int64)[::-1].copy()
     y = np.full((len(a), n_rows), np.nan, np.float32)
-    lo, hi = 3, 24  # row blocks 3..10, 11..18, 19..23 (two 2-row tiles and a row)
+    lo, hi = 3, 24  # row blocks from 3 (8 rows: 3..10, 11..18, 19..23: two 2-row tiles and a row)
     q.matmul_rows(
         raw,
         0,

@@ -1,4 +1,4 @@
-"""The grid i-quants' unpacked multi-item path (tiles_iq, AVX2): a T-item matmul equals T
+"""The grid i-quants' unpacked multi-item path (tiles_iq; AVX2 and AVX-512, where Q2_K joins them): a T-item matmul equals T
 one-item matmuls bit for bit, for T on both sides of tiles_k.UNPACKED_MIN_ITEMS and every tile
 size (8, 4, 2, 1 items), over row ranges with activation / output indirection and repeated
 items; the scratch buffer's layout holds for rows of many super-blocks."""
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moe_service.engine import quant as q
+from moe_service.engine.quant.tiles_iq import Q2_K_UNPACKED_MIN_ITEMS
 from moe_service.engine.quant.tiles_k import UNPACKED, UNPACKED_MIN_ITEMS
 
 from .test_quant_tiles import det_activations, det_blocks
@@ -17,7 +18,7 @@ GRID_IQ = [q.BY_NAME[n].type_id for n in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
 
 
 def test_unpacked_formats_are_the_grid_iquants():
-    assert UNPACKED == frozenset(GRID_IQ)
+    assert UNPACKED == frozenset(GRID_IQ) | ({q.BY_NAME["Q2_K"].type_id} if q._VNNI else frozenset())
 
 
 @pytest.mark.parametrize("tid", GRID_IQ, ids=[q.FORMATS[t].name for t in GRID_IQ])
@@ -42,3 +43,18 @@ def test_many_items_equal_one_item_matmuls(tid):
     for ai, oi in zip(a, o, strict=True):
         assert np.array_equal(y[oi, 1:5].view(np.uint32), single[ai, 1:5].view(np.uint32))
         assert np.isnan(y[oi, 0]) and np.isnan(y[oi, 5])
+
+
+@pytest.mark.skipif(not q._VNNI, reason="Q2_K unpacks its rows on AVX-512 (VNNI) only")
+def test_q2_k_unpacked_rows_equal_one_item_matmuls():
+    tid = q.BY_NAME["Q2_K"].type_id
+    n_rows, n_cols = 7, 9 * q.QK_K
+    raw = det_blocks(tid, n_rows, n_cols, seed=41)
+    n_tok = Q2_K_UNPACKED_MIN_ITEMS + 13  # ragged 2 x 4 tiles past the threshold
+    x = det_activations(n_tok, n_cols, seed=42)
+    x[5] *= 1e4  # Q8_K values at +-127
+    x[6] = -np.abs(x[6])
+    single = np.stack([q.matmul(raw, 0, tid, n_rows, n_cols, x[t:t + 1])[0] for t in range(n_tok)])
+    for t in (Q2_K_UNPACKED_MIN_ITEMS - 1, Q2_K_UNPACKED_MIN_ITEMS, n_tok):  # the tiles over the blocks, then unpacked
+        got = q.matmul(raw, 0, tid, n_rows, n_cols, x[:t])
+        assert np.array_equal(got.view(np.uint32), single[:t].view(np.uint32)), t
