@@ -56,7 +56,8 @@ def _tile(typingctx, fmt, n_w, n_a, arena, wo, rb, nb, xq, xd, xaux, a_rows, i0,
     if FORMATS[fmt.literal_value].family == "32":
         return sig, _tile32_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value)
     return sig, _tilek_codegen(fmt.literal_value, n_w.literal_value, n_a.literal_value,
-                               t1_side=T1_SIDES.get(fmt.literal_value))
+                               t1_side=T1_SIDES.get(fmt.literal_value),
+                               ymm=n_a.literal_value == 1 and fmt.literal_value in _T1_YMM)
 
 
 @intrinsic
@@ -106,7 +107,19 @@ def _member_of(formats: frozenset, name: str):
 _a8 = _member_of(_A8, "_A8")
 
 
-_T1_PAIRS = frozenset() if _VNNI else frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "IQ1_M"))
+_T1_YMM = frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "Q2_K")) if _VNNI else frozenset()
+"""AVX-512 hosts: formats whose one-item matmul takes the AVX2 (256-bit) one-item tile (its
+indices a super-block ahead, tiles_t1's sides; IQ1_S two rows per tile as _T1_PAIRS), where it
+measured faster than the 4-row 512-bit tiles (Sapphire Rapids-class Xeon, one thread, T = 1, 32
+x 7,168 hot, ns per 32 weights, AVX-512 -> AVX2 kernels: IQ1_S 2.26 -> 1.94-2.01, Q2_K 1.03 ->
+0.93-0.99; not taken: IQ1_M 2.41 -> 2.53, IQ2_XXS 1.82 -> 1.88, IQ2_XS 1.86 -> 2.10, Q6_K 0.72 ->
+1.00). The same integer lanes and float steps: the same results bit for bit."""
+
+
+_t1_ymm = _member_of(_T1_YMM, "_T1_YMM")
+
+_T1_PAIRS = (frozenset(t for t, f in FORMATS.items() if f.name == "IQ1_S") if _VNNI
+             else frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "IQ1_M")))
 """Formats whose one-item matmul takes its weight rows two per tile (AVX2, IQ1_S, IQ1_M): the two
 rows' unpacking (table loads, index arithmetic) and dots interleave in one loop, which the
 out-of-order core overlaps better than one row's chain after another's (each row's indices
@@ -231,7 +244,7 @@ def _mmq(fmt, sequential_t1, arena, w_off, row_bytes_, nb, row_lo, row_hi, xq, x
             _tile(fmt, 2, 1, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, 0, o_rows, out,
                   out_stride, out_col + r)
             r += 2
-    if not (n_items == 1 and sequential_t1):
+    if not (n_items == 1 and (sequential_t1 or _t1_ymm(fmt))):
         while r + _R_TILE <= row_hi:
             _items(fmt, _R_TILE, arena, w_off + r * row_bytes_, row_bytes_, nb, xq, xd, xaux, a_rows, o_rows,
                    n_items, out, out_stride, out_col + r)

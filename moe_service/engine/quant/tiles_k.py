@@ -478,6 +478,11 @@ def _scales16(builder, sc16, in_lane=True):
     anew): those two keep the plain shuffle (``in_lane=False``)."""
     if _VNNI or not in_lane:
         return [_shuf(builder, sc16, [4 * g + m // 8 for m in range(32)]) for g in range(4)]
+    return _scales16_in_lane(builder, sc16)
+
+
+def _scales16_in_lane(builder, sc16):
+    """_scales16's AVX2 in-lane form (any host: the one-item 256-bit tiles take it there too)."""
     b = builder.bitcast(sc16, _vt(_I8, 32))
     dup = [_shuf(builder, b, [16 * q + j for _ in range(2) for j in range(16)]) for q in range(2)]
     out = []
@@ -682,12 +687,9 @@ def _iq1_m_pieces(builder, f, o, idx=None):
 # row's lanes start from -128 x (its scaled weight sums), computed once per row: sum w (a +
 # 128) - 128 sum w = sum w a per int32 lane, so the lanes, and all that follows, are the
 # same bit for bit. No int16 pair sum saturates: 2 x 255 x max|w| <= 32767 for every grid
-# (max|w| 62, IQ3_XXS; checked below). Not for IQ4_XS (|w| up to 127). AVX-512 (VNNI) runs
-# the same unpacked rows with the dot in 512-bit steps (ir._dot_scaled512: 16 lanes, folded
-# per super-block as _kq_dot's) and in tiles_iq_blocked's 2 x 4 tiles at every item count
-# it takes (Sapphire Rapids-class Xeon, one thread, 256 x 2048 hot, ns per 32 weights per
-# token, 4-row tiles over the blocks -> unpacked: IQ1_S T=8 0.785 -> 0.695, T=16 0.795 ->
-# 0.531, T=64 0.797 -> 0.427; IQ2_XXS T=16 0.602 -> 0.428, T=64 0.603 -> 0.363).
+# (max|w| 62, IQ3_XXS; checked below). Not for IQ4_XS (|w| up to 127). AVX-512 (VNNI): the
+# dot in 512-bit steps (ir._dot_scaled512, lanes folded per super-block as _kq_dot's), Q2_K
+# too, in tiles_iq_blocked's 2 x 4 tiles (measured: docs/avx512-notes.md).
 #
 # Buffer layout per super-block (UNPACKED_BLOCK_BYTES, 64-byte aligned): 256 signed int8
 # weights in element order | 4 x 32 int16 pair-lane scales (KPieces.scales) | 8 int32 lanes
@@ -709,8 +711,7 @@ for _n in _GRID_IQ:
         raise AssertionError(f"{_n}: (a + 128) x w pair sums could saturate vpmaddubsw")
 
 UNPACKED = frozenset(BY_NAME[n].type_id for n in _GRID_IQ + (("Q2_K",) if _VNNI else ()))
-"""Formats whose multi-item matmuls unpack each weight row once (see the section comment; AVX-512
-also Q2_K, from tiles_iq.Q2_K_UNPACKED_MIN_ITEMS items)."""
+"""Formats whose multi-item matmuls unpack each weight row once (section comment; AVX-512: Q2_K too)."""
 
 UNPACKED_ROWS_MAX = 2
 """Weight rows per unpacked tile at most (1 x 8 items row by row, 2 x 4 items in
@@ -803,16 +804,16 @@ def _stv(builder, ptr, off, v):
     st_.align = 1
 
 
-def _kq_dot(builder, w64, a64, sc32, iacc, signed=False):
+def _kq_dot(builder, w64, a64, sc32, iacc, signed=False, vnni=_VNNI):
     """iacc <16 x i32> += scale-weighted int16 pair sums of w64 (u8) x a64 (s8); a ``signed``
     w64 goes in as |w| x (a with w's sign), ggml's sign trick (no int16 pair sum saturates:
     |w|, |a| <= 127)."""
-    if signed and _VNNI:  # AVX-512 has no vpsignb
+    if signed and vnni:  # AVX-512 has no vpsignb
         zero = _cvec(_I8, [0] * 64)
         a64 = builder.select(builder.icmp_signed("<", w64, zero), builder.sub(zero, a64),
                              builder.select(builder.icmp_signed("==", w64, zero), zero, a64))
         w64 = _call(builder, "llvm.abs.v64i8", _vt(_I8, 64), [w64, ir.Constant(ir.IntType(1), 0)])
-    if _VNNI:
+    if vnni:
         return _dot_scaled512(builder, w64, a64, sc32, iacc)
     halves = []
     for h in range(2):
@@ -871,16 +872,17 @@ def _hsum_i32(builder, vs):
     return x
 
 
-def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
+def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None, ymm=False):
     """The tile of ``n_w`` weight rows x ``n_a`` items of K-quant ``fmt`` (see the section
     comment). ``unpacked``: the weight row is a row of _unpack_row_codegen's scratch buffer
     instead of the GGUF blocks (up to UNPACKED_ROWS_MAX rows rb bytes apart, formats in
     UNPACKED: see there); the integer lanes and every float step are the same. ``t1_side``: a
     weight side (builder, f, o) -> KPieces that the AVX2 one-item tile over the GGUF blocks
-    takes instead of _PIECES' (tiles_t1.T1_SIDES, which table.py passes; the multi-item,
-    unpacked and VNNI tiles ignore it): the same integer lanes by other steps."""
+    takes instead of _PIECES' (tiles_t1.T1_SIDES, from table.py; the other tiles ignore it): the
+    same integer lanes by other steps. ``ymm``: that AVX2 tile on AVX-512 too (table._T1_YMM)."""
     f = FORMATS[fmt]
     bb, has_min = f.block_bytes, f.has_min
+    vnni = _VNNI and not ymm
     if unpacked:  # rows rb bytes apart in the scratch buffer (UNPACKED_ROWS_MAX rows: tiles_iq_blocked)
         if n_w > UNPACKED_ROWS_MAX or fmt not in UNPACKED:
             raise AssertionError(f"no unpacked tile of {n_w} rows of {f.name}")
@@ -908,8 +910,8 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
             builder.store(ir.Constant(mty, [0.0] * n_a), p)
         z16 = ir.Constant(_vt(_I32, 16), [0] * 16)
         ahead = ([_IndicesAhead(builder, f, wrow[k], nb) for k in range(n_w)]
-                 if n_a == 1 and not unpacked and not _VNNI and fmt in _INDICES else None)
-        t1 = t1_side if n_a == 1 and not unpacked and not _VNNI else None
+                 if n_a == 1 and not unpacked and not vnni and fmt in _INDICES else None)
+        t1 = t1_side if n_a == 1 and not unpacked and not vnni else None
 
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
@@ -936,7 +938,7 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
             if unpacked:  # from -128 x (the row's scaled weight sums), see _unpack_row_codegen
                 iacc = [[_concat(builder, _ldv(builder, wb[k], _U_CORR, _VI), ir.Constant(_VI, [0] * 8))
                          if _VNNI else _ldv(builder, wb[k], _U_CORR, _VI)] * n_a for k in range(n_w)]
-            elif _VNNI:
+            elif vnni:
                 iacc = [[_concat(builder, _madd(builder, wk[k].offset, bs[t]), ir.Constant(_VI, [0] * 8))
                          if wk[k].offset is not None else z16 for t in range(n_a)] for k in range(n_w)]
             else:  # 8 lanes, already folded (see _kq_dot)
@@ -961,10 +963,10 @@ def _tilek_codegen(fmt, n_w, n_a, unpacked=False, t1_side=None):
                         if wk[k].neg is not None:  # unsigned values, their signs on the activation
                             a = builder.select(wk[k].neg[g], builder.sub(_cvec(_I8, [0] * 64), a64), a64)
                         iacc[k][t] = _kq_dot(builder, wk[k].pieces[g], a, wk[k].scales[g], iacc[k][t],
-                                             f.signed and wk[k].neg is None)
+                                             f.signed and wk[k].neg is None, vnni)
             for k in range(n_w):
                 mins, d2 = wk[k].mins, wk[k].d2
-                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) if _VNNI else v
+                lanes = [builder.add(_shuf(builder, v, range(8)), _shuf(builder, v, range(8, 16))) if vnni else v
                          for v in iacc[k]]
                 dsc = builder.fmul(_shuf(builder, d2, [0] * n_a), yd)  # d_w * d_x per item
                 for p in range(n_pk):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from moe_service.engine.quant.ir import _I8, _I16, _ldv, _vt
-from moe_service.engine.quant.tiles_k import _q2_k_pieces, _scales16
+from moe_service.engine.quant.tiles_k import _q2_k_pieces, _scales16_in_lane
 from moe_service.formats import BY_NAME
 
 
@@ -36,7 +36,7 @@ def _q2_k_t1(builder, f, o):
     wk = _q2_k_pieces(builder, f, o)
     sb = _ldv(builder, o, f.off("scales"), _vt(_I8, 16))
     sc16 = builder.zext(builder.and_(sb, ir.Constant(_vt(_I8, 16), [15] * 16)), _vt(_I16, 16))
-    return wk._replace(scales=_scales16(builder, sc16, in_lane=True))
+    return wk._replace(scales=_scales16_in_lane(builder, sc16))
 
 
 T1_SIDES = {BY_NAME["Q2_K"].type_id: _q2_k_t1}

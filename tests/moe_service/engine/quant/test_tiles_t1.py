@@ -15,12 +15,14 @@ from moe_service.engine.quant import table, tiles_t1
 @pytest.mark.parametrize("n_a", [1, 4])
 def test_the_kernel_table_hands_the_one_token_side_to_the_k_quant_tiles(monkeypatch, n_a):
     """table._tile's definition (typing only, nothing compiled) passes Q2_K's side from
-    tiles_t1.T1_SIDES to tiles_k._tilek_codegen (whose AVX2 one-item tile takes it)."""
+    tiles_t1.T1_SIDES to tiles_k._tilek_codegen (whose AVX2 one-item tile takes it), and on
+    AVX-512 asks for that tile at one item (ymm)."""
     seen = []
     monkeypatch.setattr(table, "_tilek_codegen", lambda *a, **k: seen.append((a, k)))
     lit = types.IntegerLiteral
     table._tile.__wrapped__(None, lit(q.GGML_Q2_K), lit(1), lit(n_a), *[types.int64] * 13)
-    assert seen == [((q.GGML_Q2_K, 1, n_a), {"t1_side": tiles_t1.T1_SIDES[q.GGML_Q2_K]})]
+    ymm = n_a == 1 and q._VNNI  # AVX-512: Q2_K's one item takes the 256-bit tile (table._T1_YMM)
+    assert seen == [((q.GGML_Q2_K, 1, n_a), {"t1_side": tiles_t1.T1_SIDES[q.GGML_Q2_K], "ymm": ymm})]
 
 
 @pytest.mark.parametrize("nb", [1, 3, 8])
