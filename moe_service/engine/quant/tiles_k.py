@@ -713,9 +713,9 @@ for _n in _GRID_IQ:
 UNPACKED = frozenset(BY_NAME[n].type_id for n in _GRID_IQ + (("Q2_K",) if _VNNI else ()))
 """Formats whose multi-item matmuls unpack each weight row once (section comment; AVX-512: Q2_K too)."""
 
-UNPACKED_ROWS_MAX = 2
+UNPACKED_ROWS_MAX = 4 if _VNNI else 2
 """Weight rows per unpacked tile at most (1 x 8 items row by row, 2 x 4 items in
-tiles_iq_blocked's row blocks: one read of an item's activations serves two rows)."""
+tiles_iq_blocked's row blocks, AVX-512 4 x 4: one read of an item's activations serves them)."""
 
 UNPACKED_MIN_ITEMS = 3
 """Items from which a matmul of an UNPACKED format takes the unpacked path (but see
