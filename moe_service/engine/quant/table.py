@@ -120,7 +120,8 @@ _t1_ymm = _member_of(_T1_YMM, "_T1_YMM")
 
 _T1_PAIRS = (frozenset(t for t, f in FORMATS.items() if f.name == "IQ1_S") if _VNNI
              else frozenset(t for t, f in FORMATS.items() if f.name in ("IQ1_S", "IQ1_M")))
-"""Formats whose one-item matmul takes its weight rows two per tile (AVX2, IQ1_S, IQ1_M): the two
+"""Formats whose one-item matmul takes its weight rows two per tile (AVX2: IQ1_S, IQ1_M; AVX-512:
+IQ1_S, in its _T1_YMM tile): the two
 rows' unpacking (table loads, index arithmetic) and dots interleave in one loop, which the
 out-of-order core overlaps better than one row's chain after another's (each row's indices
 one super-block ahead: tiles_k._IndicesAhead). Measured on Zen 3, one thread, T = 1, 256
