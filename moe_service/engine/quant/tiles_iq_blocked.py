@@ -159,7 +159,7 @@ def blocked(
     ib,
 ):
     """mmq_unpacked_blocked's blocks (items in blocks of ``ib``, a multiple of 8), the block's
-    rows in tiles of ``tile_rows`` (2: x 4 items, else 1 x 8) rows."""
+    rows in tiles of ``tile_rows`` (4 or 2: x 4 items, else 1 x 8) rows."""
     rblk = max(1, _UNPACKED_ROW_BLOCK_BYTES // (nb * UNPACKED_BLOCK_BYTES))
     row_item_blocks(
         _unpack_row,
@@ -214,9 +214,9 @@ def row_item_blocks(
     unpacked layout: rows [row_lo, row_hi) in blocks of ``rblk`` rows, each row unpacked once by
     ``unpack(fmt, arena, wo, row_bytes_, nb, buf)`` into its slot of one row block's scratch
     (nb * UNPACKED_BLOCK_BYTES bytes a row), then every block of ``ib`` items (a multiple of 8)
-    over the block's rows in ladder tiles ``tile`` (literal ``fmt``) of ``tile_rows`` rows (2: x 4
-    items, the odd last row 1 x 8; else 1 x 8). Used by tiles_iq's grid i-quants (blocked) and
-    tiles_q6_unpacked's Q6_K."""
+    over the block's rows in ladder tiles ``tile`` (literal ``fmt``) of ``tile_rows`` rows (4, AVX-512
+    only, or 2: x 4 items, then 2-row and 1 x 8 tiles for the rows left; else 1 x 8). Used by
+    tiles_iq's grid i-quants (blocked) and tiles_q6_unpacked's Q6_K."""
     ub = nb * UNPACKED_BLOCK_BYTES  # a multiple of 64: each row's slot keeps the buffer's alignment
     buf = np.empty(min(rblk, max(1, row_hi - row_lo)) * ub + 64, np.uint8)
     for r0 in range(row_lo, row_hi, rblk):
@@ -226,24 +226,27 @@ def row_item_blocks(
         for i0 in range(0, n_items, ib):
             i1 = min(n_items, i0 + ib)
             r = r0
-            # the tile aligns buf + wo up to 64 bytes as the unpack aligned buf[wo:]
-            if _VNNI:  # a constant: numba prunes the 4-row tiles where there are none (AVX2)
-                while tile_rows == 4 and r + 4 <= r1:
-                    tile_ladder_range(
-                        tile, False, fmt, 4, buf, (r - r0) * ub, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1,
-                        out, out_stride, out_col + r,
-                    )  # fmt: skip
-                    r += 4
+            if _VNNI and tile_rows == 4:  # _VNNI a constant: numba prunes the 4-row tiles on AVX2
+                r = _row_tiles(tile, False, fmt, 4, buf, r, r0, r1, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1, out,
+                               out_stride, out_col)
             if tile_rows >= 2:
-                while r + 2 <= r1:
-                    tile_ladder_range(
-                        tile, False, fmt, 2, buf, (r - r0) * ub, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1,
-                        out, out_stride, out_col + r,
-                    )  # fmt: skip
-                    r += 2
-            while r < r1:
-                tile_ladder_range(
-                    tile, True, fmt, 1, buf, (r - r0) * ub, 0, nb, xq, xd, xbs, a_rows, o_rows, i0, i1,
-                    out, out_stride, out_col + r,
-                )  # fmt: skip
-                r += 1
+                r = _row_tiles(tile, False, fmt, 2, buf, r, r0, r1, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1, out,
+                               out_stride, out_col)
+            _row_tiles(tile, True, fmt, 1, buf, r, r0, r1, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1, out,
+                       out_stride, out_col)
+
+
+@njit(**_JIT_INLINE)
+def _row_tiles(tile, a8, fmt, n_w, buf, r, r0, r1, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1, out,
+               out_stride, out_col):
+    """row_item_blocks' tiles of ``n_w`` (literal) unpacked rows from row r of the row block
+    [r0, r1) while n_w rows remain, over items [i0, i1) in tile_ladder_range's tiles (``a8``: from
+    8 items; one row takes them, several rows from 4); returns the first row left. Rows are ub
+    bytes apart; the tile aligns buf + wo up to 64 bytes as the unpack aligned buf[wo:]."""
+    while r + n_w <= r1:
+        tile_ladder_range(
+            tile, a8, fmt, n_w, buf, (r - r0) * ub, ub, nb, xq, xd, xbs, a_rows, o_rows, i0, i1, out, out_stride,
+            out_col + r,
+        )  # fmt: skip
+        r += n_w
+    return r
